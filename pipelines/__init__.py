@@ -1,0 +1,1 @@
+"""The pipeline that composes the components, and the ``goodput`` command line."""

@@ -1,0 +1,315 @@
+"""Sharded DCP checkpoints written in the background by NVRx, with an atomic commit protocol.
+
+Layout under ``<out>/checkpoints/``::
+
+    step_000000100/   __<rank>_<i>.distcp   shards (written and fsynced by each rank's NVRx worker)
+                      .rank<r>.done          rank r's write results, written when its worker finished
+                      .metadata              DCP metadata (rank 0, once every rank is done)
+                      COMMITTED              JSON marker, written last through a rename
+
+A directory is a checkpoint only once ``COMMITTED`` exists. Anything else (a crash mid-write, a rank
+that died) is torn: never loaded, and deleted at the next start.
+
+An async save, in the order the training loop sees it:
+  1. ``save``: the state's tensors are copied into a shared-memory staging copy (the only time the
+     loop is blocked), DCP planning runs on that copy, and the write is handed to NVRx's persistent
+     worker process through ``AsyncCallsQueue``.
+  2. ``maybe_finalize`` (top of every step): finalizes this rank's finished writes without blocking
+     and without collectives (``no_dist=True``) by writing ``.rank<r>.done``. Rank 0 commits a step
+     once all ranks' done files exist: ``.metadata``, then ``COMMITTED``.
+  3. ``wait`` (exit, SIGTERM): blocking finalize on every rank, barrier, commit.
+
+Commit needs no collective, so ranks never stall on each other's disks and a dead rank simply leaves
+a torn directory behind.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pickle
+import shutil
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+from .config import CheckpointConfig
+from .events import EventLog
+from .parallel import Dist
+
+log = logging.getLogger(__name__)
+
+COMMITTED = "COMMITTED"
+_STEP_PREFIX = "step_"
+
+
+def step_dir(root: Path, step: int) -> Path:
+    # Zero-padded so that lexical order is step order (NVRx convention).
+    return root / f"{_STEP_PREFIX}{step:09d}"
+
+
+def _step_of(path: Path) -> int | None:
+    name = path.name
+    if not name.startswith(_STEP_PREFIX) or not name[len(_STEP_PREFIX):].isdigit():
+        return None
+    return int(name[len(_STEP_PREFIX):])
+
+
+def committed_steps(root: Path) -> list[int]:
+    """Steps of the committed checkpoints under ``root``, oldest first."""
+    if not root.is_dir():
+        return []
+    steps = [_step_of(p) for p in root.iterdir() if (p / COMMITTED).is_file()]
+    return sorted(s for s in steps if s is not None)
+
+
+def read_marker(path: Path) -> dict:
+    return json.loads((path / COMMITTED).read_text())
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def delete_checkpoint(path: Path) -> None:
+    """Un-commit first (marker gone, fsynced), then delete: a half-deleted directory is never valid."""
+    try:
+        (path / COMMITTED).unlink()
+        _fsync_dir(path)
+    except FileNotFoundError:
+        pass
+    shutil.rmtree(path, ignore_errors=True)
+
+
+@dataclass
+class _Pending:
+    step: int
+    started: float
+    writer: Any = None      # rank 0: the NVRx FileSystemWriterAsync, needed to write .metadata
+    metadata: Any = None    # rank 0: the global DCP metadata from planning
+
+
+class CheckpointManager:
+    """Saves and loads the training state; owns the commit protocol and retention.
+
+    Args:
+        root: ``<out>/checkpoints``.
+        cfg: checkpoint section of the config.
+        d: this process's distributed context.
+        events: the run's event log (rank 0 records checkpoint phases).
+        on_write_started: test and fault-injection hook, called on every rank after a save was handed
+            to the writer and before the loop continues.
+    """
+
+    def __init__(self, root: Path, cfg: CheckpointConfig, d: Dist, events: EventLog,
+                 on_write_started: Callable[[int], None] | None = None):
+        self.root, self.cfg, self.d, self.events = root, cfg, d, events
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.on_write_started = on_write_started
+        self.pending: deque[_Pending] = deque()
+        self.staging: dict | None = None
+        self.queue = None
+        if not cfg.sync:
+            from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
+            from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import _get_write_results_queue
+            from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache
+
+            self.queue = AsyncCallsQueue(persistent=True)
+            # Start NVRx's worker process and its results-queue manager now (a spawn that imports torch
+            # takes seconds), not inside the first save's blocking window or write.
+            _get_write_results_queue()
+            self.queue.schedule_async_request(AsyncRequest(time.sleep, (0,), []))
+            # Reuses the global save plan once it is stable: later saves plan without collectives.
+            self.plan_cache = CheckpointMetadataCache()
+        self._purger: threading.Thread | None = None
+        self.block_s: list[float] = []
+
+    # ----------------------------------------------------------------------------------------- load
+    def load_latest(self, state: dict) -> int | None:
+        """Load the newest committed checkpoint into ``state`` (in place); return its step or None.
+
+        Rank 0 picks the step and deletes torn directories first; the choice is broadcast so every rank
+        loads the same checkpoint.
+        """
+        choice = [None]
+        if self.d.is_main:
+            steps = committed_steps(self.root)
+            choice[0] = steps[-1] if steps else None
+            self._delete_torn()
+        # Sync point: every rank waits for rank 0's choice (and its clean-up of torn directories).
+        dist.broadcast_object_list(choice, src=0)
+        step = choice[0]
+        if step is None:
+            return None
+        path = step_dir(self.root, step)
+        marker = read_marker(path)
+        if marker["world_size"] != self.d.world_size:
+            raise RuntimeError(f"{path} was written by {marker['world_size']} ranks but this run has "
+                               f"{self.d.world_size}; exact resume needs the same number of ranks")
+        t0 = time.monotonic()
+        dcp.load(state, checkpoint_id=str(path))
+        self.events.emit("ckpt_loaded", step=step, load_s=round(time.monotonic() - t0, 4))
+        return step
+
+    # ----------------------------------------------------------------------------------------- save
+    def save(self, step: int, state: dict, *, blocking: bool = False) -> float:
+        """Checkpoint ``state`` as step ``step``; return the seconds the caller was blocked.
+
+        Must be called on every rank with the same step. With ``blocking`` the call returns only once
+        the checkpoint is committed (SIGTERM, end of training).
+        """
+        t0 = time.monotonic()
+        path = step_dir(self.root, step)
+        if self.d.is_main:
+            self.events.emit("ckpt_start", step=step)
+        if self.cfg.sync:
+            dcp.save(state, checkpoint_id=str(path))
+            if self.on_write_started:
+                self.on_write_started(step)
+            # Sync point: every rank's shards are on disk before rank 0 commits.
+            dist.barrier()
+            if self.d.is_main:
+                self._commit(_Pending(step, t0), results=None)
+        else:
+            self._save_async(step, state, path, t0)
+            if blocking:
+                self.wait()
+        block_s = time.monotonic() - t0
+        self.block_s.append(block_s)
+        if self.d.is_main:
+            self.events.emit("ckpt_snapshot", step=step, block_s=round(block_s, 4), sync=self.cfg.sync or blocking)
+        return block_s
+
+    def _save_async(self, step: int, state: dict, path: Path, t0: float) -> None:
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+
+        # The staging copy is reused, so the previous write must be finished before it is overwritten.
+        self.queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        if self.staging is None:
+            # Shared memory: NVRx's persistent worker receives the tensors without another copy.
+            self.staging = _create_cpu_state_dict(state, share_memory=True,
+                                                  pin_memory=self.d.device.type == "cuda")
+        snapshot = _copy_state_dict(state, self.staging)
+        if self.d.device.type == "cuda":
+            torch.cuda.synchronize()
+        writer = FileSystemWriterAsync(str(path), thread_count=self.cfg.write_threads)
+        writer, metadata, _ = save_state_dict_async_plan(snapshot, writer, enable_cache=True,
+                                                         metadata_cache=self.plan_cache)
+        save_fn, _, save_args = writer.get_save_function_and_args()
+        pending = _Pending(step, t0, writer if self.d.is_main else None, metadata)
+
+        def finalize() -> None:
+            # Runs on this rank once its worker finished: record the write results durably.
+            results = writer.retrieve_write_results()
+            _write_atomic(path / f".rank{self.d.rank}.done", pickle.dumps(results))
+
+        self.queue.schedule_async_request(AsyncRequest(save_fn, save_args, [finalize]))
+        self.pending.append(pending)
+        if self.on_write_started:
+            self.on_write_started(step)
+
+    def maybe_finalize(self) -> None:
+        """Top of every step: finalize finished writes without blocking; rank 0 commits complete steps."""
+        if self.queue is None:
+            return
+        self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
+        self._maybe_commit()
+
+    def wait(self) -> None:
+        """Block until every scheduled checkpoint is committed (call on all ranks)."""
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        # Sync point: all ranks' done files exist before rank 0 commits the rest.
+        dist.barrier()
+        self._maybe_commit()
+        if self.d.is_main and self.pending:
+            raise RuntimeError(f"checkpoint at step {self.pending[0].step} could not be committed: "
+                               f"a rank's write results are missing")
+
+    def close(self) -> None:
+        if self.queue is not None:
+            self.queue.close()
+            self.queue = None
+        if self._purger is not None:
+            self._purger.join()
+
+    # --------------------------------------------------------------------------------------- commit
+    def _maybe_commit(self) -> None:
+        if not self.d.is_main:
+            # Non-zero ranks are done with a step once their own results are on disk.
+            while self.pending and (step_dir(self.root, self.pending[0].step)
+                                    / f".rank{self.d.rank}.done").exists():
+                self.pending.popleft()
+            return
+        while self.pending:
+            p = self.pending[0]
+            path = step_dir(self.root, p.step)
+            done = [path / f".rank{r}.done" for r in range(self.d.world_size)]
+            if not all(f.exists() for f in done):
+                return
+            self.pending.popleft()
+            self._commit(p, results=[pickle.loads(f.read_bytes()) for f in done])
+
+    def _commit(self, p: _Pending, results: list | None) -> None:
+        path = step_dir(self.root, p.step)
+        if results is not None:
+            p.writer.finish(p.metadata, results)   # writes .metadata (tmp + rename, fsynced)
+        marker = {"step": p.step, "world_size": self.d.world_size, "committed_at": time.time(),
+                  "files": sorted(f.name for f in path.iterdir() if not f.name.startswith(".rank"))}
+        _write_atomic(path / COMMITTED, json.dumps(marker).encode())
+        self.events.emit("ckpt_committed", step=p.step, commit_s=round(time.monotonic() - p.started, 4))
+        self._start_purge(p.step)
+
+    # ------------------------------------------------------------------------------------ retention
+    def _start_purge(self, newest: int) -> None:
+        # A daemon thread, so a slow delete on a network file system never blocks the loop and a failed
+        # delete never kills training (torchtitan's purge thread).
+        if self._purger is not None and self._purger.is_alive():
+            return
+        self._purger = threading.Thread(target=self._purge, args=(newest,), daemon=True, name="ckpt-purge")
+        self._purger.start()
+
+    def _purge(self, newest: int) -> None:
+        try:
+            for step in committed_steps(self.root)[:-self.cfg.keep]:
+                delete_checkpoint(step_dir(self.root, step))
+            self._delete_torn(older_than=newest)
+        except OSError as e:  # pragma: no cover - depends on the file system
+            log.warning("checkpoint purge failed: %s", e)
+
+    def _delete_torn(self, older_than: int | None = None) -> None:
+        """Delete uncommitted step directories (all at start; during a run only those older than the
+        newest commit, since newer ones may still be in flight)."""
+        for p in self.root.iterdir():
+            step = _step_of(p)
+            if step is None or (p / COMMITTED).exists():
+                continue
+            if older_than is not None and step >= older_than:
+                continue
+            self.events.emit("ckpt_torn_deleted", step=step)
+            shutil.rmtree(p, ignore_errors=True)

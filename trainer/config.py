@@ -1,0 +1,192 @@
+"""The trainer's configuration: one dataclass per concern, combined in ``TrainConfig``.
+
+Every field has a default and a help text with units; each becomes a command-line flag
+(``--field-name``, or the flag named in its metadata). Precedence is command line > ``--config FILE``
+(TOML, one table per section) > defaults, validated once in ``TrainConfig.validate``. The resolved
+config is saved as ``<out>/config.json``. This module imports no torch so that the CLI stays fast.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _f(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": help, "flag": flag, **kw})
+
+
+@dataclass
+class ModelConfig:
+    n_layer: int = _f(4, "transformer blocks")
+    n_head: int = _f(4, "attention heads per block")
+    n_embd: int = _f(128, "model width (embedding size)")
+    seq_len: int = _f(128, "context length in bytes")
+    dropout: float = _f(0.0, "dropout probability")
+    vocab_size: int = _f(256, "vocabulary size (bytes)", cli=False)
+
+
+@dataclass
+class DataConfig:
+    data: str = _f("", "dataset directory holding manifest.json (see `python -m trainer.data`)")
+    batch_size: int = _f(16, "sequences per micro-batch per rank")
+    grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
+    eval_windows: int = _f(64, "validation windows (each seq_len bytes) for final_val_loss")
+
+
+@dataclass
+class OptimConfig:
+    lr: float = _f(2e-3, "peak learning rate of AdamW")
+    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak (cosine decay)")
+    warmup_steps: int = _f(20, "linear warmup steps")
+    weight_decay: float = _f(0.1, "AdamW weight decay on matrices")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    grad_clip: float = _f(1.0, "clip the global gradient norm to this value (0 = off)")
+
+
+@dataclass
+class ParallelConfig:
+    parallel: str = _f("fsdp", "data parallelism: fsdp (FSDP2 fully_shard) or ddp", choices=("fsdp", "ddp"))
+
+
+@dataclass
+class CheckpointConfig:
+    ckpt_every: int = _f(50, "checkpoint every N optimizer steps (0 = only at the end)")
+    ckpt_every_s: float = _f(0.0, "also checkpoint when this many seconds passed since the last one (0 = off)")
+    keep: int = _f(3, "committed checkpoints to keep (older ones are deleted)", flag="--ckpt-keep")
+    sync: bool = _f(False, "write checkpoints synchronously (torch DCP) instead of NVRx async",
+                    flag="--ckpt-sync")
+    write_threads: int = _f(1, "writer processes per rank for async checkpoints", flag="--ckpt-threads")
+    sigterm_grace_s: float = _f(30.0, "seconds the final checkpoint after SIGTERM may take before the "
+                                      "pod's grace period runs out; exceeding it is logged")
+
+
+@dataclass
+class RunConfig:
+    out: str = _f("fsx/runs/local", "run directory: checkpoints/, events.jsonl, summary.json")
+    seed: int = _f(1337, "random seed (model init, data order, dropout)")
+    max_steps: int = _f(200, "optimizer steps to train")
+    log_every: int = _f(10, "print a progress line every N steps")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "optim": OptimConfig,
+    "parallel": ParallelConfig,
+    "checkpoint": CheckpointConfig,
+    "run": RunConfig,
+}
+
+
+@dataclass
+class TrainConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def validate(self) -> "TrainConfig":
+        m, d, o, c, r = self.model, self.data, self.optim, self.checkpoint, self.run
+        problems = []
+        if m.n_embd % m.n_head:
+            problems.append(f"--n-embd ({m.n_embd}) must be divisible by --n-head ({m.n_head})")
+        for name, value in (("--n-layer", m.n_layer), ("--n-head", m.n_head), ("--seq-len", m.seq_len),
+                            ("--batch-size", d.batch_size), ("--grad-accum", d.grad_accum),
+                            ("--max-steps", r.max_steps), ("--ckpt-keep", c.keep),
+                            ("--ckpt-threads", c.write_threads)):
+            if value < 1:
+                problems.append(f"{name} must be at least 1, got {value}")
+        if c.ckpt_every < 0 or c.ckpt_every_s < 0:
+            problems.append("--ckpt-every and --ckpt-every-s must not be negative")
+        if not 0 <= m.dropout < 1:
+            problems.append(f"--dropout must be in [0, 1), got {m.dropout}")
+        if o.lr <= 0:
+            problems.append(f"--lr must be positive, got {o.lr}")
+        if not d.data:
+            problems.append("--data is required: a dataset directory with manifest.json")
+        if problems:
+            raise ValueError("invalid trainer configuration:\n  " + "\n  ".join(problems))
+        return self
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    def save(self, path: Path) -> None:
+        path.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
+
+
+def _flag(f: dataclasses.Field) -> str:
+    return f.metadata.get("flag") or "--" + f.name.replace("_", "-")
+
+
+def describe_flags() -> list[tuple[str, list[tuple[str, str]]]]:
+    """(section, [(flag and metavar, help with default)]) for the trainer's flags, for help texts."""
+    out = []
+    for section, cls in SECTIONS.items():
+        rows = []
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("cli") is False:
+                continue
+            meta = "" if f.type in ("bool", bool) else " " + str(f.type).upper()
+            rows.append((_flag(f) + meta, f"{f.metadata['help']} (default: {f.default})"))
+        out.append((section, rows))
+    return out
+
+
+def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
+    """The trainer's argument parser, one group per config section."""
+    p = argparse.ArgumentParser(prog=prog, description="Train a byte-level transformer with FSDP2/DDP, "
+                                "NVRx async checkpoints and exact resume.",
+                                argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", type=Path, help="TOML file with [model], [data], ... tables")
+    for section, cls in SECTIONS.items():
+        group = p.add_argument_group(section)
+        for f in dataclasses.fields(cls):
+            if f.metadata.get("cli") is False:
+                continue
+            kw: dict[str, Any] = {"dest": f"{section}.{f.name}",
+                                  "help": f"{f.metadata['help']} (default: {f.default})"}
+            if f.type in ("bool", bool):
+                kw["action"] = argparse.BooleanOptionalAction
+            else:
+                kw["type"] = {"int": int, "float": float, "str": str}[str(f.type)]
+                kw["metavar"] = str(f.type).upper()
+            if "choices" in f.metadata:
+                kw["choices"] = f.metadata["choices"]
+            group.add_argument(_flag(f), **kw)
+    return p
+
+
+def parse_config(argv: list[str] | None = None) -> TrainConfig:
+    """Parse command line (and optional TOML file) into a validated ``TrainConfig``."""
+    args = vars(build_parser().parse_args(argv))
+    values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    config_file = args.pop("config", None)
+    if config_file is not None:
+        with open(config_file, "rb") as fh:
+            for section, table in tomllib.load(fh).items():
+                if section not in SECTIONS:
+                    raise ValueError(f"{config_file}: unknown section [{section}]; expected one of {list(SECTIONS)}")
+                known = {f.name for f in dataclasses.fields(SECTIONS[section])}
+                unknown = set(table) - known
+                if unknown:
+                    raise ValueError(f"{config_file}: unknown keys in [{section}]: {sorted(unknown)}")
+                values[section].update(table)
+    for dest, value in args.items():
+        section, name = dest.split(".", 1)
+        values[section][name] = value
+    return TrainConfig(**{s: SECTIONS[s](**values[s]) for s in SECTIONS}).validate()
+
+
+def config_from_dict(d: dict) -> TrainConfig:
+    """Rebuild a config saved with ``TrainConfig.save`` (evaluate reads the run's config this way)."""
+    return TrainConfig(**{s: SECTIONS[s](**d.get(s, {})) for s in SECTIONS})

@@ -1,0 +1,257 @@
+"""Byte-level token datasets: build them from text files, read them during training.
+
+A dataset directory holds ``manifest.json`` and uint8 token shards (one token per byte, vocab 256):
+
+    manifest.json          format, source, files (path, bytes, sha256, split), splits (shards, tokens)
+    train_00000.bin ...    concatenated bytes of the training files
+    val_00000.bin ...      concatenated bytes of the validation files
+
+The manifest is written last, through a rename, so a directory with a manifest is always complete.
+Files are split between train and validation by a hash of their path, so adding files never moves an
+existing file to the other split.
+
+Build the default dataset (the Python standard library's top-level sources, present on every machine):
+
+    python -m trainer.data --out fsx/datasets/pystdlib/3.11
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import sys
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import numpy as np
+
+MANIFEST = "manifest.json"
+FORMAT = "goodput-dataset/1"
+SHARD_BYTES = 64 * 1024 * 1024
+DEFAULT_DATASET_NAME = "pystdlib"
+
+
+def default_dataset_version() -> str:
+    """The default dataset's version: the Python version whose standard library it is built from."""
+    return f"{sys.version_info.major}.{sys.version_info.minor}"
+
+
+def default_source_dir() -> Path:
+    """Text present on every machine with no download: this interpreter's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def default_source_files() -> list[Path]:
+    """The standard library's top-level modules (about 5 MB), not its tests or packages."""
+    return sorted(default_source_dir().glob("*.py"))
+
+
+def sha256_file(path: Path, chunk: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while block := f.read(chunk):
+            h.update(block)
+    return h.hexdigest()
+
+
+def split_of(rel_path: str, val_percent: int) -> str:
+    """Deterministic split by path: stable when files are added or removed."""
+    bucket = int.from_bytes(hashlib.sha256(rel_path.encode()).digest()[:4], "big") % 100
+    return "val" if bucket < val_percent else "train"
+
+
+def _is_text(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(8192)
+    return b"\x00" not in head
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def build_dataset(
+    raw_dir: Path,
+    out_dir: Path,
+    *,
+    files: Iterable[Path] | None = None,
+    source: str = "",
+    val_percent: int = 5,
+    shard_bytes: int = SHARD_BYTES,
+    extra: dict | None = None,
+) -> dict:
+    """Turn text files into token shards and a manifest.
+
+    Args:
+        raw_dir: directory the files' manifest paths are relative to.
+        out_dir: dataset directory; shards and ``manifest.json`` are written here.
+        files: files to include (default: every file under ``raw_dir``); binary files are skipped.
+        source: where the files came from (an S3 URI, a directory), recorded in the manifest.
+        val_percent: share of files, by path hash, that go to the validation split (0-50).
+        shard_bytes: maximum size of one shard file in bytes.
+        extra: additional top-level manifest entries (the stage component records object ETags here).
+
+    Returns:
+        The manifest that was written.
+    """
+    if not 0 <= val_percent <= 50:
+        raise ValueError(f"val_percent must be between 0 and 50, got {val_percent}")
+    raw_dir, out_dir = Path(raw_dir), Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = sorted(Path(p) for p in files) if files is not None else sorted(
+        p for p in raw_dir.rglob("*") if p.is_file())
+    paths = [p for p in paths if _is_text(p)]
+    if not paths:
+        raise ValueError(f"no text files to build a dataset from under {raw_dir}")
+
+    entries = []
+    writers: dict[str, _ShardWriter] = {s: _ShardWriter(out_dir, s, shard_bytes) for s in ("train", "val")}
+    for path in paths:
+        rel = path.relative_to(raw_dir).as_posix()
+        data = path.read_bytes()
+        split = split_of(rel, val_percent)
+        writers[split].write(data)
+        entries.append({"path": rel, "bytes": len(data), "sha256": hashlib.sha256(data).hexdigest(),
+                        "split": split})
+    # A dataset must have both splits; with few files the hash can put all of them on one side.
+    if val_percent and writers["val"].tokens == 0:
+        last = entries[-1]
+        raise ValueError(f"the validation split is empty ({len(entries)} files); add files or raise "
+                         f"val_percent (file {last['path']!r} went to train)")
+    manifest = {
+        "format": FORMAT,
+        "source": source or str(raw_dir),
+        "token_dtype": "uint8",
+        "vocab_size": 256,
+        "files": entries,
+        "splits": {s: w.close() for s, w in writers.items()},
+        **(extra or {}),
+    }
+    _write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+    return manifest
+
+
+class _ShardWriter:
+    def __init__(self, out_dir: Path, split: str, shard_bytes: int):
+        self.out_dir, self.split, self.shard_bytes = out_dir, split, shard_bytes
+        self.shards: list[dict] = []
+        self.buf = bytearray()
+        self.tokens = 0
+
+    def write(self, data: bytes) -> None:
+        self.buf += data
+        self.tokens += len(data)
+        while len(self.buf) >= self.shard_bytes:
+            self._flush(bytes(self.buf[: self.shard_bytes]))
+            del self.buf[: self.shard_bytes]
+
+    def _flush(self, data: bytes) -> None:
+        name = f"{self.split}_{len(self.shards):05d}.bin"
+        _write_atomic(self.out_dir / name, data)
+        self.shards.append({"path": name, "tokens": len(data), "sha256": hashlib.sha256(data).hexdigest()})
+
+    def close(self) -> dict:
+        if self.buf:
+            self._flush(bytes(self.buf))
+        return {"tokens": self.tokens, "shards": self.shards}
+
+
+def read_manifest(data_dir: Path) -> dict:
+    path = Path(data_dir) / MANIFEST
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} not found: {data_dir} is not a dataset directory "
+                                f"(build one with `python -m trainer.data` or `goodput stage`)")
+    manifest = json.loads(path.read_text())
+    if manifest.get("format") != FORMAT:
+        raise ValueError(f"{path}: unsupported dataset format {manifest.get('format')!r}, expected {FORMAT}")
+    return manifest
+
+
+def ensure_default_dataset(fsx_root: Path) -> Path:
+    """Build the default dataset under ``fsx_root`` once; return its directory."""
+    out = Path(fsx_root) / "datasets" / DEFAULT_DATASET_NAME / default_dataset_version()
+    if not (out / MANIFEST).is_file():
+        build_dataset(default_source_dir(), out, files=default_source_files(), source="python-stdlib")
+    return out
+
+
+@dataclass
+class Split:
+    """One split as a single read-only token array over its memory-mapped shards."""
+
+    tokens: np.ndarray
+
+    @classmethod
+    def open(cls, data_dir: Path, split: str) -> "Split":
+        manifest = read_manifest(data_dir)
+        shards = manifest["splits"][split]["shards"]
+        if not shards:
+            raise ValueError(f"{data_dir}: split {split!r} has no tokens")
+        arrays = [np.memmap(Path(data_dir) / s["path"], dtype=np.uint8, mode="r") for s in shards]
+        # One shard needs no copy; several are joined once (datasets here fit in memory per rank).
+        return cls(arrays[0] if len(arrays) == 1 else np.concatenate(arrays))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+
+class BatchSampler:
+    """Deterministic random windows from this rank's disjoint slice of a split.
+
+    Rank r owns tokens ``[r*n/W, (r+1)*n/W)``. Batch number k draws its window offsets from a
+    generator seeded by (seed, rank, k), so the only state to checkpoint is k (``batches_read``).
+    """
+
+    def __init__(self, split: Split, *, rank: int, world_size: int, batch_size: int, seq_len: int,
+                 seed: int):
+        n = len(split)
+        self.lo, self.hi = rank * n // world_size, (rank + 1) * n // world_size
+        if self.hi - self.lo < seq_len + 2:
+            raise ValueError(f"each rank's slice of the data holds {self.hi - self.lo} tokens, fewer than "
+                             f"one sequence of {seq_len + 1}; use more data, fewer ranks or a shorter context")
+        self.split, self.rank, self.batch_size, self.seq_len, self.seed = split, rank, batch_size, seq_len, seed
+        self.batches_read = 0
+
+    def next_batch(self) -> tuple[np.ndarray, np.ndarray]:
+        rng = np.random.default_rng([self.seed, self.rank, self.batches_read])
+        self.batches_read += 1
+        starts = rng.integers(self.lo, self.hi - self.seq_len - 1, size=self.batch_size)
+        window = np.stack([self.split.tokens[s: s + self.seq_len + 1] for s in starts]).astype(np.int64)
+        return window[:, :-1], window[:, 1:]
+
+
+def eval_windows(split: Split, seq_len: int, max_windows: int) -> Iterable[tuple[np.ndarray, np.ndarray]]:
+    """Consecutive non-overlapping windows from the start of a split: the same on every call."""
+    count = min(max_windows, (len(split) - 1) // seq_len)
+    for i in range(count):
+        w = np.asarray(split.tokens[i * seq_len: i * seq_len + seq_len + 1], dtype=np.int64)
+        yield w[:-1], w[1:]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description="Build a byte-level token dataset from a directory of text files.")
+    p.add_argument("--src", type=Path, default=None,
+                   help="directory of text files (default: the Python standard library's top-level modules)")
+    p.add_argument("--out", type=Path, required=True, help="dataset directory to write")
+    p.add_argument("--val-percent", type=int, default=5, help="share of files for validation (default 5)")
+    args = p.parse_args(argv)
+    if args.src is None:
+        m = build_dataset(default_source_dir(), args.out, files=default_source_files(), source="python-stdlib",
+                          val_percent=args.val_percent)
+    else:
+        m = build_dataset(args.src, args.out, val_percent=args.val_percent)
+    print(f"{args.out}: {len(m['files'])} files, train {m['splits']['train']['tokens']:,} tokens, "
+          f"val {m['splits']['val']['tokens']:,} tokens")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,75 @@
+"""Process group, device and data parallelism, applied to a model from outside (torchtitan's
+``parallelize`` pattern): FSDP2 shards each block and then the root; DDP replicates."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.nn.parallel import DistributedDataParallel
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+def init_distributed(timeout_s: float = 300.0) -> Dist:
+    """Join the process group described by the launcher's environment (torchrun / ft_launcher).
+
+    NCCL on CUDA, gloo on CPU. Without a launcher (no RANK in the environment) a single-process group
+    on a free port is created so ``python -m trainer`` works on its own.
+    """
+    if "RANK" not in os.environ:
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=str(_free_port()))
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        backend = "nccl"
+    else:
+        device = torch.device("cpu")
+        backend = "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parallelize(model: nn.Module, mode: str, d: Dist) -> nn.Module:
+    """Apply FSDP2 (``fsdp``) or DDP (``ddp``) to a model already on ``d.device``."""
+    if mode == "fsdp":
+        # bf16 compute with fp32 reduction on GPU; full fp32 on CPU, where bf16 matmuls are slow.
+        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+              if d.device.type == "cuda" else MixedPrecisionPolicy())
+        for block in model.blocks:
+            fully_shard(block, mp_policy=mp)
+        fully_shard(model, mp_policy=mp)
+        return model
+    if mode == "ddp":
+        return DistributedDataParallel(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
+    raise ValueError(f"unknown parallelism {mode!r}; use fsdp or ddp")
+
+
+def unwrap(model: nn.Module) -> nn.Module:
+    """The module whose parameter names are canonical (DDP adds a ``module.`` prefix)."""
+    return model.module if isinstance(model, DistributedDataParallel) else model

@@ -1,0 +1,36 @@
+"""``summary.json``: the run's outcome, derived from ``events.jsonl`` (all attempts) and the final values."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+
+def summarize(events: list[dict], *, steps: int, tokens: int, final_val_loss: float, params_sha256: str,
+              n_params: int) -> dict:
+    starts = [e for e in events if e["event"] == "run_start"]
+    step_events = [e for e in events if e["event"] == "step"]
+    snapshots = [e for e in events if e["event"] == "ckpt_snapshot"]
+    # Blocking of interval checkpoints; the final and SIGTERM ones block by design.
+    interval = [e["block_s"] for e in snapshots if not e.get("sync")] or [e["block_s"] for e in snapshots]
+    t_end = max(e["t"] for e in events)
+    return {
+        "steps": steps,
+        "tokens": tokens,
+        "n_params": n_params,
+        "final_train_loss": step_events[-1]["loss"] if step_events else None,
+        "final_val_loss": final_val_loss,
+        "checkpoints_committed": sum(e["event"] == "ckpt_committed" for e in events),
+        "ckpt_block_s_p50": statistics.median(interval) if interval else 0.0,
+        "ckpt_block_s_max": max(interval) if interval else 0.0,
+        "restarts": max(0, len(starts) - 1),
+        "wall_s": round(t_end - starts[0]["t"], 3) if starts else 0.0,
+        "params_sha256": params_sha256,
+    }
+
+
+def write_summary(path: Path, summary: dict) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(summary, indent=1))
+    tmp.replace(path)

@@ -1,0 +1,245 @@
+"""The training loop, top to bottom: init, build, resume, loop, teardown.
+
+Launch (2 CPU processes, gloo):
+
+    torchrun --standalone --nproc-per-node 2 -m trainer --data DATASET --out RUN_DIR --max-steps 100
+    goodput train --nproc 2 --max-steps 100 --out RUN_DIR        # the same, under NVRx ft_launcher
+
+Restarted with the same arguments, it resumes from the newest committed checkpoint in RUN_DIR and ends
+with bitwise the same parameters as a run that was never interrupted.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
+                                                     set_state_dict)
+
+from .checkpoint import COMMITTED, CheckpointManager, step_dir
+from .config import OptimConfig, TrainConfig
+from .data import BatchSampler, Split, eval_windows
+from .events import EventLog, read_events
+from .model import ByteGPT
+from .parallel import Dist, init_distributed, parallelize
+from .signals import SigtermFlag
+from .summary import summarize, write_summary
+
+log = logging.getLogger("trainer")
+
+
+@dataclass
+class TrainState:
+    """Loop counters saved in every checkpoint (the data position is ``batches_read``)."""
+
+    step: int = 0
+    batches_read: int = 0
+    tokens: int = 0
+
+
+def get_lr(step: int, cfg: OptimConfig, max_steps: int) -> float:
+    """Learning-rate multiplier: linear warmup, then cosine decay to ``min_lr_ratio``."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    progress = (step - cfg.warmup_steps) / max(1, max_steps - cfg.warmup_steps)
+    return cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * min(1.0, progress)))
+
+
+def build_optimizer(model: torch.nn.Module, cfg: OptimConfig) -> torch.optim.AdamW:
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), foreach=False)
+
+
+def rng_state(device: torch.device) -> dict:
+    state = {"cpu": torch.get_rng_state()}
+    if device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    return state
+
+
+def set_rng_state(state: dict, device: torch.device) -> None:
+    torch.set_rng_state(state["cpu"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state(state["cuda"], device)
+
+
+def app_state(model, optimizer, scheduler, train_state: TrainState, d: Dist) -> dict:
+    """Everything a checkpoint holds. RNG state is per rank, so its key carries the rank."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(),
+            "train": asdict(train_state), f"rng_rank{d.rank}": rng_state(d.device)}
+
+
+def params_sha256(model: torch.nn.Module) -> str | None:
+    """SHA-256 over the full, unsharded parameters in name order (rank 0; None elsewhere).
+
+    Collective: every rank must call it.
+    """
+    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if dist.get_rank() != 0:
+        return None
+    h = hashlib.sha256()
+    for name in sorted(full):
+        t = full[name].detach().to("cpu").contiguous()
+        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
+
+
+def train_step(model, optimizer, sampler: BatchSampler, cfg: TrainConfig, d: Dist,
+               before_optimizer_step=None) -> torch.Tensor:
+    """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss on this rank."""
+    total = torch.zeros((), device=d.device)
+    autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=d.device.type == "cuda")
+    for _ in range(cfg.data.grad_accum):
+        x, y = (torch.from_numpy(a).to(d.device, non_blocking=True) for a in sampler.next_batch())
+        with autocast:
+            _, loss = model(x, y)
+        (loss / cfg.data.grad_accum).backward()
+        total += loss.detach()
+    if cfg.optim.grad_clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.optim.grad_clip)
+    if before_optimizer_step is not None:
+        before_optimizer_step()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return total / cfg.data.grad_accum
+
+
+@torch.no_grad()
+def validation_loss(model, split: Split, cfg: TrainConfig, d: Dist) -> float:
+    """Mean loss over the first ``eval_windows`` validation windows, split across ranks (collective)."""
+    model.eval()
+    windows = list(eval_windows(split, cfg.model.seq_len, cfg.data.eval_windows))
+    mine = windows[d.rank::d.world_size]
+    # Every rank runs the same number of forwards: FSDP2 all-gathers parameters in each one.
+    per_rank = math.ceil(len(windows) / d.world_size)
+    sums = torch.zeros(2, dtype=torch.float64, device=d.device)
+    for i in range(per_rank):
+        x, y = mine[i] if i < len(mine) else windows[0]
+        _, loss = model(torch.from_numpy(x)[None].to(d.device), torch.from_numpy(y)[None].to(d.device))
+        if i < len(mine):
+            sums += torch.tensor([loss.item(), 1.0], dtype=torch.float64, device=d.device)
+    dist.all_reduce(sums)
+    model.train()
+    return float(sums[0] / sums[1])
+
+
+def train(cfg: TrainConfig) -> dict | None:
+    """Run (or resume) training to ``cfg.run.max_steps``; return the summary on rank 0."""
+    d = init_distributed()
+    out = Path(cfg.run.out)
+    out.mkdir(parents=True, exist_ok=True)
+    events = EventLog(out / "events.jsonl", d.rank)
+    sigterm = SigtermFlag.install()
+    if d.is_main:
+        cfg.save(out / "config.json")
+        events.emit("run_start", world_size=d.world_size, pid=os.getpid(),
+                    restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+
+    # ---- build: the same on every rank (same seed), then sharded/replicated
+    torch.manual_seed(cfg.run.seed)
+    model = ByteGPT(cfg.model).to(d.device)
+    n_params = model.num_params()
+    model = parallelize(model, cfg.parallel.parallel, d)
+    optimizer = build_optimizer(model, cfg.optim)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: get_lr(s, cfg.optim, cfg.run.max_steps))
+    train_split, val_split = Split.open(Path(cfg.data.data), "train"), Split.open(Path(cfg.data.data), "val")
+    sampler = BatchSampler(train_split, rank=d.rank, world_size=d.world_size, batch_size=cfg.data.batch_size,
+                           seq_len=cfg.model.seq_len, seed=cfg.run.seed)
+    ckpt = CheckpointManager(out / "checkpoints", cfg.checkpoint, d, events)
+    state = TrainState()
+    tokens_per_step = cfg.data.batch_size * cfg.data.grad_accum * cfg.model.seq_len * d.world_size
+
+    # ---- resume: the newest committed checkpoint, else a fresh start
+    loaded = app_state(model, optimizer, scheduler, state, d)
+    resumed_from = ckpt.load_latest(loaded)
+    if resumed_from is not None:
+        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+        scheduler.load_state_dict(loaded["scheduler"])
+        state = TrainState(**loaded["train"])
+        set_rng_state(loaded[f"rng_rank{d.rank}"], d.device)
+    else:
+        # Per-rank stream for dropout; model init above used the shared seed.
+        torch.manual_seed(cfg.run.seed + 1 + d.rank)
+    sampler.batches_read = state.batches_read
+    if d.is_main:
+        log.info("model %.2fM params, %s on %d x %s, %d tokens/step, %s", n_params / 1e6,
+                 cfg.parallel.parallel, d.world_size, d.device.type, tokens_per_step,
+                 f"resumed from step {resumed_from}" if resumed_from is not None else "fresh start")
+        events.emit("resumed" if resumed_from is not None else "fresh_start", step=state.step)
+
+    # ---- loop
+    last_ckpt_time = time.monotonic()
+    loss_mean = float("nan")
+    while state.step < cfg.run.max_steps:
+        ckpt.maybe_finalize()
+        t0 = time.monotonic()
+        loss = train_step(model, optimizer, sampler, cfg, d)
+        scheduler.step()
+        state.step += 1
+        state.batches_read = sampler.batches_read
+        state.tokens += tokens_per_step
+        # Sync point, once per step: mean loss, any rank's SIGTERM, and rank 0's clock for time-based
+        # checkpoints travel in one all-reduce so every rank takes the same decision at the same step.
+        time_due = d.is_main and cfg.checkpoint.ckpt_every_s > 0 and \
+            time.monotonic() - last_ckpt_time >= cfg.checkpoint.ckpt_every_s
+        flags = torch.stack([loss.float(), torch.tensor(float(sigterm.is_set), device=d.device),
+                             torch.tensor(float(time_due), device=d.device)])
+        dist.all_reduce(flags)
+        loss_mean, stop, time_due = flags[0].item() / d.world_size, flags[1].item() > 0, flags[2].item() > 0
+        step_s = time.monotonic() - t0
+        if d.is_main:
+            events.emit("step", step=state.step, loss=round(loss_mean, 6), step_s=round(step_s, 5),
+                        lr=scheduler.get_last_lr()[0], tokens=state.tokens)
+            if state.step % cfg.run.log_every == 0 or state.step == 1:
+                log.info("step %d/%d loss %.4f %.0f ms %.0f tok/s", state.step, cfg.run.max_steps, loss_mean,
+                         step_s * 1e3, tokens_per_step / step_s)
+        if stop:
+            events.emit("sigterm", step=state.step)
+            t_sig = time.monotonic()
+            ckpt.save(state.step, app_state(model, optimizer, scheduler, state, d), blocking=True)
+            took = time.monotonic() - t_sig
+            if took > cfg.checkpoint.sigterm_grace_s and d.is_main:
+                log.warning("final checkpoint took %.1fs, over the %.0fs grace period", took,
+                            cfg.checkpoint.sigterm_grace_s)
+            if d.is_main:
+                events.emit("exit", reason="sigterm", step=state.step, ckpt_s=round(took, 4))
+            ckpt.close()
+            dist.destroy_process_group()
+            return None
+        every = cfg.checkpoint.ckpt_every
+        if (every and state.step % every == 0 and state.step < cfg.run.max_steps) or time_due:
+            ckpt.save(state.step, app_state(model, optimizer, scheduler, state, d))
+            last_ckpt_time = time.monotonic()
+
+    # ---- teardown: the final checkpoint, validation, identity of the weights
+    ckpt.maybe_finalize()
+    if not (step_dir(ckpt.root, state.step) / COMMITTED).exists():
+        ckpt.save(state.step, app_state(model, optimizer, scheduler, state, d), blocking=True)
+    ckpt.wait()
+    val_loss = validation_loss(model, val_split, cfg, d)
+    sha = params_sha256(model)
+    summary = None
+    if d.is_main:
+        events.emit("run_end", step=state.step, val_loss=round(val_loss, 6))
+        summary = summarize(read_events(out / "events.jsonl"), steps=state.step, tokens=state.tokens,
+                            final_val_loss=val_loss, params_sha256=sha, n_params=n_params)
+        write_summary(out / "summary.json", summary)
+        log.info("done: %d steps, val loss %.4f, %d checkpoints, params %s", state.step, val_loss,
+                 summary["checkpoints_committed"], sha[:16])
+    ckpt.close()
+    events.close()
+    dist.destroy_process_group()
+    return summary
