@@ -8,8 +8,15 @@ nvidia-resiliency-ext 0.4.1 and later releases all accept are used (no ``--ft-pa
 
 from __future__ import annotations
 
+import json
+import signal
+import subprocess
 import sys
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from .config import parse_config
+from .data import ensure_default_dataset
 
 
 @dataclass
@@ -84,3 +91,30 @@ def launcher_command(launch: LaunchConfig, trainer_args: list[str], *, executabl
 def local_launcher_command(launch: LaunchConfig, trainer_args: list[str]) -> list[str]:
     """The same command for this machine: the launcher runs under this interpreter."""
     return launcher_command(launch, trainer_args, executable=sys.executable)
+
+
+def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: Path) -> tuple[int, dict | None]:
+    """Validate, build the default dataset if needed, launch, wait; return (exit code, summary or None).
+
+    The core of ``goodput train`` without click, used by the local training backend too.
+    """
+    args = list(trainer_args)
+    if "--data" not in args:
+        args += ["--data", str(ensure_default_dataset(fsx_root))]
+    cfg = parse_config(args)          # a bad flag fails here, before anything starts
+    launch.validate()
+    proc = subprocess.Popen(local_launcher_command(launch, args))
+
+    def forward(signum, _frame):
+        # The launcher forwards to its workers, which commit a checkpoint and exit.
+        proc.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        code = proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    summary_path = Path(cfg.run.out) / "summary.json"
+    summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.exists() else None
+    return code, summary

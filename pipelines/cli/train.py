@@ -2,49 +2,18 @@
 
 from __future__ import annotations
 
-import json
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import click
 
-from trainer.config import describe_flags, parse_config
-from trainer.data import ensure_default_dataset
-from trainer.launch import LaunchConfig, local_launcher_command
+from trainer.config import describe_flags
+from trainer.launch import LaunchConfig, run_local_training
 
 # \b keeps click from re-wrapping each section of the trainer's flags.
 TRAINER_HELP = "\n\n".join(
     "\b\n" + f"{section}:\n" + "\n".join(f"  {flag:<22} {text}" for flag, text in rows)
     for section, rows in describe_flags())
-
-
-def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: Path) -> tuple[int, dict | None]:
-    """Validate, build the default dataset if needed, launch, wait; return (exit code, summary or None).
-
-    The core of ``goodput train`` without click, used by the local training backend too.
-    """
-    args = list(trainer_args)
-    if "--data" not in args:
-        args += ["--data", str(ensure_default_dataset(fsx_root))]
-    cfg = parse_config(args)          # a bad flag fails here, before anything starts
-    launch.validate()
-    proc = subprocess.Popen(local_launcher_command(launch, args))
-
-    def forward(signum, _frame):
-        # The launcher forwards to its workers, which commit a checkpoint and exit.
-        proc.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        code = proc.wait()
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
-    summary_path = Path(cfg.run.out) / "summary.json"
-    summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.exists() else None
-    return code, summary
 
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
