@@ -25,11 +25,13 @@ a torn directory behind.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 import pickle
 import shutil
+import signal
 import threading
 import time
 from collections import deque
@@ -94,6 +96,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+@contextlib.contextmanager
+def _sigterm_ignored():
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def delete_checkpoint(path: Path) -> None:
     """Un-commit first (marker gone, fsynced), then delete: a half-deleted directory is never valid."""
     try:
@@ -139,9 +153,13 @@ class CheckpointManager:
 
             self.queue = AsyncCallsQueue(persistent=True)
             # Start NVRx's worker process and its results-queue manager now (a spawn that imports torch
-            # takes seconds), not inside the first save's blocking window or write.
-            _get_write_results_queue()
-            self.queue.schedule_async_request(AsyncRequest(time.sleep, (0,), []))
+            # takes seconds), not inside the first save's blocking window or write. They ignore SIGTERM
+            # (inherited through spawn): the launcher signals the rank's whole process group, and the
+            # writers must live on to finish the final checkpoint the rank writes after SIGTERM. They end
+            # when the rank closes the queue, or by SIGKILL to the group.
+            with _sigterm_ignored():
+                _get_write_results_queue()
+                self.queue.schedule_async_request(AsyncRequest(time.sleep, (0,), []))
             # Reuses the global save plan once it is stable: later saves plan without collectives.
             self.plan_cache = CheckpointMetadataCache()
         self._purger: threading.Thread | None = None

@@ -75,6 +75,18 @@ class RunConfig:
     log_every: int = _f(10, "print a progress line every N steps")
 
 
+@dataclass
+class FaultConfig:
+    inject_fault: list = _f(None, "inject KIND@STEP[:RANK] (exception, kill, hang, sigterm, ckpt-crash); repeatable",
+                            metavar="KIND@STEP[:RANK]")
+    chaos_seed: int = _f(-1, "seed of random faults (kinds, ranks, moments); -1 = off")
+    fault_every: float = _f(0.0, "with --chaos-seed: mean seconds between random faults", flag="--fault-every")
+
+    def __post_init__(self) -> None:
+        if self.inject_fault is None:
+            self.inject_fault = []
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -82,6 +94,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "run": RunConfig,
+    "faults": FaultConfig,
 }
 
 
@@ -93,6 +106,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    faults: FaultConfig = field(default_factory=FaultConfig)
 
     def validate(self) -> "TrainConfig":
         m, d, o, c, r = self.model, self.data, self.optim, self.checkpoint, self.run
@@ -113,6 +127,15 @@ class TrainConfig:
             problems.append(f"--lr must be positive, got {o.lr}")
         if not d.data:
             problems.append("--data is required: a dataset directory with manifest.json")
+        from .faults import Fault
+
+        for spec in self.faults.inject_fault:
+            try:
+                Fault.parse(spec)
+            except ValueError as e:
+                problems.append(str(e))
+        if self.faults.chaos_seed >= 0 and self.faults.fault_every <= 0:
+            problems.append("--chaos-seed needs --fault-every SECONDS > 0")
         if problems:
             raise ValueError("invalid trainer configuration:\n  " + "\n  ".join(problems))
         return self
@@ -136,7 +159,7 @@ def describe_flags() -> list[tuple[str, list[tuple[str, str]]]]:
         for f in dataclasses.fields(cls):
             if f.metadata.get("cli") is False:
                 continue
-            meta = "" if f.type in ("bool", bool) else " " + str(f.type).upper()
+            meta = "" if f.type in ("bool", bool) else " " + f.metadata.get("metavar", str(f.type).upper())
             rows.append((_flag(f) + meta, f"{f.metadata['help']} (default: {f.default})"))
         out.append((section, rows))
     return out
@@ -157,6 +180,9 @@ def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
                                   "help": f"{f.metadata['help']} (default: {f.default})"}
             if f.type in ("bool", bool):
                 kw["action"] = argparse.BooleanOptionalAction
+            elif f.type in ("list", list):
+                kw["action"] = "append"
+                kw["metavar"] = f.metadata.get("metavar", "VALUE")
             else:
                 kw["type"] = {"int": int, "float": float, "str": str}[str(f.type)]
                 kw["metavar"] = str(f.type).upper()

@@ -28,6 +28,7 @@ from .checkpoint import COMMITTED, CheckpointManager, step_dir
 from .config import OptimConfig, TrainConfig
 from .data import BatchSampler, Split, eval_windows
 from .events import EventLog, read_events
+from .faults import FaultInjector
 from .model import ByteGPT
 from .parallel import Dist, init_distributed, parallelize
 from .signals import SigtermFlag
@@ -145,8 +146,12 @@ def train(cfg: TrainConfig) -> dict | None:
     sigterm = SigtermFlag.install()
     if d.is_main:
         cfg.save(out / "config.json")
-        events.emit("run_start", world_size=d.world_size, pid=os.getpid(),
+        events.emit("run_start", world_size=d.world_size,
                     restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
+    events.emit("worker_start", pid=os.getpid())
+    faults = FaultInjector(cfg.faults.inject_fault, d.rank, d.world_size, events, out / "events.jsonl",
+                           chaos_seed=cfg.faults.chaos_seed if cfg.faults.chaos_seed >= 0 else None,
+                           fault_every_s=cfg.faults.fault_every)
 
     # ---- build: the same on every rank (same seed), then sharded/replicated
     torch.manual_seed(cfg.run.seed)
@@ -158,7 +163,8 @@ def train(cfg: TrainConfig) -> dict | None:
     train_split, val_split = Split.open(Path(cfg.data.data), "train"), Split.open(Path(cfg.data.data), "val")
     sampler = BatchSampler(train_split, rank=d.rank, world_size=d.world_size, batch_size=cfg.data.batch_size,
                            seq_len=cfg.model.seq_len, seed=cfg.run.seed)
-    ckpt = CheckpointManager(out / "checkpoints", cfg.checkpoint, d, events)
+    ckpt = CheckpointManager(out / "checkpoints", cfg.checkpoint, d, events,
+                             on_write_started=faults.on_checkpoint_write_started)
     state = TrainState()
     tokens_per_step = cfg.data.batch_size * cfg.data.grad_accum * cfg.model.seq_len * d.world_size
 
@@ -186,7 +192,8 @@ def train(cfg: TrainConfig) -> dict | None:
     while state.step < cfg.run.max_steps:
         ckpt.maybe_finalize()
         t0 = time.monotonic()
-        loss = train_step(model, optimizer, sampler, cfg, d)
+        loss = train_step(model, optimizer, sampler, cfg, d,
+                          before_optimizer_step=lambda: faults.maybe_fire(state.step + 1))
         scheduler.step()
         state.step += 1
         state.batches_read = sampler.batches_read

@@ -1,0 +1,97 @@
+"""Shared fixtures: a real dataset, and real multi-process training runs under NVRx ft_launcher."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.data import ensure_default_dataset
+from trainer.events import read_events
+from trainer.launch import LaunchConfig, local_launcher_command
+
+# A model small enough that a step takes ~0.1 s on one CPU core.
+TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8",
+        "--eval-windows", "16", "--log-every", "5"]
+
+
+@pytest.fixture(scope="session")
+def fsx_root(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("fsx")
+
+
+@pytest.fixture(scope="session")
+def dataset(fsx_root) -> Path:
+    """The default dataset (this Python's standard library), built once per session."""
+    return ensure_default_dataset(fsx_root)
+
+
+class Run:
+    """A training run started in the background: ft_launcher + 2 ranks of ``python -m trainer``."""
+
+    def __init__(self, out: Path, args: list[str], launch: LaunchConfig):
+        self.out, self.args, self.launch = out, args, launch
+        self.log = out.parent / f"{out.name}.log"
+        out.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as log:
+            # A new session, so that cleanup can kill the launcher and every worker it started.
+            self.proc = subprocess.Popen(local_launcher_command(launch, args), stdout=log, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+
+    def events(self) -> list[dict]:
+        return read_events(self.out / "events.jsonl")
+
+    def wait_for(self, predicate, timeout: float = 120.0, what: str = "event") -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for e in self.events():
+                if predicate(e):
+                    return e
+            if self.proc.poll() is not None:
+                raise AssertionError(f"run exited ({self.proc.returncode}) before {what}; log:\n{self.tail()}")
+            time.sleep(0.2)
+        raise AssertionError(f"timed out waiting for {what}; log:\n{self.tail()}")
+
+    def wait(self, timeout: float = 300.0) -> int:
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(f"run did not finish in {timeout}s; log:\n{self.tail()}")
+
+    def worker_pid(self, rank: int) -> int:
+        return [e for e in self.events() if e["event"] == "worker_start" and e["rank"] == rank][-1]["pid"]
+
+    def summary(self) -> dict:
+        return json.loads((self.out / "summary.json").read_text())
+
+    def tail(self, n: int = 60) -> str:
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
+
+    def kill(self) -> None:
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+
+
+@pytest.fixture
+def start_run(dataset):
+    """Start a 2-rank run: ``start_run(out, *trainer_args, max_restarts=0)``; all are killed at teardown."""
+    runs: list[Run] = []
+
+    def start(out: Path, *args: str, max_restarts: int = 0, nproc: int = 2, **launch) -> Run:
+        run = Run(out, ["--data", str(dataset), *TINY, "--out", str(out), *args],
+                  LaunchConfig(nproc_per_node=nproc, max_restarts=max_restarts, **launch))
+        runs.append(run)
+        return run
+
+    yield start
+    for run in runs:
+        run.kill()

@@ -1,0 +1,95 @@
+"""Exact resume on 2 CPU ranks: kill -9, torn checkpoints and SIGTERM never change the final weights."""
+
+from __future__ import annotations
+
+import os
+import signal
+
+import pytest
+
+from trainer.checkpoint import COMMITTED, committed_steps, step_dir
+
+STEPS = ["--max-steps", "14", "--ckpt-every", "4"]
+
+
+@pytest.fixture(scope="module")
+def clean_sha(tmp_path_factory, dataset):
+    """params_sha256 of uninterrupted runs, per parallelism, computed once."""
+    from tests.conftest import TINY, Run
+    from trainer.launch import LaunchConfig
+
+    shas = {}
+
+    def get(mode: str) -> str:
+        if mode not in shas:
+            out = tmp_path_factory.mktemp(f"clean-{mode}") / "run"
+            run = Run(out, ["--data", str(dataset), *TINY, "--out", str(out), *STEPS, "--parallel", mode],
+                      LaunchConfig(nproc_per_node=2, max_restarts=0))
+            assert run.wait() == 0, run.tail()
+            summary = run.summary()
+            assert summary["steps"] == 14 and summary["restarts"] == 0
+            shas[mode] = summary["params_sha256"]
+        return shas[mode]
+
+    return get
+
+
+@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
+def test_kill_9_of_a_rank_then_rerun_ends_bitwise_identical(tmp_path, start_run, clean_sha, mode):
+    out = tmp_path / "run"
+    args = [*STEPS, "--parallel", mode]
+    run = start_run(out, *args)
+    run.wait_for(lambda e: e["event"] == "ckpt_committed" and e["step"] >= 4, what="a committed checkpoint")
+    run.wait_for(lambda e: e["event"] == "step" and e["step"] >= 6, what="step 6")
+    os.kill(run.worker_pid(1), signal.SIGKILL)
+    assert run.wait() != 0, "the launcher (no restarts allowed) must fail when a rank dies"
+    assert not (out / "summary.json").exists()
+    before = committed_steps(out / "checkpoints")
+    assert before, "a committed checkpoint existed before the kill"
+
+    rerun = start_run(out, *args)
+    assert rerun.wait() == 0, rerun.tail()
+    events = rerun.events()
+    resumed = [e for e in events if e["event"] == "resumed"]
+    assert resumed and resumed[-1]["step"] >= before[-1]
+    summary = rerun.summary()
+    assert summary["restarts"] == 1
+    assert summary["params_sha256"] == clean_sha(mode)
+
+
+def test_torn_checkpoint_is_never_used_and_is_cleaned_up(tmp_path, start_run, clean_sha):
+    out = tmp_path / "run"
+    # Rank 1 dies right after handing its part of the step-8 checkpoint to the writer.
+    args = [*STEPS, "--inject-fault", "ckpt-crash@8:1"]
+    run = start_run(out, *args)
+    assert run.wait() != 0
+    torn = step_dir(out / "checkpoints", 8)
+    assert not (torn / COMMITTED).exists(), "a checkpoint missing a rank's shard must never be committed"
+    assert committed_steps(out / "checkpoints") == [4]
+
+    rerun = start_run(out, *args)   # the same command: the fault already fired, it does not fire again
+    assert rerun.wait() == 0, rerun.tail()
+    events = rerun.events()
+    assert [e["step"] for e in events if e["event"] == "resumed"] == [4]
+    assert any(e["event"] == "ckpt_torn_deleted" and e["step"] == 8 for e in events)
+    assert rerun.summary()["params_sha256"] == clean_sha("fsdp")
+
+
+def test_sigterm_commits_a_checkpoint_and_exits_cleanly(tmp_path, start_run, clean_sha):
+    out = tmp_path / "run"
+    run = start_run(out, *STEPS)
+    run.wait_for(lambda e: e["event"] == "step" and e["step"] >= 5, what="step 5")
+    run.proc.send_signal(signal.SIGTERM)          # what the kubelet sends the pod's launcher
+    assert run.wait() == 0, run.tail()
+    events = run.events()
+    exits = [e for e in events if e["event"] == "exit"]
+    assert exits and exits[-1]["reason"] == "sigterm"
+    stopped_at = exits[-1]["step"]
+    assert stopped_at < 14
+    assert committed_steps(out / "checkpoints")[-1] == stopped_at
+    assert not (out / "summary.json").exists()
+
+    rerun = start_run(out, *STEPS)
+    assert rerun.wait() == 0, rerun.tail()
+    assert [e["step"] for e in rerun.events() if e["event"] == "resumed"][-1] == stopped_at
+    assert rerun.summary()["params_sha256"] == clean_sha("fsdp")
