@@ -20,6 +20,10 @@ TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", 
         "--eval-windows", "16", "--log-every", "5"]
 
 
+# The workload every recovery test runs: 14 steps, a checkpoint every 4.
+STEPS = ["--max-steps", "14", "--ckpt-every", "4"]
+
+
 @pytest.fixture(scope="session")
 def fsx_root(tmp_path_factory) -> Path:
     return tmp_path_factory.mktemp("fsx")
@@ -95,3 +99,25 @@ def start_run(dataset):
     yield start
     for run in runs:
         run.kill()
+
+
+@pytest.fixture(scope="session")
+def clean_sha(tmp_path_factory, dataset):
+    """``clean_sha(mode)``: params_sha256 of an uninterrupted run of STEPS (per parallelism), computed once."""
+    shas: dict[str, str] = {}
+
+    def get(mode: str = "fsdp") -> str:
+        if mode not in shas:
+            out = tmp_path_factory.mktemp(f"clean-{mode}") / "run"
+            run = Run(out, ["--data", str(dataset), *TINY, "--out", str(out), *STEPS, "--parallel", mode],
+                      LaunchConfig(nproc_per_node=2, max_restarts=0))
+            try:
+                assert run.wait() == 0, run.tail()
+            finally:
+                run.kill()
+            summary = run.summary()
+            assert summary["steps"] == 14 and summary["restarts"] == 0 and summary["faults"] == []
+            shas[mode] = summary["params_sha256"]
+        return shas[mode]
+
+    return get

@@ -9,29 +9,7 @@ import pytest
 
 from trainer.checkpoint import COMMITTED, committed_steps, step_dir
 
-STEPS = ["--max-steps", "14", "--ckpt-every", "4"]
-
-
-@pytest.fixture(scope="module")
-def clean_sha(tmp_path_factory, dataset):
-    """params_sha256 of uninterrupted runs, per parallelism, computed once."""
-    from tests.conftest import TINY, Run
-    from trainer.launch import LaunchConfig
-
-    shas = {}
-
-    def get(mode: str) -> str:
-        if mode not in shas:
-            out = tmp_path_factory.mktemp(f"clean-{mode}") / "run"
-            run = Run(out, ["--data", str(dataset), *TINY, "--out", str(out), *STEPS, "--parallel", mode],
-                      LaunchConfig(nproc_per_node=2, max_restarts=0))
-            assert run.wait() == 0, run.tail()
-            summary = run.summary()
-            assert summary["steps"] == 14 and summary["restarts"] == 0
-            shas[mode] = summary["params_sha256"]
-        return shas[mode]
-
-    return get
+from tests.conftest import STEPS
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])

@@ -15,9 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    from .train import train   # torch is imported only once the arguments are known to be good
+    from .train import run   # torch is imported only once the arguments are known to be good
 
-    train(cfg)
+    run(cfg)
     return 0
 
 

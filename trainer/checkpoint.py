@@ -46,36 +46,10 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 
 from .config import CheckpointConfig
 from .events import EventLog
+from .layout import COMMITTED, step_of, committed_steps, read_marker, step_dir
 from .parallel import Dist
 
 log = logging.getLogger(__name__)
-
-COMMITTED = "COMMITTED"
-_STEP_PREFIX = "step_"
-
-
-def step_dir(root: Path, step: int) -> Path:
-    # Zero-padded so that lexical order is step order (NVRx convention).
-    return root / f"{_STEP_PREFIX}{step:09d}"
-
-
-def _step_of(path: Path) -> int | None:
-    name = path.name
-    if not name.startswith(_STEP_PREFIX) or not name[len(_STEP_PREFIX):].isdigit():
-        return None
-    return int(name[len(_STEP_PREFIX):])
-
-
-def committed_steps(root: Path) -> list[int]:
-    """Steps of the committed checkpoints under ``root``, oldest first."""
-    if not root.is_dir():
-        return []
-    steps = [_step_of(p) for p in root.iterdir() if (p / COMMITTED).is_file()]
-    return sorted(s for s in steps if s is not None)
-
-
-def read_marker(path: Path) -> dict:
-    return json.loads((path / COMMITTED).read_text())
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
@@ -144,12 +118,15 @@ class CheckpointManager:
         self.root.mkdir(parents=True, exist_ok=True)
         self.on_write_started = on_write_started
         self.pending: deque[_Pending] = deque()
+        # The shared-memory copy of the last snapshot (reused by every save), and that snapshot's step.
         self.staging: dict | None = None
+        self.snapshot: dict | None = None
+        self.snapshot_step: int | None = None
+        self.plan_cache = self._new_plan_cache()
         self.queue = None
         if not cfg.sync:
             from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
             from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import _get_write_results_queue
-            from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache
 
             self.queue = AsyncCallsQueue(persistent=True)
             # Start NVRx's worker process and its results-queue manager now (a spawn that imports torch
@@ -160,14 +137,41 @@ class CheckpointManager:
             with _sigterm_ignored():
                 _get_write_results_queue()
                 self.queue.schedule_async_request(AsyncRequest(time.sleep, (0,), []))
-            # Reuses the global save plan once it is stable: later saves plan without collectives.
-            self.plan_cache = CheckpointMetadataCache()
+
         self._purger: threading.Thread | None = None
         self.block_s: list[float] = []
 
     # ----------------------------------------------------------------------------------------- load
-    def load_latest(self, state: dict) -> int | None:
-        """Load the newest committed checkpoint into ``state`` (in place); return its step or None.
+    def restore(self, state: dict) -> tuple[int | None, str, dict]:
+        """Restore the newest state into ``state``; return (step or None, source, the restored dict).
+
+        After an in-process restart every rank still holds the staging copy of its last snapshot. If all
+        ranks hold one of the same step, it is copied back (``memory``: no disk read). Otherwise the
+        newest committed checkpoint is loaded (``checkpoint``). Collective: call on every rank.
+        """
+        steps = [None] * self.d.world_size
+        # Sync point: which snapshot step each rank holds in memory.
+        dist.all_gather_object(steps, self.snapshot_step)
+        if steps[0] is not None and all(s == steps[0] for s in steps):
+            restored = _copy_state_dict(self.snapshot, state)
+            step, source = steps[0], "memory"
+            self.events.emit("ckpt_loaded", step=step, source=source)
+        else:
+            step, source, restored = self._load_committed(state), "checkpoint", state
+        # The new process group gets fresh staging buffers and plans: the old ones describe DTensors of the
+        # previous group's device mesh. A write still in flight keeps its own mapping of the old buffers.
+        # Allocating them now keeps that cost out of the first save's blocking time.
+        self.snapshot = self.snapshot_step = None
+        self.staging = None if self.cfg.sync else self._allocate_staging(restored)
+        self.plan_cache = self._new_plan_cache()
+        return step, source, restored
+
+    def _allocate_staging(self, state: dict) -> dict:
+        # Shared memory: NVRx's persistent worker receives the tensors without another copy.
+        return _create_cpu_state_dict(state, share_memory=True, pin_memory=self.d.device.type == "cuda")
+
+    def _load_committed(self, state: dict) -> int | None:
+        """Load the newest committed checkpoint into ``state`` in place; return its step or None.
 
         Rank 0 picks the step and deletes torn directories first; the choice is broadcast so every rank
         loads the same checkpoint.
@@ -176,7 +180,7 @@ class CheckpointManager:
         if self.d.is_main:
             steps = committed_steps(self.root)
             choice[0] = steps[-1] if steps else None
-            self._delete_torn()
+            self._delete_torn(older_than=None if not self.pending else self.pending[0].step)
         # Sync point: every rank waits for rank 0's choice (and its clean-up of torn directories).
         dist.broadcast_object_list(choice, src=0)
         step = choice[0]
@@ -189,7 +193,7 @@ class CheckpointManager:
                                f"{self.d.world_size}; exact resume needs the same number of ranks")
         t0 = time.monotonic()
         dcp.load(state, checkpoint_id=str(path))
-        self.events.emit("ckpt_loaded", step=step, load_s=round(time.monotonic() - t0, 4))
+        self.events.emit("ckpt_loaded", step=step, source="checkpoint", load_s=round(time.monotonic() - t0, 4))
         return step
 
     # ----------------------------------------------------------------------------------------- save
@@ -228,11 +232,15 @@ class CheckpointManager:
 
         # The staging copy is reused, so the previous write must be finished before it is overwritten.
         self.queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        if self.pending:
+            # Sync point: every rank has recorded the previous write, so rank 0 commits it now; otherwise a
+            # crash during this save would lose a checkpoint that was already whole on disk.
+            dist.barrier()
+            self._maybe_commit()
         if self.staging is None:
-            # Shared memory: NVRx's persistent worker receives the tensors without another copy.
-            self.staging = _create_cpu_state_dict(state, share_memory=True,
-                                                  pin_memory=self.d.device.type == "cuda")
+            self.staging = self._allocate_staging(state)
         snapshot = _copy_state_dict(state, self.staging)
+        self.snapshot, self.snapshot_step = snapshot, step
         if self.d.device.type == "cuda":
             torch.cuda.synchronize()
         writer = FileSystemWriterAsync(str(path), thread_count=self.cfg.write_threads)
@@ -250,6 +258,14 @@ class CheckpointManager:
         self.pending.append(pending)
         if self.on_write_started:
             self.on_write_started(step)
+
+    def _new_plan_cache(self):
+        """NVRx reuses the global save plan once it is stable: later saves plan without collectives."""
+        if self.cfg.sync:
+            return None
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache
+
+        return CheckpointMetadataCache()
 
     def maybe_finalize(self) -> None:
         """Top of every step: finalize finished writes without blocking; rank 0 commits complete steps."""
@@ -324,7 +340,7 @@ class CheckpointManager:
         """Delete uncommitted step directories (all at start; during a run only those older than the
         newest commit, since newer ones may still be in flight)."""
         for p in self.root.iterdir():
-            step = _step_of(p)
+            step = step_of(p)
             if step is None or (p / COMMITTED).exists():
                 continue
             if older_than is not None and step >= older_than:

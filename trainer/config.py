@@ -57,7 +57,10 @@ class ParallelConfig:
 
 @dataclass
 class CheckpointConfig:
-    ckpt_every: int = _f(50, "checkpoint every N optimizer steps (0 = only at the end)")
+    ckpt_every: str = _f("50", "checkpoint every N optimizer steps (0 = only at the end), or 'auto': the "
+                               "Young-Daly interval from measured checkpoint cost and --mtbf-s")
+    mtbf_s: float = _f(0.0, "with --ckpt-every auto: expected seconds between failures of this job (0 = from "
+                            "the faults observed in this run, else 24 h)")
     ckpt_every_s: float = _f(0.0, "also checkpoint when this many seconds passed since the last one (0 = off)")
     keep: int = _f(3, "committed checkpoints to keep (older ones are deleted)", flag="--ckpt-keep")
     sync: bool = _f(False, "write checkpoints synchronously (torch DCP) instead of NVRx async",
@@ -73,6 +76,31 @@ class RunConfig:
     seed: int = _f(1337, "random seed (model init, data order, dropout)")
     max_steps: int = _f(200, "optimizer steps to train")
     log_every: int = _f(10, "print a progress line every N steps")
+
+
+@dataclass
+class RestartConfig:
+    restart: str = _f("both", "recovery layers: inprocess (NVRx Wrapper restarts the training function in the "
+                      "same processes), injob (ft_launcher restarts the worker group), or both",
+                      choices=("inprocess", "injob", "both"),
+                      # Not --restart: ft_launcher's argparse would claim it as an abbreviation of its own
+                      # --restart-policy, even after the script name.
+                      flag="--restart-layers")
+    collective_timeout_s: float = _f(30.0, "process-group timeout; on gloo it bounds how long a healthy rank "
+                                           "waits for a failed peer (NCCL is aborted by NVRx instead)")
+    monitor_interval_s: float = _f(0.25, "NVRx Wrapper's monitor, heartbeat and watchdog intervals",
+                                   flag="--inprocess-interval-s")
+    soft_timeout_s: float = _f(60.0, "Wrapper: no progress for this long aborts the rank's collectives",
+                               flag="--inprocess-soft-timeout-s")
+    hard_timeout_s: float = _f(90.0, "Wrapper: no progress for this long terminates the rank",
+                               flag="--inprocess-hard-timeout-s")
+    heartbeat_timeout_s: float = _f(30.0, "Wrapper: a rank silent this long is treated as dead",
+                                    flag="--inprocess-heartbeat-timeout-s")
+    barrier_timeout_s: float = _f(120.0, "Wrapper: limit on its restart barriers", flag="--inprocess-barrier-timeout-s")
+    max_rank_faults: int = _f(20, "in-process restarts caused by one rank before it is terminated "
+                                  "(the in-job layer takes over)", flag="--inprocess-max-rank-faults")
+    ft_calc_after_steps: int = _f(20, "steps measured before the rank monitor's step timeout is tightened")
+    ft_min_step_timeout_s: float = _f(30.0, "the tightened step timeout never goes below this")
 
 
 @dataclass
@@ -94,6 +122,7 @@ SECTIONS: dict[str, type] = {
     "parallel": ParallelConfig,
     "checkpoint": CheckpointConfig,
     "run": RunConfig,
+    "restart": RestartConfig,
     "faults": FaultConfig,
 }
 
@@ -106,6 +135,7 @@ class TrainConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    restart: RestartConfig = field(default_factory=RestartConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
 
     def validate(self) -> "TrainConfig":
@@ -119,8 +149,17 @@ class TrainConfig:
                             ("--ckpt-threads", c.write_threads)):
             if value < 1:
                 problems.append(f"{name} must be at least 1, got {value}")
-        if c.ckpt_every < 0 or c.ckpt_every_s < 0:
-            problems.append("--ckpt-every and --ckpt-every-s must not be negative")
+        if c.ckpt_every != "auto" and (not c.ckpt_every.isdigit()):
+            problems.append(f"--ckpt-every must be a number of steps or 'auto', got {c.ckpt_every!r}")
+        if c.ckpt_every_s < 0 or c.mtbf_s < 0:
+            problems.append("--ckpt-every-s and --mtbf-s must not be negative")
+        rs = self.restart
+        if not (rs.monitor_interval_s < rs.soft_timeout_s < rs.hard_timeout_s < rs.barrier_timeout_s
+                and rs.heartbeat_timeout_s < rs.barrier_timeout_s and rs.monitor_interval_s < rs.heartbeat_timeout_s):
+            problems.append("in-process timeouts must satisfy interval < soft < hard < barrier and "
+                            "interval < heartbeat < barrier")
+        if rs.collective_timeout_s <= 0:
+            problems.append("--collective-timeout-s must be positive")
         if not 0 <= m.dropout < 1:
             problems.append(f"--dropout must be in [0, 1), got {m.dropout}")
         if o.lr <= 0:

@@ -120,5 +120,6 @@ class FaultInjector:
             os.kill(os.getpid(), signal.SIGTERM)
             return
         if kind == "hang":
-            while True:  # no progress, no exit: only a watchdog or the rank monitor ends this
-                time.sleep(3600)
+            # Stuck inside one native call, like a kernel or I/O that never returns: no Python runs, no
+            # exit. Only a watchdog (the rank monitor, the Wrapper's hard timeout) ends it.
+            time.sleep(10 ** 7)

@@ -26,15 +26,21 @@ class Dist:
         return self.rank == 0
 
 
-def init_distributed(timeout_s: float = 300.0) -> Dist:
-    """Join the process group described by the launcher's environment (torchrun / ft_launcher).
-
-    NCCL on CUDA, gloo on CPU. Without a launcher (no RANK in the environment) a single-process group
-    on a free port is created so ``python -m trainer`` works on its own.
-    """
+def ensure_launcher_env() -> None:
+    """Without a launcher (no RANK in the environment), describe a single-process group on a free port,
+    so that ``python -m trainer`` works on its own."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
                           MASTER_PORT=str(_free_port()))
+
+
+def init_distributed(timeout_s: float, store: dist.Store | None = None) -> Dist:
+    """Join the process group described by the launcher's environment (torchrun / ft_launcher).
+
+    NCCL on CUDA, gloo on CPU; ``store`` replaces the default env:// rendezvous (in-process restarts
+    give each attempt its own prefixed store).
+    """
+    ensure_launcher_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         device = torch.device("cuda", local_rank)
@@ -43,7 +49,11 @@ def init_distributed(timeout_s: float = 300.0) -> Dist:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    if store is None:
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    else:
+        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), store=store,
+                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
@@ -68,8 +78,3 @@ def parallelize(model: nn.Module, mode: str, d: Dist) -> nn.Module:
     if mode == "ddp":
         return DistributedDataParallel(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
     raise ValueError(f"unknown parallelism {mode!r}; use fsdp or ddp")
-
-
-def unwrap(model: nn.Module) -> nn.Module:
-    """The module whose parameter names are canonical (DDP adds a ``module.`` prefix)."""
-    return model.module if isinstance(model, DistributedDataParallel) else model

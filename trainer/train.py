@@ -2,15 +2,22 @@
 
 Launch (2 CPU processes, gloo):
 
-    torchrun --standalone --nproc-per-node 2 -m trainer --data DATASET --out RUN_DIR --max-steps 100
-    goodput train --nproc 2 --max-steps 100 --out RUN_DIR        # the same, under NVRx ft_launcher
+    goodput train --nproc 2 --max-steps 100 --out RUN_DIR          # under NVRx ft_launcher
+    torchrun --standalone --nproc-per-node 2 -m trainer --data DATASET --out RUN_DIR --restart inprocess
 
 Restarted with the same arguments, it resumes from the newest committed checkpoint in RUN_DIR and ends
 with bitwise the same parameters as a run that was never interrupted.
+
+Recovery layers (``--restart``): ``inprocess`` runs ``train`` under NVRx's in-process Wrapper, which
+calls it again in the same processes after a fault; ``injob`` leaves faults to ft_launcher, which
+restarts the worker group; ``both`` (default) does the first for exceptions and hangs the Wrapper can
+abort, the second for processes that die. Everything that does not depend on the process group lives
+in ``Session`` and survives in-process restarts.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
@@ -29,8 +36,11 @@ from .config import OptimConfig, TrainConfig
 from .data import BatchSampler, Split, eval_windows
 from .events import EventLog, read_events
 from .faults import FaultInjector
+from .ft import FTManager
+from .goodput import IntervalPolicy
 from .model import ByteGPT
-from .parallel import Dist, init_distributed, parallelize
+from .parallel import Dist, ensure_launcher_env, init_distributed, parallelize
+from .restart import iteration_store, run_with_inprocess_restart
 from .signals import SigtermFlag
 from .summary import summarize, write_summary
 
@@ -73,13 +83,6 @@ def set_rng_state(state: dict, device: torch.device) -> None:
     torch.set_rng_state(state["cpu"])
     if "cuda" in state:
         torch.cuda.set_rng_state(state["cuda"], device)
-
-
-def app_state(model, optimizer, scheduler, train_state: TrainState, d: Dist) -> dict:
-    """Everything a checkpoint holds. RNG state is per rank, so its key carries the rank."""
-    model_sd, optim_sd = get_state_dict(model, optimizer)
-    return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(),
-            "train": asdict(train_state), f"rng_rank{d.rank}": rng_state(d.device)}
 
 
 def params_sha256(model: torch.nn.Module) -> str | None:
@@ -137,116 +140,212 @@ def validation_loss(model, split: Split, cfg: TrainConfig, d: Dist) -> float:
     return float(sums[0] / sums[1])
 
 
-def train(cfg: TrainConfig) -> dict | None:
-    """Run (or resume) training to ``cfg.run.max_steps``; return the summary on rank 0."""
-    d = init_distributed()
-    out = Path(cfg.run.out)
-    out.mkdir(parents=True, exist_ok=True)
-    events = EventLog(out / "events.jsonl", d.rank)
-    sigterm = SigtermFlag.install()
-    if d.is_main:
-        cfg.save(out / "config.json")
-        events.emit("run_start", world_size=d.world_size,
-                    restart_count=int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")))
-    events.emit("worker_start", pid=os.getpid())
-    faults = FaultInjector(cfg.faults.inject_fault, d.rank, d.world_size, events, out / "events.jsonl",
-                           chaos_seed=cfg.faults.chaos_seed if cfg.faults.chaos_seed >= 0 else None,
-                           fault_every_s=cfg.faults.fault_every)
+class Session:
+    """What lives as long as the process: config, event log, signal flag, faults, rank monitor, the
+    checkpoint writer. In-process restarts reuse it, so no restart pays for these twice."""
 
-    # ---- build: the same on every rank (same seed), then sharded/replicated
-    torch.manual_seed(cfg.run.seed)
-    model = ByteGPT(cfg.model).to(d.device)
-    n_params = model.num_params()
-    model = parallelize(model, cfg.parallel.parallel, d)
-    optimizer = build_optimizer(model, cfg.optim)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: get_lr(s, cfg.optim, cfg.run.max_steps))
-    train_split, val_split = Split.open(Path(cfg.data.data), "train"), Split.open(Path(cfg.data.data), "val")
-    sampler = BatchSampler(train_split, rank=d.rank, world_size=d.world_size, batch_size=cfg.data.batch_size,
-                           seq_len=cfg.model.seq_len, seed=cfg.run.seed)
-    ckpt = CheckpointManager(out / "checkpoints", cfg.checkpoint, d, events,
-                             on_write_started=faults.on_checkpoint_write_started)
-    state = TrainState()
-    tokens_per_step = cfg.data.batch_size * cfg.data.grad_accum * cfg.model.seq_len * d.world_size
+    def __init__(self, cfg: TrainConfig):
+        ensure_launcher_env()
+        self.cfg = cfg
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.out = Path(cfg.run.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.events_path = self.out / "events.jsonl"
+        self.events = EventLog(self.events_path, self.rank)
+        self.sigterm = SigtermFlag.install(
+            on_exit=lambda: self.events.emit("exit", reason="sigterm outside the training loop"))
+        if self.rank == 0:
+            self._record_start()
+        self.events.emit("worker_start", pid=os.getpid())
+        self.faults = FaultInjector(cfg.faults.inject_fault, self.rank, self.world_size, self.events,
+                                    self.events_path,
+                                    chaos_seed=cfg.faults.chaos_seed if cfg.faults.chaos_seed >= 0 else None,
+                                    fault_every_s=cfg.faults.fault_every)
+        self.ft = FTManager(cfg.restart.ft_calc_after_steps, cfg.restart.ft_min_step_timeout_s)
+        self.split_train = Split.open(Path(cfg.data.data), "train")
+        self.split_val = Split.open(Path(cfg.data.data), "val")
+        self.ckpt: CheckpointManager | None = None
 
-    # ---- resume: the newest committed checkpoint, else a fresh start
-    loaded = app_state(model, optimizer, scheduler, state, d)
-    resumed_from = ckpt.load_latest(loaded)
-    if resumed_from is not None:
-        set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
-        scheduler.load_state_dict(loaded["scheduler"])
-        state = TrainState(**loaded["train"])
-        set_rng_state(loaded[f"rng_rank{d.rank}"], d.device)
-    else:
-        # Per-rank stream for dropout; model init above used the shared seed.
-        torch.manual_seed(cfg.run.seed + 1 + d.rank)
-    sampler.batches_read = state.batches_read
-    if d.is_main:
-        log.info("model %.2fM params, %s on %d x %s, %d tokens/step, %s", n_params / 1e6,
-                 cfg.parallel.parallel, d.world_size, d.device.type, tokens_per_step,
-                 f"resumed from step {resumed_from}" if resumed_from is not None else "fresh start")
-        events.emit("resumed" if resumed_from is not None else "fresh_start", step=state.step)
+    def _record_start(self) -> None:
+        restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        earlier = any(e["event"] == "run_start" for e in read_events(self.events_path))
+        self.cfg.save(self.out / "config.json")
+        self.events.emit("run_start", world_size=self.world_size, restart_count=restart_count)
+        if restart_count > 0:
+            self.events.emit("restart", layer="injob", restart_count=restart_count)
+        elif earlier:
+            self.events.emit("restart", layer="job")
+
+    def checkpoints(self, d: Dist) -> CheckpointManager:
+        if self.ckpt is None:
+            self.ckpt = CheckpointManager(self.out / "checkpoints", self.cfg.checkpoint, d, self.events,
+                                          on_write_started=self.faults.on_checkpoint_write_started)
+        return self.ckpt
+
+    def close(self) -> None:
+        if self.ckpt is not None:
+            self.ckpt.close()
+        self.ft.close()
+        self.events.close()
+
+
+def train(session: Session, call_wrapper=None) -> dict | None:
+    """Run (or resume) training to ``max_steps``; return the summary on rank 0 (None if stopped early).
+
+    Under the in-process Wrapper, ``call_wrapper`` is injected and this runs again after every fault.
+    """
+    cfg, events, ft = session.cfg, session.events, session.ft
+    iteration = call_wrapper.iteration if call_wrapper is not None else 0
+    session.sigterm.in_loop = False
+    ft.reset()
+    with ft.section("setup"):
+        store = iteration_store(iteration) if call_wrapper is not None else None
+        d = init_distributed(cfg.restart.collective_timeout_s, store=store)
+        if iteration > 0 and d.is_main:
+            events.emit("restart", layer="inprocess", iteration=iteration)
+
+        # ---- build: the same on every rank (same seed), then sharded/replicated
+        torch.manual_seed(cfg.run.seed)
+        model = ByteGPT(cfg.model).to(d.device)
+        n_params = model.num_params()
+        model = parallelize(model, cfg.parallel.parallel, d)
+        optimizer = build_optimizer(model, cfg.optim)
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
+                                                      lambda s: get_lr(s, cfg.optim, cfg.run.max_steps))
+        sampler = BatchSampler(session.split_train, rank=d.rank, world_size=d.world_size,
+                               batch_size=cfg.data.batch_size, seq_len=cfg.model.seq_len, seed=cfg.run.seed)
+        ckpt = session.checkpoints(d)
+        state = TrainState()
+        tokens_per_step = cfg.data.batch_size * cfg.data.grad_accum * cfg.model.seq_len * d.world_size
+
+        def app_state() -> dict:
+            """Everything a checkpoint holds. RNG state is per rank, so its key carries the rank."""
+            model_sd, optim_sd = get_state_dict(model, optimizer)
+            return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(),
+                    "train": asdict(state), f"rng_rank{d.rank}": rng_state(d.device), "ft": ft.state_json()}
+
+        # ---- resume: the in-memory snapshot after an in-process restart, else the newest committed
+        # checkpoint, else a fresh start
+        resumed_from, source, loaded = ckpt.restore(app_state())
+        if resumed_from is not None:
+            set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+            scheduler.load_state_dict(loaded["scheduler"])
+            state = TrainState(**loaded["train"])
+            set_rng_state(loaded[f"rng_rank{d.rank}"], d.device)
+            ft.load_state_json(loaded["ft"])
+        else:
+            # Per-rank stream for dropout; model init above used the shared seed.
+            torch.manual_seed(cfg.run.seed + 1 + d.rank)
+        sampler.batches_read = state.batches_read
+        if d.is_main:
+            log.info("model %.2fM params, %s on %d x %s, %d tokens/step, %s", n_params / 1e6,
+                     cfg.parallel.parallel, d.world_size, d.device.type, tokens_per_step,
+                     f"resumed from step {resumed_from} ({source})" if resumed_from is not None else "fresh start")
+            events.emit("resumed" if resumed_from is not None else "fresh_start", step=state.step, source=source)
+        policy = IntervalPolicy(cfg.checkpoint, events_path=session.events_path, start_step=state.step)
 
     # ---- loop
-    last_ckpt_time = time.monotonic()
-    loss_mean = float("nan")
-    while state.step < cfg.run.max_steps:
-        ckpt.maybe_finalize()
-        t0 = time.monotonic()
-        loss = train_step(model, optimizer, sampler, cfg, d,
-                          before_optimizer_step=lambda: faults.maybe_fire(state.step + 1))
-        scheduler.step()
-        state.step += 1
-        state.batches_read = sampler.batches_read
-        state.tokens += tokens_per_step
-        # Sync point, once per step: mean loss, any rank's SIGTERM, and rank 0's clock for time-based
-        # checkpoints travel in one all-reduce so every rank takes the same decision at the same step.
-        time_due = d.is_main and cfg.checkpoint.ckpt_every_s > 0 and \
-            time.monotonic() - last_ckpt_time >= cfg.checkpoint.ckpt_every_s
-        flags = torch.stack([loss.float(), torch.tensor(float(sigterm.is_set), device=d.device),
-                             torch.tensor(float(time_due), device=d.device)])
-        dist.all_reduce(flags)
-        loss_mean, stop, time_due = flags[0].item() / d.world_size, flags[1].item() > 0, flags[2].item() > 0
-        step_s = time.monotonic() - t0
-        if d.is_main:
-            events.emit("step", step=state.step, loss=round(loss_mean, 6), step_s=round(step_s, 5),
-                        lr=scheduler.get_last_lr()[0], tokens=state.tokens)
-            if state.step % cfg.run.log_every == 0 or state.step == 1:
-                log.info("step %d/%d loss %.4f %.0f ms %.0f tok/s", state.step, cfg.run.max_steps, loss_mean,
-                         step_s * 1e3, tokens_per_step / step_s)
-        if stop:
-            events.emit("sigterm", step=state.step)
-            t_sig = time.monotonic()
-            ckpt.save(state.step, app_state(model, optimizer, scheduler, state, d), blocking=True)
-            took = time.monotonic() - t_sig
-            if took > cfg.checkpoint.sigterm_grace_s and d.is_main:
-                log.warning("final checkpoint took %.1fs, over the %.0fs grace period", took,
-                            cfg.checkpoint.sigterm_grace_s)
+    session.sigterm.in_loop = True
+    try:
+        while state.step < cfg.run.max_steps:
+            with ft.section("step"):
+                ckpt.maybe_finalize()
+                t0 = time.monotonic()
+                loss = train_step(model, optimizer, sampler, cfg, d,
+                                  before_optimizer_step=lambda: session.faults.maybe_fire(state.step + 1))
+                scheduler.step()
+                state.step += 1
+                state.batches_read = sampler.batches_read
+                state.tokens += tokens_per_step
+                # Sync point, once per step: mean loss, any rank's SIGTERM, and rank 0's checkpoint decision
+                # travel in one all-reduce, so every rank takes the same decision at the same step.
+                due = d.is_main and policy.due(state.step, cfg.run.max_steps)
+                flags = torch.stack([loss.float(), torch.tensor(float(session.sigterm.is_set), device=d.device),
+                                     torch.tensor(float(due), device=d.device)])
+                _all_reduce_interruptible(flags)
+                loss_mean, stop, due = flags[0].item() / d.world_size, flags[1].item() > 0, flags[2].item() > 0
+                step_s = time.monotonic() - t0
+            policy.observe_step(step_s)
+            ft.observe_step(step_s)
             if d.is_main:
-                events.emit("exit", reason="sigterm", step=state.step, ckpt_s=round(took, 4))
-            ckpt.close()
-            dist.destroy_process_group()
-            return None
-        every = cfg.checkpoint.ckpt_every
-        if (every and state.step % every == 0 and state.step < cfg.run.max_steps) or time_due:
-            ckpt.save(state.step, app_state(model, optimizer, scheduler, state, d))
-            last_ckpt_time = time.monotonic()
+                events.emit("step", step=state.step, loss=round(loss_mean, 6), step_s=round(step_s, 5),
+                            lr=scheduler.get_last_lr()[0], tokens=state.tokens)
+                if state.step % cfg.run.log_every == 0 or state.step == 1:
+                    log.info("step %d/%d loss %.4f %.0f ms %.0f tok/s", state.step, cfg.run.max_steps, loss_mean,
+                             step_s * 1e3, tokens_per_step / step_s)
+            if stop:
+                return _stop_on_sigterm(session, ckpt, d, state, app_state, call_wrapper)
+            if due:
+                with ft.section("checkpoint"), _atomic(call_wrapper):
+                    policy.observe_checkpoint(ckpt.save(state.step, app_state()))
+    except BaseException:
+        # Failing over to a restart: from here a SIGTERM has nothing to save and ends the process at once.
+        session.sigterm.in_loop = False
+        raise
 
     # ---- teardown: the final checkpoint, validation, identity of the weights
-    ckpt.maybe_finalize()
-    if not (step_dir(ckpt.root, state.step) / COMMITTED).exists():
-        ckpt.save(state.step, app_state(model, optimizer, scheduler, state, d), blocking=True)
-    ckpt.wait()
-    val_loss = validation_loss(model, val_split, cfg, d)
-    sha = params_sha256(model)
-    summary = None
-    if d.is_main:
-        events.emit("run_end", step=state.step, val_loss=round(val_loss, 6))
-        summary = summarize(read_events(out / "events.jsonl"), steps=state.step, tokens=state.tokens,
-                            final_val_loss=val_loss, params_sha256=sha, n_params=n_params)
-        write_summary(out / "summary.json", summary)
-        log.info("done: %d steps, val loss %.4f, %d checkpoints, params %s", state.step, val_loss,
-                 summary["checkpoints_committed"], sha[:16])
-    ckpt.close()
-    events.close()
-    dist.destroy_process_group()
+    with ft.section("checkpoint"):
+        ckpt.maybe_finalize()
+        if not (step_dir(ckpt.root, state.step) / COMMITTED).exists():
+            with _atomic(call_wrapper):
+                ckpt.save(state.step, app_state(), blocking=True)
+        ckpt.wait()
+        val_loss = validation_loss(model, session.split_val, cfg, d)
+        sha = params_sha256(model)
+        summary = None
+        if d.is_main:
+            events.emit("run_end", step=state.step, val_loss=round(val_loss, 6))
+            summary = summarize(read_events(session.events_path), steps=state.step, tokens=state.tokens,
+                                final_val_loss=val_loss, params_sha256=sha, n_params=n_params)
+            write_summary(session.out / "summary.json", summary)
+            log.info("done: %d steps, val loss %.4f, %d checkpoints, goodput %.3f, params %s", state.step, val_loss,
+                     summary["checkpoints_committed"], summary["goodput"], sha[:16])
+        dist.destroy_process_group()
     return summary
+
+
+def _all_reduce_interruptible(tensor: torch.Tensor) -> None:
+    """All-reduce that waits in Python rather than inside the backend.
+
+    When another rank fails, NVRx's Wrapper interrupts this thread with an asynchronous exception; it
+    is delivered within one poll here, whereas a wait inside gloo would last until the collective
+    timeout.
+    """
+    work = dist.all_reduce(tensor, async_op=True)
+    while not work.is_completed():
+        time.sleep(0.0005)
+    work.wait()
+
+
+def _stop_on_sigterm(session: Session, ckpt: CheckpointManager, d: Dist, state: TrainState, app_state,
+                     call_wrapper) -> None:
+    """Every rank saw the SIGTERM flag at the same step: commit a final checkpoint and return."""
+    session.events.emit("sigterm", step=state.step)
+    t0 = time.monotonic()
+    with session.ft.section("checkpoint"), _atomic(call_wrapper):
+        ckpt.save(state.step, app_state(), blocking=True)
+    took = time.monotonic() - t0
+    if d.is_main:
+        if took > session.cfg.checkpoint.sigterm_grace_s:
+            log.warning("final checkpoint took %.1fs, over the %.0fs grace period", took,
+                        session.cfg.checkpoint.sigterm_grace_s)
+        session.events.emit("exit", reason="sigterm", step=state.step, ckpt_s=round(took, 4))
+    dist.destroy_process_group()
+    return None
+
+
+def _atomic(call_wrapper):
+    """The Wrapper's ``atomic()``: a save is never cut in half by a restart in progress."""
+    return call_wrapper.atomic() if call_wrapper is not None else contextlib.nullcontext()
+
+
+def run(cfg: TrainConfig) -> dict | None:
+    """Entry point: train under the configured recovery layers."""
+    session = Session(cfg)
+    try:
+        if cfg.restart.restart in ("inprocess", "both"):
+            return run_with_inprocess_restart(lambda call_wrapper: train(session, call_wrapper), cfg.restart,
+                                              cuda=torch.cuda.is_available())
+        return train(session)
+    finally:
+        session.close()

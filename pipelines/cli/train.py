@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from pathlib import Path
 
@@ -9,6 +10,17 @@ import click
 
 from trainer.config import describe_flags
 from trainer.launch import LaunchConfig, run_local_training
+
+
+def launch_options(fn):
+    """One option per ft_launcher setting of ``LaunchConfig`` (the rendezvous is local here)."""
+    for f in reversed(dataclasses.fields(LaunchConfig)):
+        if f.name in ("nproc_per_node", "nnodes", "rdzv_endpoint", "rdzv_id"):
+            continue
+        fn = click.option("--" + f.name.replace("_", "-"), default=f.default, show_default=True,
+                          type=type(f.default), help=f.metadata["help"][:1].upper() + f.metadata["help"][1:] + ".")(fn)
+    return fn
+
 
 # \b keeps click from re-wrapping each section of the trainer's flags.
 TRAINER_HELP = "\n\n".join(
@@ -20,12 +32,14 @@ TRAINER_HELP = "\n\n".join(
                                  "help_option_names": ["-h", "--help"]},
                epilog="Trainer options (passed through to `python -m trainer`):\n\n" + TRAINER_HELP)
 @click.option("--nproc", default=2, show_default=True, help="Worker processes (GPUs, or CPU ranks with gloo).")
-@click.option("--max-restarts", default=3, show_default=True,
-              help="In-job restarts of the worker group by ft_launcher before the run fails.")
 @click.option("--fsx-root", default="fsx", show_default=True, type=click.Path(path_type=Path),
               help="Local stand-in for the FSx mount; the default dataset is built under it.")
+@click.option("--restart", type=click.Choice(["inprocess", "injob", "both"]), default="both", show_default=True,
+              help="Recovery layers: inprocess (NVRx Wrapper restarts the training function in the same "
+                   "processes), injob (ft_launcher restarts the worker group), or both.")
+@launch_options
 @click.pass_context
-def train(ctx: click.Context, nproc: int, max_restarts: int, fsx_root: Path) -> None:
+def train(ctx: click.Context, nproc: int, fsx_root: Path, restart: str, **launch: float) -> None:
     """Train on this machine: NVRx ft_launcher starts NPROC ranks of `python -m trainer`.
 
     Without --data the default dataset (this Python's standard library, no download) is built under
@@ -39,8 +53,8 @@ def train(ctx: click.Context, nproc: int, max_restarts: int, fsx_root: Path) -> 
     from rich.table import Table
 
     try:
-        code, summary = run_local_training(ctx.args, LaunchConfig(nproc_per_node=nproc, max_restarts=max_restarts),
-                                           fsx_root)
+        code, summary = run_local_training([*ctx.args, "--restart-layers", restart],
+                                           LaunchConfig(nproc_per_node=nproc, **launch), fsx_root)
     except (ValueError, FileNotFoundError) as e:
         raise click.UsageError(str(e)) from None
     if summary is None:
@@ -50,6 +64,10 @@ def train(ctx: click.Context, nproc: int, max_restarts: int, fsx_root: Path) -> 
         sys.exit(code)
     table = Table(title="training summary", show_header=False)
     for key in ("steps", "tokens", "final_train_loss", "final_val_loss", "checkpoints_committed",
-                "ckpt_block_s_p50", "ckpt_block_s_max", "restarts", "wall_s", "params_sha256"):
+                "ckpt_block_s_p50", "ckpt_block_s_max", "restarts", "restarts_inprocess", "restarts_injob",
+                "lost_steps", "goodput", "wall_s", "params_sha256"):
         table.add_row(key, str(summary.get(key)))
+    for f in summary.get("faults", []):
+        table.add_row(f"fault {f['kind']}@{f['step']}:{f['rank']}",
+                      f"recovered in {f['recovered_s']}s by {f['layer']}")
     Console().print(table)
