@@ -1,0 +1,97 @@
+"""The checkpoint manager in one process (gloo, world size 1): NVRx async round trip, commit protocol,
+retention, torn directories, in-memory restore. The multi-rank crash cases are in test_resume.py."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint import COMMITTED, CheckpointManager, committed_steps, delete_checkpoint, step_dir
+from trainer.config import CheckpointConfig
+from trainer.events import EventLog, read_events
+from trainer.parallel import Dist
+
+
+@pytest.fixture
+def process_group(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    dist.init_process_group("gloo")
+    yield Dist(0, 1, 0, torch.device("cpu"))
+    dist.destroy_process_group()
+
+
+def _state(seed: float) -> dict:
+    g = torch.Generator().manual_seed(int(seed))
+    return {"model": {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g)},
+            "train": {"step": int(seed)}, "scalar": torch.tensor(seed)}
+
+
+def _zeros() -> dict:
+    return {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)}, "train": {"step": -1},
+            "scalar": torch.tensor(0.0)}
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_round_trip_commit_retention_and_torn_cleanup(tmp_path, process_group, sync):
+    events = EventLog(tmp_path / "events.jsonl", 0)
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(keep=2, sync=sync), process_group, events)
+    try:
+        live = _state(1)
+        for step in (1, 2, 3):
+            live = _state(step)
+            block = mgr.save(step, live)
+            assert block >= 0
+            for t in live["model"].values():       # the loop mutates the state right after save returns:
+                t.add_(100.0)                      # the checkpoint must hold the snapshot, not this
+            mgr.maybe_finalize()
+        mgr.wait()
+        mgr._purger.join()
+        assert committed_steps(tmp_path / "ckpt") == [2, 3]           # retention: keep=2
+        # A torn directory (no marker) is ignored and deleted by the next restore.
+        torn = step_dir(tmp_path / "ckpt", 4)
+        torn.mkdir()
+        (torn / "__0_0.distcp").write_bytes(b"partial")
+        fresh = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(keep=2, sync=sync), process_group, events)
+        try:
+            step, source, restored = fresh.restore(_zeros())
+        finally:
+            fresh.close()
+        assert (step, source) == (3, "checkpoint") and not torn.exists()
+        expected = _state(3)
+        assert torch.equal(restored["model"]["w"], expected["model"]["w"])
+        assert restored["train"]["step"] == 3 and float(restored["scalar"]) == 3.0
+        kinds = [e["event"] for e in read_events(tmp_path / "events.jsonl")]
+        assert kinds.count("ckpt_committed") == 3 and "ckpt_torn_deleted" in kinds
+    finally:
+        mgr.close()
+
+
+def test_in_memory_restore_after_an_in_process_restart(tmp_path, process_group):
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
+    try:
+        mgr.save(5, _state(5))
+        step, source, restored = mgr.restore(_zeros())        # what a restarted training function does
+        assert (step, source) == (5, "memory")
+        assert torch.equal(restored["model"]["b"], _state(5)["model"]["b"])
+        mgr.wait()
+        assert (step_dir(tmp_path / "ckpt", 5) / COMMITTED).exists()  # the write still completed and committed
+    finally:
+        mgr.close()
+
+
+def test_delete_uncommits_before_removing(tmp_path):
+    d = tmp_path / "step_000000001"
+    d.mkdir()
+    (d / COMMITTED).write_text("{}")
+    (d / "x.distcp").write_bytes(b"1")
+    os.chmod(d / "x.distcp", 0o444)
+    delete_checkpoint(d)
+    assert not d.exists() and committed_steps(tmp_path) == []

@@ -1,0 +1,82 @@
+"""Goodput arithmetic, the checkpoint-interval policy and the fault schedule, against hand-computed cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from trainer.config import CheckpointConfig
+from trainer.faults import Fault, chaos_schedule
+from trainer.goodput import IntervalPolicy, account, project, young_daly_interval_s
+
+
+def test_young_daly():
+    # sqrt(2 * 0.5 s * 3600 s) = sqrt(3600) = 60 s
+    assert young_daly_interval_s(0.5, 3600) == pytest.approx(60.0)
+
+
+def test_projection_against_hand_computed_values():
+    # 1000 GPUs at 1e-4 failures/GPU-hour: 0.1 failures/hour, MTBF 36,000 s.
+    p = project(1000, 1e-4, ckpt_block_s=0.02, recovery_s=10.0, job_ckpt_block_s=20.0, job_recovery_s=600.0,
+                job_hours=1.0)
+    assert p["mtbf_s"] == 36000.0
+    # ours: tau = sqrt(2*0.02*36000) = 37.947 s; goodput = (1 - (10 + 18.974)/36000) / (1 + 0.02/37.947)
+    tau = math.sqrt(2 * 0.02 * 36000)
+    assert p["ours"]["interval_s"] == pytest.approx(tau, abs=0.05)
+    assert p["ours"]["goodput"] == pytest.approx((1 - (10 + tau / 2) / 36000) / (1 + 0.02 / tau), abs=1e-5)
+    # job restart: tau = sqrt(2*20*36000) = 1200 s; goodput = (1 - (600 + 600)/36000) / (1 + 20/1200)
+    assert p["job_restart"]["goodput"] == pytest.approx((1 - 1200 / 36000) / (1 + 20 / 1200), abs=1e-5)
+    # scratch: W = 3600 s, l = 1/36000: T = (e^0.1 - 1) * (36000 + 600) = 3849.3 s; goodput = 3600 / 3849.3
+    assert p["restart_from_scratch"]["goodput"] == pytest.approx(3600 / (math.expm1(0.1) * 36600), abs=1e-5)
+    assert p["ours"]["goodput"] > p["job_restart"]["goodput"] > p["restart_from_scratch"]["goodput"]
+
+
+def _ev(t, event, **kw):
+    return {"t": t, "rank": kw.pop("rank", 0), "event": event, **kw}
+
+
+def test_account_attributes_faults_redone_steps_and_time():
+    events = [
+        _ev(0.0, "run_start"),
+        *[_ev(10.0 + s, "step", step=s, step_s=1.0) for s in range(1, 5)],          # steps 1-4 at t=11..14
+        _ev(14.5, "ckpt_snapshot", step=4, block_s=0.25),
+        _ev(15.2, "fault_injected", kind="kill", step=6, rank=1, fault="kill@6:1"),  # dies during step 5
+        _ev(20.0, "run_start"), _ev(20.0, "restart", layer="injob"),
+        *[_ev(22.0 + i, "step", step=s, step_s=1.0) for i, s in enumerate(range(5, 9))],  # 5-8 at t=22..25
+    ]
+    a = account(events)
+    assert a["faults"] == [{"kind": "kill", "rank": 1, "step": 6, "detected_s": 4.8, "recovered_s": 6.8,
+                            "layer": "injob"}]
+    assert (a["restarts_injob"], a["restarts_inprocess"], a["lost_steps"]) == (1, 0, 0)
+    b = a["goodput_breakdown"]
+    assert b["productive_s"] == 8.0 and b["wall_s"] == 25.0 and b["startup_s"] == 10.0
+    assert b["restart_s"] == pytest.approx(21.0 - 15.2)          # fault -> start of the first step after
+    assert a["goodput"] == round(8 / 25, 4)
+    redo = account(events + [_ev(26.0, "step", step=8, step_s=1.0)])
+    assert redo["lost_steps"] == 1 and redo["goodput_breakdown"]["redone_s"] == 1.0
+
+
+def test_interval_policy_by_steps_and_auto(tmp_path):
+    fixed = IntervalPolicy(CheckpointConfig(ckpt_every="5"), tmp_path / "events.jsonl")
+    assert [s for s in range(1, 21) if fixed.due(s, 20)] == [5, 10, 15]       # the final one is the teardown's
+    auto = IntervalPolicy(CheckpointConfig(ckpt_every="auto", mtbf_s=5000.0), tmp_path / "events.jsonl")
+    assert [s for s in range(1, 12) if auto.due(s, 100)] == [10]              # first save measures the cost
+    for _ in range(5):
+        auto.observe_step(0.1)
+    auto.observe_checkpoint(0.9)        # first save: staging allocation, ignored once there is a second
+    auto.observe_checkpoint(0.4)
+    # sqrt(2 * 0.4 * 5000) = 63.2 s / 0.1 s per step = 632 steps
+    assert auto.every == 632
+
+
+def test_fault_specs_and_chaos_schedule():
+    assert Fault.parse("kill@12:1") == Fault("kill", 12, 1)
+    assert Fault.parse("hang@3").rank == 0
+    for bad in ("kill", "kill@x", "nap@3", "kill@3:r"):
+        with pytest.raises(ValueError):
+            Fault.parse(bad)
+    a = chaos_schedule(7, 60.0, 4, horizon_s=3600)
+    assert a == chaos_schedule(7, 60.0, 4, horizon_s=3600) != chaos_schedule(8, 60.0, 4, horizon_s=3600)
+    assert 30 < len(a) < 100 and all(0 <= r < 4 for _, _, r in a)              # ~60 expected in an hour
+    assert {k for _, k, _ in a} == {"exception", "kill", "hang"}
