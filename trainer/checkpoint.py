@@ -47,6 +47,7 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 from .config import CheckpointConfig
 from .events import EventLog
 from .layout import COMMITTED, step_of, committed_steps, read_marker, step_dir
+from .mirror import CheckpointMirror, maybe_fetch_from_mirror
 from .parallel import Dist
 
 log = logging.getLogger(__name__)
@@ -140,6 +141,8 @@ class CheckpointManager:
 
         self._purger: threading.Thread | None = None
         self.block_s: list[float] = []
+        # Rank 0 commits, so rank 0 mirrors (--ckpt-mirror): a background uploader fed by _commit.
+        self.mirror = CheckpointMirror(root, cfg, events) if cfg.mirror and d.is_main else None
 
     # ----------------------------------------------------------------------------------------- load
     def restore(self, state: dict) -> tuple[int | None, str, dict]:
@@ -176,6 +179,9 @@ class CheckpointManager:
         Rank 0 picks the step and deletes torn directories first; the choice is broadcast so every rank
         loads the same checkpoint.
         """
+        if self.cfg.mirror:
+            # Collective: with no committed checkpoint on FSx, rank 0 first fetches the newest mirrored one.
+            maybe_fetch_from_mirror(self.root, self.cfg, self.d, self.events)
         choice = [None]
         if self.d.is_main:
             steps = committed_steps(self.root)
@@ -205,6 +211,7 @@ class CheckpointManager:
         """
         t0 = time.monotonic()
         path = step_dir(self.root, step)
+        phases: dict[str, float] = {}
         if self.d.is_main:
             self.events.emit("ckpt_start", step=step)
         if self.cfg.sync:
@@ -216,37 +223,45 @@ class CheckpointManager:
             if self.d.is_main:
                 self._commit(_Pending(step, t0), results=None)
         else:
-            self._save_async(step, state, path, t0)
+            phases = self._save_async(step, state, path, t0)
             if blocking:
                 self.wait()
         block_s = time.monotonic() - t0
         self.block_s.append(block_s)
         if self.d.is_main:
-            self.events.emit("ckpt_snapshot", step=step, block_s=round(block_s, 4), sync=self.cfg.sync or blocking)
+            self.events.emit("ckpt_snapshot", step=step, block_s=round(block_s, 4), sync=self.cfg.sync or blocking,
+                             **{k: round(v, 4) for k, v in phases.items()})
         return block_s
 
-    def _save_async(self, step: int, state: dict, path: Path, t0: float) -> None:
+    def _save_async(self, step: int, state: dict, path: Path, t0: float) -> dict[str, float]:
+        """Snapshot and hand off; returns where the blocking time went (wait, commit, copy, plan, handoff)."""
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
 
         # The staging copy is reused, so the previous write must be finished before it is overwritten.
         self.queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
-        if self.pending:
+        t_wait = time.monotonic()
+        if self.snapshot_step is not None:
             # Sync point: every rank has recorded the previous write, so rank 0 commits it now; otherwise a
-            # crash during this save would lose a checkpoint that was already whole on disk.
+            # crash during this save would lose a checkpoint that was already whole on disk. The condition must
+            # be the same on every rank: ``pending`` is not (a non-zero rank drops a step once its own part is
+            # written, rank 0 only once every part is), and a barrier on rank 0 alone deadlocks the loop.
             dist.barrier()
             self._maybe_commit()
+        t_commit = time.monotonic()
         if self.staging is None:
             self.staging = self._allocate_staging(state)
         snapshot = _copy_state_dict(state, self.staging)
         self.snapshot, self.snapshot_step = snapshot, step
         if self.d.device.type == "cuda":
             torch.cuda.synchronize()
+        t_copy = time.monotonic()
         writer = FileSystemWriterAsync(str(path), thread_count=self.cfg.write_threads)
         writer, metadata, _ = save_state_dict_async_plan(snapshot, writer, enable_cache=True,
                                                          metadata_cache=self.plan_cache)
         save_fn, _, save_args = writer.get_save_function_and_args()
+        t_plan = time.monotonic()
         pending = _Pending(step, t0, writer if self.d.is_main else None, metadata)
 
         def finalize() -> None:
@@ -258,6 +273,8 @@ class CheckpointManager:
         self.pending.append(pending)
         if self.on_write_started:
             self.on_write_started(step)
+        return {"wait_s": t_wait - t0, "commit_s": t_commit - t_wait, "copy_s": t_copy - t_commit,
+                "plan_s": t_plan - t_copy, "handoff_s": time.monotonic() - t_plan}
 
     def _new_plan_cache(self):
         """NVRx reuses the global save plan once it is stable: later saves plan without collectives."""
@@ -285,12 +302,21 @@ class CheckpointManager:
             raise RuntimeError(f"checkpoint at step {self.pending[0].step} could not be committed: "
                                f"a rank's write results are missing")
 
+    def maybe_drain_mirror(self) -> None:
+        """Rank 0: wait, at most --ckpt-mirror-drain-s, until every committed checkpoint is mirrored."""
+        if self.mirror is not None:
+            self.mirror.drain(self.cfg.mirror_drain_s)
+
     def close(self) -> None:
         if self.queue is not None:
+            # Rank-local finalize first: NVRx's own close() would synchronize ranks through CUDA.
+            self.queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
             self.queue.close()
             self.queue = None
         if self._purger is not None:
             self._purger.join()
+        if self.mirror is not None:
+            self.mirror.close(self.cfg.mirror_drain_s)
 
     # --------------------------------------------------------------------------------------- commit
     def _maybe_commit(self) -> None:
@@ -317,6 +343,8 @@ class CheckpointManager:
                   "files": sorted(f.name for f in path.iterdir() if not f.name.startswith(".rank"))}
         _write_atomic(path / COMMITTED, json.dumps(marker).encode())
         self.events.emit("ckpt_committed", step=p.step, commit_s=round(time.monotonic() - p.started, 4))
+        if self.mirror is not None:
+            self.mirror.enqueue(p.step, marker["committed_at"])
         self._start_purge(p.step)
 
     # ------------------------------------------------------------------------------------ retention
@@ -331,6 +359,8 @@ class CheckpointManager:
     def _purge(self, newest: int) -> None:
         try:
             for step in committed_steps(self.root)[:-self.cfg.keep]:
+                if self.mirror is not None and self.mirror.holds(step):
+                    continue    # not in the mirror yet: deleted by a later purge
                 delete_checkpoint(step_dir(self.root, step))
             self._delete_torn(older_than=newest)
         except OSError as e:  # pragma: no cover - depends on the file system

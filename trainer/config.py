@@ -68,6 +68,23 @@ class CheckpointConfig:
     write_threads: int = _f(1, "writer processes per rank for async checkpoints", flag="--ckpt-threads")
     sigterm_grace_s: float = _f(30.0, "seconds the final checkpoint after SIGTERM may take before the "
                                       "pod's grace period runs out; exceeding it is logged")
+    # Mirror of committed checkpoints in S3 (trainer/mirror.py): survives the loss of FSx, its AZ or the cluster.
+    mirror: str = _f("", "copy every committed checkpoint in the background to s3://BUCKET/PREFIX and resume "
+                         "from there when FSx has none (empty = off)", flag="--ckpt-mirror")
+    mirror_endpoint_url: str = _f("", "S3-compatible endpoint URL of the mirror (empty = AWS S3)",
+                                  flag="--ckpt-mirror-endpoint-url")
+    mirror_keep: int = _f(3, "committed checkpoints to keep in the mirror (older ones are deleted)",
+                          flag="--ckpt-mirror-keep")
+    mirror_concurrency: int = _f(8, "parallel S3 requests of mirror uploads and downloads (s3transfer threads)",
+                                 flag="--ckpt-mirror-concurrency")
+    mirror_part_mib: int = _f(64, "multipart threshold and part size of mirror transfers, in MiB (at least 5)",
+                              flag="--ckpt-mirror-part-mib")
+    mirror_max_attempts: int = _f(10, "attempts per S3 request (botocore standard retries: backoff with jitter "
+                                      "on throttling, 5xx and connection errors)", flag="--ckpt-mirror-max-attempts")
+    mirror_retry_s: float = _f(5.0, "seconds before a checkpoint whose upload failed is uploaded again "
+                                    "(doubles per failure, at most 300 s)", flag="--ckpt-mirror-retry-s")
+    mirror_drain_s: float = _f(30.0, "seconds the end of training (or exit after SIGTERM) waits for the mirror "
+                                     "to finish uploading", flag="--ckpt-mirror-drain-s")
 
 
 @dataclass
@@ -86,8 +103,12 @@ class RestartConfig:
                       # Not --restart: ft_launcher's argparse would claim it as an abbreviation of its own
                       # --restart-policy, even after the script name.
                       flag="--restart-layers")
-    collective_timeout_s: float = _f(30.0, "process-group timeout; on gloo it bounds how long a healthy rank "
-                                           "waits for a failed peer (NCCL is aborted by NVRx instead)")
+    collective_timeout_s: float = _f(300.0, "process-group timeout: the last-resort bound on a wait for a peer "
+                                            "that vanished inside a collective (faults are normally caught "
+                                            "sooner: the per-step sync is interruptible by the Wrapper, hung "
+                                            "ranks are killed by the rank monitor, NCCL is aborted by NVRx); "
+                                            "it must exceed the slowest legitimate wait, such as a checkpoint "
+                                            "write on a busy file system")
     monitor_interval_s: float = _f(0.25, "NVRx Wrapper's monitor, heartbeat and watchdog intervals",
                                    flag="--inprocess-interval-s")
     soft_timeout_s: float = _f(60.0, "Wrapper: no progress for this long aborts the rank's collectives",
@@ -115,6 +136,54 @@ class FaultConfig:
             self.inject_fault = []
 
 
+@dataclass
+class SpotConfig:
+    watch: bool = _f(False, "poll the EC2 instance metadata service (IMDSv2) for a spot interruption notice; "
+                            "on one, checkpoint (and mirror) at once and train on until SIGTERM",
+                     flag="--spot-watch")
+    metadata_url: str = _f("http://169.254.169.254", "base URL of the instance metadata service",
+                           flag="--spot-metadata-url")
+    poll_s: float = _f(2.0, "seconds between two polls of spot/instance-action", flag="--spot-poll-s")
+
+
+def _mirror_and_spot_problems(c: CheckpointConfig, s: SpotConfig) -> list[str]:
+    problems = []
+    if c.mirror and (not c.mirror.startswith("s3://") or not c.mirror[5:].split("/", 1)[0]):
+        problems.append(f"--ckpt-mirror must look like s3://BUCKET[/PREFIX], got {c.mirror!r}")
+    for name, value, low in (("--ckpt-mirror-keep", c.mirror_keep, 1), ("--ckpt-mirror-concurrency",
+                             c.mirror_concurrency, 1), ("--ckpt-mirror-part-mib", c.mirror_part_mib, 5),
+                             ("--ckpt-mirror-max-attempts", c.mirror_max_attempts, 1)):
+        if value < low:
+            problems.append(f"{name} must be at least {low}, got {value}")
+    if c.mirror_retry_s <= 0 or c.mirror_drain_s < 0:
+        problems.append("--ckpt-mirror-retry-s must be positive and --ckpt-mirror-drain-s not negative")
+    if s.poll_s <= 0:
+        problems.append(f"--spot-poll-s must be positive, got {s.poll_s}")
+    return problems
+
+
+@dataclass
+class MetricsConfig:
+    metrics_port: int = _f(0, "serve Prometheus metrics on this port + LOCAL_RANK (0 = off; the PyTorchJob "
+                              "builder turns it on at 9500)")
+    metrics_addr: str = _f("0.0.0.0", "address the metrics endpoint listens on")
+    run_refresh_s: float = _f(10.0, "rank 0 recomputes the run's goodput and restarts from events.jsonl at most "
+                                    "this often, in seconds", flag="--metrics-refresh-s")
+    data_wait_window: int = _f(50, "steps per data-starvation window")
+    data_wait_warn: float = _f(0.25, "warn once per window when waiting for batches takes at least this share "
+                                     "of the step time (0 = off)")
+
+
+def _metrics_problems(m: MetricsConfig) -> list[str]:
+    problems = []
+    if m.metrics_port != 0 and not 1 <= m.metrics_port <= 65535:
+        problems.append(f"--metrics-port must be 0 (off) or a port number, got {m.metrics_port}")
+    if m.data_wait_window < 1 or not 0 <= m.data_wait_warn <= 1 or m.run_refresh_s < 0:
+        problems.append("--data-wait-window must be at least 1, --data-wait-warn in [0, 1] and "
+                        "--metrics-refresh-s not negative")
+    return problems
+
+
 SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
@@ -124,6 +193,8 @@ SECTIONS: dict[str, type] = {
     "run": RunConfig,
     "restart": RestartConfig,
     "faults": FaultConfig,
+    "spot": SpotConfig,
+    "metrics": MetricsConfig,
 }
 
 
@@ -137,6 +208,8 @@ class TrainConfig:
     run: RunConfig = field(default_factory=RunConfig)
     restart: RestartConfig = field(default_factory=RestartConfig)
     faults: FaultConfig = field(default_factory=FaultConfig)
+    spot: SpotConfig = field(default_factory=SpotConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
     def validate(self) -> "TrainConfig":
         m, d, o, c, r = self.model, self.data, self.optim, self.checkpoint, self.run
@@ -175,6 +248,8 @@ class TrainConfig:
                 problems.append(str(e))
         if self.faults.chaos_seed >= 0 and self.faults.fault_every <= 0:
             problems.append("--chaos-seed needs --fault-every SECONDS > 0")
+        problems += _mirror_and_spot_problems(c, self.spot)
+        problems += _metrics_problems(self.metrics)
         if problems:
             raise ValueError("invalid trainer configuration:\n  " + "\n  ".join(problems))
         return self

@@ -176,9 +176,13 @@ def read_manifest(data_dir: Path) -> dict:
     return manifest
 
 
+def default_dataset_dir(fsx_root: Path) -> Path:
+    return Path(fsx_root) / "datasets" / DEFAULT_DATASET_NAME / default_dataset_version()
+
+
 def ensure_default_dataset(fsx_root: Path) -> Path:
     """Build the default dataset under ``fsx_root`` once; return its directory."""
-    out = Path(fsx_root) / "datasets" / DEFAULT_DATASET_NAME / default_dataset_version()
+    out = default_dataset_dir(fsx_root)
     if not (out / MANIFEST).is_file():
         build_dataset(default_source_dir(), out, files=default_source_files(), source="python-stdlib")
     return out

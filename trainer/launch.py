@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import parse_config
-from .data import ensure_default_dataset
+from .data import default_dataset_dir, ensure_default_dataset
 
 
 @dataclass
@@ -99,10 +99,13 @@ def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: 
     The core of ``goodput train`` without click, used by the local training backend too.
     """
     args = list(trainer_args)
-    if "--data" not in args:
-        args += ["--data", str(ensure_default_dataset(fsx_root))]
-    cfg = parse_config(args)          # a bad flag fails here, before anything starts
+    default_data = "--data" not in args
+    if default_data:
+        args += ["--data", str(default_dataset_dir(fsx_root))]
+    cfg = parse_config(args)          # a bad flag fails here, before anything is written or started
     launch.validate()
+    if default_data:
+        ensure_default_dataset(fsx_root)
     proc = subprocess.Popen(local_launcher_command(launch, args))
 
     def forward(signum, _frame):

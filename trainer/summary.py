@@ -7,6 +7,7 @@ import statistics
 from pathlib import Path
 
 from .goodput import account
+from .mirror import mirror_stats
 
 
 def summarize(events: list[dict], *, steps: int, tokens: int, final_val_loss: float, params_sha256: str,
@@ -29,6 +30,7 @@ def summarize(events: list[dict], *, steps: int, tokens: int, final_val_loss: fl
         "restarts": max(0, len(starts) - 1),
         "wall_s": round(t_end - starts[0]["t"], 3) if starts else 0.0,
         "params_sha256": params_sha256,
+        "mirror": mirror_stats(events),
         **account(events),
     }
 

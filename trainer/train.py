@@ -38,10 +38,12 @@ from .events import EventLog, read_events
 from .faults import FaultInjector
 from .ft import FTManager
 from .goodput import IntervalPolicy
+from .metrics import build_metrics
 from .model import ByteGPT
 from .parallel import Dist, ensure_launcher_env, init_distributed, parallelize
 from .restart import iteration_store, run_with_inprocess_restart
 from .signals import SigtermFlag
+from .spot import build_spot_watcher
 from .summary import summarize, write_summary
 
 log = logging.getLogger("trainer")
@@ -162,6 +164,10 @@ class Session:
                                     chaos_seed=cfg.faults.chaos_seed if cfg.faults.chaos_seed >= 0 else None,
                                     fault_every_s=cfg.faults.fault_every)
         self.ft = FTManager(cfg.restart.ft_calc_after_steps, cfg.restart.ft_min_step_timeout_s)
+        # --metrics-port: Prometheus endpoint on port + LOCAL_RANK; the data-starvation warning either way.
+        self.metrics = build_metrics(cfg.metrics, rank=self.rank, world_size=self.world_size, events=self.events,
+                                     events_path=self.events_path)
+        self.spot = build_spot_watcher(cfg.spot, self.events)   # --spot-watch: IMDSv2 poller on local rank 0
         self.split_train = Split.open(Path(cfg.data.data), "train")
         self.split_val = Split.open(Path(cfg.data.data), "val")
         self.ckpt: CheckpointManager | None = None
@@ -183,6 +189,8 @@ class Session:
         return self.ckpt
 
     def close(self) -> None:
+        self.spot.close()
+        self.metrics.close()
         if self.ckpt is not None:
             self.ckpt.close()
         self.ft.close()
@@ -214,6 +222,7 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                                                       lambda s: get_lr(s, cfg.optim, cfg.run.max_steps))
         sampler = BatchSampler(session.split_train, rank=d.rank, world_size=d.world_size,
                                batch_size=cfg.data.batch_size, seq_len=cfg.model.seq_len, seed=cfg.run.seed)
+        sampler.next_batch = session.metrics.time_batches(sampler.next_batch)   # data wait vs compute
         ckpt = session.checkpoints(d)
         state = TrainState()
         tokens_per_step = cfg.data.batch_size * cfg.data.grad_accum * cfg.model.seq_len * d.world_size
@@ -260,6 +269,8 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 # Sync point, once per step: mean loss, any rank's SIGTERM, and rank 0's checkpoint decision
                 # travel in one all-reduce, so every rank takes the same decision at the same step.
                 due = d.is_main and policy.due(state.step, cfg.run.max_steps)
+                # A spot interruption notice seen on this rank's node makes a checkpoint due (any rank: SUM below).
+                due = session.spot.maybe_due(state.step, cfg.run.max_steps) or due
                 flags = torch.stack([loss.float(), torch.tensor(float(session.sigterm.is_set), device=d.device),
                                      torch.tensor(float(due), device=d.device)])
                 _all_reduce_interruptible(flags)
@@ -267,6 +278,7 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 step_s = time.monotonic() - t0
             policy.observe_step(step_s)
             ft.observe_step(step_s)
+            session.metrics.observe_step(state.step, step_s, tokens_per_step)
             if d.is_main:
                 events.emit("step", step=state.step, loss=round(loss_mean, 6), step_s=round(step_s, 5),
                             lr=scheduler.get_last_lr()[0], tokens=state.tokens)
@@ -277,7 +289,9 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 return _stop_on_sigterm(session, ckpt, d, state, app_state, call_wrapper)
             if due:
                 with ft.section("checkpoint"), _atomic(call_wrapper):
-                    policy.observe_checkpoint(ckpt.save(state.step, app_state()))
+                    block_s = ckpt.save(state.step, app_state())
+                    policy.observe_checkpoint(block_s)
+                    session.metrics.observe_checkpoint(block_s)
     except BaseException:
         # Failing over to a restart: from here a SIGTERM has nothing to save and ends the process at once.
         session.sigterm.in_loop = False
@@ -294,6 +308,7 @@ def train(session: Session, call_wrapper=None) -> dict | None:
         sha = params_sha256(model)
         summary = None
         if d.is_main:
+            ckpt.maybe_drain_mirror()   # after the last collective: the summary sees the final one mirrored
             events.emit("run_end", step=state.step, val_loss=round(val_loss, 6))
             summary = summarize(read_events(session.events_path), steps=state.step, tokens=state.tokens,
                                 final_val_loss=val_loss, params_sha256=sha, n_params=n_params)

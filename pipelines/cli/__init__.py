@@ -13,6 +13,16 @@ import click
 # name -> "module:attribute"; each module holds one command.
 COMMANDS = {
     "train": "pipelines.cli.train:train",
+    "render-job": "pipelines.cli.render_job:render_job",
+    "stage": "pipelines.cli.stage:stage",
+    "evaluate": "pipelines.cli.evaluate:evaluate",
+    "compile": "pipelines.cli.compile:compile_cmd",
+    "upload": "pipelines.cli.upload:upload",
+    "run": "pipelines.cli.run:run",
+    "schedule": "pipelines.cli.schedule:schedule",
+    "runs": "pipelines.cli.runs:runs",
+    "advise": "pipelines.cli.advise:advise",
+    "fsx": "pipelines.cli.fsx:fsx",
 }
 
 

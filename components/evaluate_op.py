@@ -1,0 +1,72 @@
+"""KFP component: evaluate a run's checkpoints and gate promotion (``components.evaluate.evaluate_run``)."""
+
+import os
+from typing import NamedTuple
+
+from kfp import dsl
+from kfp.dsl import HTML, Dataset, Input, Metrics, Output
+
+# The image the component runs in: evaluation loads checkpoints with torch, so it is the trainer image
+# (images/trainer.Dockerfile), not the light component image. Override it, and PACKAGES, at compile time.
+BASE_IMAGE = os.environ.get("GOODPUT_EVALUATE_IMAGE", "ghcr.io/goodput-pipelines/trainer:0.1.0")
+PACKAGES = os.environ.get("GOODPUT_COMPONENT_PACKAGES", "").split()
+
+
+@dsl.component(base_image=BASE_IMAGE, packages_to_install=PACKAGES, install_kfp_package=False)
+def evaluate_op(
+    run_dir: str,
+    data_dir: str = "",
+    out_dir: str = "",
+    last_n: int = 0,
+    threshold: float = 5.545177444479562,
+    tolerance: float = 0.0,
+    model_name: str = "bytegpt",
+    registry: str = "",
+    endpoint_url: str = "",
+    *,
+    dataset: Input[Dataset] = None,
+    metrics: Output[Metrics],
+    report: Output[HTML],
+) -> NamedTuple("Outputs", [("promoted", bool), ("best_step", int), ("best_val_loss", float), ("model_uri", str)]):
+    """Evaluate the committed checkpoints of a training run, report them, and gate promotion.
+
+    Args:
+        run_dir: the run directory on FSx (``checkpoints/``, ``config.json``, ``summary.json``).
+        data_dir: dataset directory whose validation split is scored; empty: the ``dataset`` input's URI,
+            else the run's own ``--data``.
+        out_dir: where ``evaluation.json`` and ``report.html`` are also written; empty: ``<run_dir>/evaluation``.
+        last_n: evaluate only the newest N committed checkpoints; 0: all.
+        threshold: promote only if the best validation loss (nats per byte) is below this (default ln 256,
+            a uniform guess).
+        tolerance: promote only if the best loss is at most the production model's loss plus this.
+        model_name: the model's name in the registry.
+        registry: model registry, a directory or ``s3://bucket/prefix``; empty: decide, write nothing.
+        endpoint_url: S3-compatible endpoint for an ``s3://`` registry; empty for AWS (IRSA credentials).
+        dataset: optional, the stage component's output; its URI is the dataset directory.
+        metrics: output; validation loss and bits per byte of each checkpoint and of the best.
+        report: output; the HTML report (loss against step, the run's goodput and faults, the gate).
+
+    Returns:
+        promoted (the gate passed), best_step, best_val_loss, model_uri (empty unless registered).
+    """
+    import shutil
+    from collections import namedtuple
+
+    from components.evaluate import evaluate_run
+
+    data = data_dir or (dataset.uri if dataset is not None else "") or None
+    result = evaluate_run(run_dir, data, out_dir or None, last_n=last_n or None, threshold=threshold,
+                          tolerance=tolerance, registry=registry or None, endpoint_url=endpoint_url or None,
+                          model_name=model_name)
+    for c in result.checkpoints:
+        metrics.log_metric(f"step_{c['step']}_val_loss", c["val_loss"])
+        metrics.log_metric(f"step_{c['step']}_bpb", c["bpb"])
+    metrics.log_metric("best_step", result.best["step"])
+    metrics.log_metric("best_val_loss", result.best["val_loss"])
+    metrics.log_metric("best_bpb", result.best["bpb"])
+    metrics.log_metric("checkpoints_skipped", len(result.skipped))
+    metrics.log_metric("promoted", 1.0 if result.promoted else 0.0)
+    shutil.copyfile(result.report_path, report.path)
+    outputs = namedtuple("Outputs", ["promoted", "best_step", "best_val_loss", "model_uri"])
+    return outputs(result.promoted, result.best["step"], result.best["val_loss"],
+                   result.registered["model_uri"] if result.registered else "")

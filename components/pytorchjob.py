@@ -1,0 +1,573 @@
+"""Build the Kubeflow ``PyTorchJob`` (kubeflow.org/v1) that runs the trainer on EKS under NVRx.
+
+One pod per node: Master x1 + Worker x(nodes-1), or Worker xnodes with an ``elasticPolicy`` when
+``min_nodes`` < ``nodes``. Every pod runs ``ft_launcher`` (``trainer.launch.launcher_command``) with a
+c10d rendezvous on ``<name>-master-0:<port>`` (``<name>-worker-0`` for elastic jobs): the Service the
+Training Operator creates for replica 0, whose pod hostname matches, so that pod hosts the store.
+
+Everything is validated before a manifest exists: ``build_pytorchjob`` raises ``ValueError`` listing
+every bad setting. The manifest is made from ``kubeflow.training`` models, never hand-written dicts::
+
+    goodput render-job --nodes 2 --gpus-per-node 8 --image ECR/goodput:0.1.0 --spot | kubectl apply -f -
+
+This module imports neither torch nor kfp.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import io
+import re
+from dataclasses import dataclass, field
+from pathlib import PurePosixPath
+from typing import Any
+
+from trainer.launch import LaunchConfig, launcher_command
+
+__all__ = ["JobSpec", "build_pytorchjob", "job_manifest", "job_name_for", "label_value",
+           "CONTAINER_NAME", "PORT_NAME", "RUN_ID_LABEL", "TASK_LABEL"]
+
+API_VERSION = "kubeflow.org/v1"
+KIND = "PyTorchJob"
+# The Training Operator finds the master port by these names (MASTER_PORT, elastic rendezvous port).
+CONTAINER_NAME = "pytorch"
+PORT_NAME = "pytorchjob-port"
+RUN_ID_LABEL = "goodput.dev/kfp-run-id"
+TASK_LABEL = "goodput.dev/kfp-task"
+MANAGED_BY = {"app.kubernetes.io/managed-by": "goodput-pipelines", "app.kubernetes.io/component": "train"}
+
+# Node labels that pin a capacity type (EKS managed node groups, Karpenter).
+CAPACITY_LABELS = {
+    "eks.amazonaws.com/capacityType": {"spot": {"SPOT"}, "on_demand": {"ON_DEMAND"}},
+    "karpenter.sh/capacity-type": {"spot": {"spot"}, "on_demand": {"on-demand", "reserved"}},
+}
+GPU_RESOURCE = "nvidia.com/gpu"
+EFA_RESOURCE = "vpc.amazonaws.com/efa"
+# A p5.48xlarge has 8 H100 and 32 EFA interfaces; per-GPU shares below fit its allocatable.
+EFA_PER_P5 = 32
+CPU_PER_GPU, MEMORY_GIB_PER_GPU, SHM_GIB_PER_GPU = 20, 200, 64
+
+# EFA + NCCL for p5 (aws-ofi-nccl in the image). A user's ``env`` overrides any of these.
+NCCL_ENV = {
+    "NCCL_DEBUG": "WARN",
+    "NCCL_SOCKET_IFNAME": "^lo,docker,veth",
+    "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+}
+EFA_ENV = {
+    "FI_PROVIDER": "efa",
+    "FI_EFA_USE_DEVICE_RDMA": "1",
+    "FI_EFA_FORK_SAFE": "1",
+    "NCCL_PROTO": "simple",
+}
+
+RESTART_POLICIES = ("OnFailure", "ExitCode", "Always", "Never")
+CLEAN_POD_POLICIES = ("Running", "All", "None")
+SCHEDULERS = {"": "", "volcano": "volcano", "scheduler-plugins": "scheduler-plugins-scheduler"}
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
+
+_DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_LABEL = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$")
+_DNS1123_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
+_LABEL_NAME = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?)?$")
+_ENV_NAME = re.compile(r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+# The Kubernetes resource.Quantity grammar, as in the CRD schema.
+_QUANTITY = re.compile(r"^(\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|"
+                       r"([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$")
+
+
+def _f(default: Any, help: str, **kw: Any) -> Any:
+    if isinstance(default, (dict, list)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help, **kw})
+    return field(default=default, metadata={"help": help, **kw})
+
+
+@dataclass
+class JobSpec:
+    """Everything the PyTorchJob is built from. Defaults suit p5.48xlarge nodes with FSx at /fsx."""
+
+    name: str = _f("goodput-train", "job name: a DNS-1035 label; pods are <name>-master-0, <name>-worker-<i>")
+    namespace: str = _f("", "namespace; empty = the launcher's own (or kubectl's current one)")
+    image: str = _f("", "trainer image (torch with CUDA, nvidia-resiliency-ext, this package); required")
+    image_pull_policy: str = _f("IfNotPresent", "Always, IfNotPresent or Never")
+    trainer_args: list = _f([], "arguments of `python -m trainer`; --data and --out default to paths on FSx")
+    # Shape.
+    nodes: int = _f(1, "nodes (pods) in the job, one pod per node")
+    min_nodes: int = _f(0, "elastic: fewest nodes the job runs with (0 = fixed size = nodes)")
+    gpus_per_node: int = _f(8, "GPUs per pod (nvidia.com/gpu); 0 = a CPU job")
+    nproc_per_node: int = _f(0, "trainer processes per pod; 0 = one per GPU (1 on CPU nodes)")
+    efa_per_node: int = _f(-1, "EFA interfaces per pod (vpc.amazonaws.com/efa); -1 = 32 with GPUs, else 0")
+    cpu: str = _f("", f"CPU request per pod; empty = {CPU_PER_GPU} per GPU (2 without GPUs)")
+    memory: str = _f("", f"memory request = limit per pod; empty = {MEMORY_GIB_PER_GPU}Gi per GPU (8Gi without)")
+    shm_size: str = _f("", f"size limit of /dev/shm (memory-backed, counts as memory); empty = "
+                           f"{SHM_GIB_PER_GPU}Gi per GPU (2Gi without)")
+    # Storage.
+    pvc: str = _f("fsx-claim", "PersistentVolumeClaim of the FSx for Lustre file system")
+    fsx_mount: str = _f("/fsx", "where the FSx claim is mounted in the pods")
+    # Placement.
+    node_group: str = _f("", "EKS node group (nodeSelector eks.amazonaws.com/nodegroup)")
+    node_selector: dict = _f({}, "extra nodeSelector labels")
+    spot: bool = _f(False, "tolerate spot nodes (spot_taint); a spot reclaim costs one job restart")
+    spot_taint: str = _f("spot=true:NoSchedule", "the taint on spot nodes, key[=value]:effect")
+    tolerations: list = _f([], "extra tolerations, as dicts (key, operator, value, effect)")
+    priority_class: str = _f("", "PriorityClass of the pods and the gang")
+    service_account: str = _f("", "service account of the pods (IRSA role for S3)")
+    # Gang scheduling.
+    scheduler: str = _f("", "gang scheduler: '' (none), volcano or scheduler-plugins",
+                        choices=tuple(SCHEDULERS))
+    scheduler_name: str = _f("", "schedulerName of the pods; empty = the gang scheduler's usual name")
+    queue: str = _f("", "Volcano queue of the gang")
+    # Run policy.
+    restart_policy: str = _f("OnFailure", "pod restarts: OnFailure, ExitCode, Always or Never",
+                             choices=RESTART_POLICIES)
+    backoff_limit: int = _f(3, "pod restarts before the job fails (layer 3 of recovery)")
+    active_deadline_s: int = _f(0, "job deadline in seconds, running time included (0 = none)")
+    ttl_after_finished_s: int = _f(86400, "delete the finished job after this many seconds (-1 = keep)")
+    clean_pod_policy: str = _f("Running", "pods deleted when the job finishes: Running, All or None",
+                               choices=CLEAN_POD_POLICIES)
+    termination_grace_s: int = _f(120, "pod grace after SIGTERM: covers ft_launcher's term timeout and "
+                                       "the trainer's emergency checkpoint (--sigterm-grace-s)")
+    master_port: int = _f(23456, "port of the c10d rendezvous on replica 0")
+    metrics_port: int = _f(9500, "the trainer's Prometheus metrics on this port + local rank (its --metrics-port, "
+                                 "declared as container ports metrics-<local rank> for the PodMonitor); 0 = off")
+    # Container extras.
+    env: dict = _f({}, "environment of the trainer (overrides the EFA/NCCL defaults)")
+    labels: dict = _f({}, "extra labels on the job and its pods")
+    run_id: str = _f("", "KFP run id (label on the job and pods)")
+    task_name: str = _f("", "KFP task name (label on the job and pods)")
+    launch: LaunchConfig = field(default_factory=LaunchConfig, metadata={
+        "help": "ft_launcher settings (max_restarts, rank-monitor timeouts); node/process counts and "
+                "the rendezvous are set by the builder"})
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "JobSpec":
+        """A JobSpec from plain values (a KFP dict parameter); unknown keys are an error."""
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown job settings {unknown}; known: {sorted(known)}")
+        launch = d.get("launch") or {}
+        if not isinstance(launch, LaunchConfig):
+            fields = {f.name for f in dataclasses.fields(LaunchConfig)}
+            bad = sorted(set(launch) - fields)
+            if bad:
+                raise ValueError(f"unknown launch settings {bad}; known: {sorted(fields)}")
+            launch = LaunchConfig(**_coerced(LaunchConfig, launch))
+        return cls(launch=launch, **_coerced(cls, {k: v for k, v in d.items() if k != "launch"}))
+
+    # Derived values -------------------------------------------------------------------------
+
+    @property
+    def elastic(self) -> bool:
+        return 0 < self.min_nodes < self.nodes
+
+    @property
+    def procs(self) -> int:
+        return self.nproc_per_node or self.gpus_per_node or 1
+
+    @property
+    def efa(self) -> int:
+        return self.efa_per_node if self.efa_per_node >= 0 else (EFA_PER_P5 if self.gpus_per_node else 0)
+
+    def resources(self) -> dict[str, str]:
+        g = self.gpus_per_node
+        return {"cpu": self.cpu or str(CPU_PER_GPU * g if g else 2),
+                "memory": self.memory or (f"{MEMORY_GIB_PER_GPU * g}Gi" if g else "8Gi"),
+                "shm": self.shm_size or (f"{SHM_GIB_PER_GPU * g}Gi" if g else "2Gi")}
+
+    @property
+    def rdzv_host(self) -> str:
+        return f"{self.name}-{'worker' if self.elastic else 'master'}-0"
+
+    def launch_config(self) -> LaunchConfig:
+        """The launcher settings for one pod: counts and the rendezvous filled in by the builder."""
+        single = self.nodes == 1
+        return dataclasses.replace(
+            self.launch, nproc_per_node=self.procs, nnodes=self.nodes,
+            # One node needs no rendezvous service: a local store (--standalone) avoids waiting for DNS.
+            rdzv_endpoint="" if single else f"{self.rdzv_host}:{self.master_port}",
+            rdzv_id=self.name)
+
+    def full_trainer_args(self) -> list[str]:
+        """The trainer's arguments with --data/--out defaulted to paths on FSx."""
+        from trainer.data import DEFAULT_DATASET_NAME, default_dataset_version
+
+        args = [str(a) for a in self.trainer_args]
+        if not _has_flag(args, "--data"):
+            args += ["--data", f"{self.fsx_mount}/datasets/{DEFAULT_DATASET_NAME}/{default_dataset_version()}"]
+        if not _has_flag(args, "--out"):
+            args += ["--out", f"{self.fsx_mount}/runs/{self.name}"]
+        if self.metrics_port and not _has_flag(args, "--metrics-port"):
+            args += ["--metrics-port", str(self.metrics_port)]
+        return args
+
+    def pod_command(self) -> list[str]:
+        elastic_nnodes = f"{self.min_nodes}:{self.nodes}" if self.elastic else None
+        return _with_nnodes(launcher_command(self.launch_config(), self.full_trainer_args()), elastic_nnodes)
+
+    # Validation -----------------------------------------------------------------------------
+
+    def validate(self) -> "JobSpec":
+        """Raise ValueError listing every bad setting; return self when all are good."""
+        p: list[str] = []
+        self._check_shape(p)
+        self._check_names(p)
+        self._check_placement(p)
+        self._check_policies(p)
+        self._check_trainer(p)
+        if p:
+            raise ValueError("invalid PyTorchJob settings:\n  " + "\n  ".join(p))
+        return self
+
+    def _check_shape(self, p: list[str]) -> None:
+        if self.nodes < 1:
+            p.append(f"nodes must be at least 1, got {self.nodes}")
+        if self.min_nodes < 0 or self.min_nodes > max(self.nodes, 0):
+            p.append(f"min_nodes must be in [0, nodes={self.nodes}], got {self.min_nodes}")
+        if self.gpus_per_node < 0:
+            p.append(f"gpus_per_node must not be negative, got {self.gpus_per_node}")
+        if not self.image.strip():
+            what = f"{self.gpus_per_node} GPUs per node" if self.gpus_per_node > 0 else "the pods"
+            p.append(f"an image is required for {what}: the trainer image (torch, nvidia-resiliency-ext, "
+                     "goodput-pipelines), e.g. --image <account>.dkr.ecr.<region>.amazonaws.com/goodput:0.1.0")
+        elif re.search(r"\s", self.image):
+            p.append(f"image {self.image!r} contains whitespace")
+        if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
+            p.append(f"image_pull_policy must be Always, IfNotPresent or Never, got {self.image_pull_policy!r}")
+        if self.nproc_per_node < 0:
+            p.append(f"nproc_per_node must not be negative, got {self.nproc_per_node}")
+        elif self.gpus_per_node > 0 and self.nproc_per_node > self.gpus_per_node:
+            p.append(f"nproc_per_node ({self.nproc_per_node}) exceeds gpus_per_node ({self.gpus_per_node}): "
+                     "one process per GPU at most")
+        if self.efa_per_node < -1:
+            p.append(f"efa_per_node must be -1 (auto) or at least 0, got {self.efa_per_node}")
+        elif self.efa > 0 and self.gpus_per_node == 0:
+            p.append(f"efa_per_node={self.efa} without GPUs: EFA is for GPU node groups (set it to 0)")
+        for key, value in (("cpu", self.cpu), ("memory", self.memory), ("shm_size", self.shm_size)):
+            if value and not _QUANTITY.match(value):
+                p.append(f"{key} {value!r} is not a Kubernetes quantity (e.g. 96, 500m, 512Gi)")
+
+    def _check_names(self, p: list[str]) -> None:
+        # The operator makes a Service per replica named like the pod, so the name must be a DNS-1035
+        # label and still fit 63 characters with the longest replica suffix.
+        last_worker = self.nodes - 1 if self.elastic else self.nodes - 2
+        longest = f"-worker-{last_worker}" if last_worker >= 10 else "-master-0"
+        if not _DNS1035.match(self.name):
+            p.append(f"name {self.name!r} is not a DNS-1035 label (lowercase letters, digits and '-', "
+                     "starting with a letter, ending with a letter or digit)")
+        elif len(self.name) + len(longest) > 63:
+            p.append(f"name {self.name!r} is too long: pod and service names like {self.name}{longest} must fit "
+                     f"63 characters (at most {63 - len(longest)} for the name)")
+        if self.namespace and (not _DNS1123_LABEL.match(self.namespace) or len(self.namespace) > 63):
+            p.append(f"namespace {self.namespace!r} is not a DNS-1123 label")
+        for key, value in (("pvc", self.pvc), ("priority_class", self.priority_class),
+                           ("service_account", self.service_account)):
+            if value and (not _DNS1123_SUBDOMAIN.match(value) or len(value) > 253):
+                p.append(f"{key} {value!r} is not a DNS-1123 subdomain")
+        if not self.pvc:
+            p.append("pvc is required: checkpoints and summary.json must outlive the pods (the FSx claim)")
+        if not self.fsx_mount.startswith("/") or self.fsx_mount.rstrip("/") in ("", "/dev", "/dev/shm"):
+            p.append(f"fsx_mount must be an absolute path other than / and /dev, got {self.fsx_mount!r}")
+        for what, mapping in (("label", self.labels), ("node_selector", self.node_selector)):
+            for k, v in mapping.items():
+                err = _label_problem(str(k), str(v))
+                if err:
+                    p.append(f"{what} {k}={v}: {err}")
+        for k in self.env:
+            if not _ENV_NAME.match(str(k)):
+                p.append(f"env name {k!r} is not a valid environment variable name")
+        if not 1024 <= self.master_port <= 65535:
+            p.append(f"master_port must be in [1024, 65535], got {self.master_port}")
+
+    def _check_placement(self, p: list[str]) -> None:
+        try:
+            _parse_taint(self.spot_taint)
+        except ValueError as e:
+            p.append(f"spot_taint: {e}")
+        for key, kinds in CAPACITY_LABELS.items():
+            value = self.node_selector.get(key)
+            if value is None:
+                continue
+            if self.spot and value in kinds["on_demand"]:
+                p.append(f"spot is set, but node_selector {key}={value} allows only on-demand nodes: "
+                         "drop --spot or the on-demand selector")
+            if not self.spot and value in kinds["spot"]:
+                p.append(f"node_selector {key}={value} selects spot nodes, but spot is not set: the pods "
+                         "would not tolerate the spot taint (add --spot)")
+        for t in self.tolerations:
+            if not isinstance(t, dict) or set(t) - {"key", "operator", "value", "effect", "tolerationSeconds"}:
+                p.append(f"toleration {t!r}: expected a dict with key, operator, value, effect")
+            elif t.get("effect") and t["effect"] not in TAINT_EFFECTS:
+                p.append(f"toleration {t!r}: effect must be one of {TAINT_EFFECTS}")
+        if self.scheduler not in SCHEDULERS:
+            p.append(f"scheduler must be one of {sorted(SCHEDULERS)}, got {self.scheduler!r}")
+        if self.queue and self.scheduler != "volcano":
+            p.append(f"queue {self.queue!r} is a Volcano setting: set scheduler=volcano")
+        if self.scheduler_name and not _DNS1123_SUBDOMAIN.match(self.scheduler_name):
+            p.append(f"scheduler_name {self.scheduler_name!r} is not a DNS-1123 subdomain")
+
+    def _check_policies(self, p: list[str]) -> None:
+        if self.restart_policy not in RESTART_POLICIES:
+            p.append(f"restart_policy must be one of {RESTART_POLICIES}, got {self.restart_policy!r}")
+        if self.clean_pod_policy not in CLEAN_POD_POLICIES:
+            p.append(f"clean_pod_policy must be one of {CLEAN_POD_POLICIES}, got {self.clean_pod_policy!r}")
+        if self.backoff_limit < 0:
+            p.append(f"backoff_limit must not be negative, got {self.backoff_limit}")
+        if self.active_deadline_s < 0:
+            p.append(f"active_deadline_s must not be negative (0 = none), got {self.active_deadline_s}")
+        if self.ttl_after_finished_s < -1:
+            p.append(f"ttl_after_finished_s must be -1 (keep) or at least 0, got {self.ttl_after_finished_s}")
+        try:
+            dataclasses.replace(self.launch, nnodes=1, nproc_per_node=1, rdzv_endpoint="").validate()
+        except ValueError as e:
+            p.append(f"launch: {e}")
+        # SIGTERM reaches ft_launcher first; it gives the workers term_timeout_s to write the emergency
+        # checkpoint before SIGKILL. The pod's grace must cover that, or the kubelet kills it mid-write.
+        if self.termination_grace_s <= self.launch.term_timeout_s:
+            p.append(f"termination_grace_s ({self.termination_grace_s}) must exceed ft_launcher's term timeout "
+                     f"({self.launch.term_timeout_s:g} s) so the emergency checkpoint can finish")
+
+    def _check_trainer(self, p: list[str]) -> None:
+        try:
+            cfg = parse_trainer_args(self.full_trainer_args())
+        except ValueError as e:
+            p.append(str(e))
+            return
+        first = cfg.metrics.metrics_port
+        if first and (first <= self.master_port < first + self.procs or first + self.procs - 1 > 65535):
+            p.append(f"metrics ports {first}..{first + self.procs - 1} (one per local rank) must stay below 65536 "
+                     f"and clear of master_port {self.master_port}")
+        grace = cfg.checkpoint.sigterm_grace_s
+        if grace >= self.termination_grace_s or grace > self.launch.term_timeout_s:
+            p.append(f"the trainer's --sigterm-grace-s ({grace:g} s) must stay below ft_launcher's term timeout "
+                     f"({self.launch.term_timeout_s:g} s) and termination_grace_s ({self.termination_grace_s} s)")
+        # After SIGTERM a rank commits its checkpoint, then waits for the S3 mirror to upload it; both must end
+        # before ft_launcher's SIGKILL.
+        drain = cfg.checkpoint.mirror_drain_s
+        if cfg.checkpoint.mirror and grace + drain > self.launch.term_timeout_s:
+            p.append(f"with --ckpt-mirror, --sigterm-grace-s ({grace:g} s) + --ckpt-mirror-drain-s ({drain:g} s) "
+                     f"must fit in ft_launcher's term timeout ({self.launch.term_timeout_s:g} s)")
+        mount = PurePosixPath(self.fsx_mount)
+        for flag, value in (("--out", cfg.run.out), ("--data", cfg.data.data)):
+            path = PurePosixPath(value)
+            if not path.is_absolute() or mount not in (path, *path.parents):
+                p.append(f"trainer {flag} {value} is not on the FSx mount {self.fsx_mount}: the pods would "
+                         "not share it and it would vanish with them")
+
+
+def _coerced(cls, d: dict) -> dict:
+    """Values from KFP (a dict parameter is a protobuf Struct: every number a float, maybe a string) as
+    the field types of ``cls``; a value that does not fit is an error naming the field."""
+    types = {f.name: str(f.type) for f in dataclasses.fields(cls)}
+    out = {}
+    for k, v in d.items():
+        t = types[k]
+        try:
+            if t == "int" and not isinstance(v, bool):
+                f = float(v)
+                if not f.is_integer():
+                    raise ValueError
+                v = int(f)
+            elif t == "float" and not isinstance(v, bool):
+                v = float(v)
+            elif t == "bool" and not isinstance(v, bool):
+                v = {"true": True, "false": False, "1": True, "0": False}[str(v).strip().lower()]
+            elif t == "str":
+                v = str(v)
+        except (ValueError, TypeError, KeyError):
+            raise ValueError(f"setting {k}={v!r} is not a valid {t}") from None
+        out[k] = v
+    return out
+
+
+def parse_trainer_args(args: list[str]):
+    """``trainer.config.parse_config`` with argparse's exits turned into a ValueError."""
+    from trainer.config import parse_config
+
+    err = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(err):
+            return parse_config(args)
+    except SystemExit:
+        msg = err.getvalue().strip().splitlines()
+        raise ValueError("invalid trainer arguments: " + (msg[-1] if msg else " ".join(args))) from None
+    except FileNotFoundError as e:
+        raise ValueError(f"invalid trainer arguments: {e}") from None
+
+
+def _has_flag(args: list[str], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def _with_nnodes(argv: list[str], nnodes: str | None) -> list[str]:
+    """Elastic jobs need ``--nnodes MIN:MAX``; ``launcher_command`` writes a plain node count."""
+    if nnodes is None:
+        return argv
+    i = argv.index("--nnodes")
+    return [*argv[:i + 1], nnodes, *argv[i + 2:]]
+
+
+def _label_problem(key: str, value: str) -> str:
+    prefix, _, name = key.rpartition("/")
+    if prefix and (not _DNS1123_SUBDOMAIN.match(prefix) or len(prefix) > 253):
+        return f"key prefix {prefix!r} is not a DNS-1123 subdomain"
+    if not name or len(name) > 63 or not _LABEL_NAME.match(name):
+        return f"key name {name!r} is not a valid label name"
+    if len(value) > 63 or not _LABEL_NAME.match(value):
+        return f"value {value!r} is not a valid label value (63 characters of [A-Za-z0-9-_.])"
+    return ""
+
+
+def _parse_taint(taint: str) -> tuple[str, str | None, str]:
+    head, sep, effect = taint.rpartition(":")
+    if not sep or effect not in TAINT_EFFECTS:
+        raise ValueError(f"{taint!r} is not key[=value]:effect with effect in {TAINT_EFFECTS}")
+    key, eq, value = head.partition("=")
+    if _label_problem(key, value if eq else ""):
+        raise ValueError(f"{taint!r}: {_label_problem(key, value if eq else '')}")
+    return key, (value if eq else None), effect
+
+
+def label_value(text: str) -> str:
+    """``text`` as a valid label value: invalid characters become '-', at most 63 characters."""
+    v = re.sub(r"[^A-Za-z0-9._-]", "-", str(text))[:63]
+    return re.sub(r"^[^A-Za-z0-9]+|[^A-Za-z0-9]+$", "", v)
+
+
+def job_name_for(run_id: str, task_name: str, prefix: str = "gp") -> str:
+    """Deterministic job name for a KFP run and task, so a restarted launcher finds its job.
+
+    ``gp-<task>-<hash>``: readable, unique per (run, task), short enough (at most 40 characters) for
+    replica suffixes like ``-worker-1023``.
+    """
+    if not run_id or not task_name:
+        raise ValueError("a job name needs both the KFP run id and the task name")
+    digest = hashlib.sha256(f"{run_id}/{task_name}".encode()).hexdigest()[:10]
+    slug = re.sub(r"[^a-z0-9]+", "-", task_name.lower()).strip("-")[:40 - len(prefix) - 12].strip("-")
+    return "-".join(x for x in (prefix, slug, digest) if x)
+
+
+# Building ---------------------------------------------------------------------------------------
+
+def build_pytorchjob(spec: JobSpec):
+    """The validated job as a ``kubeflow.training`` ``KubeflowOrgV1PyTorchJob``."""
+    from kubeflow.training import models as m
+
+    spec.validate()
+    res = spec.resources()
+    labels = {**MANAGED_BY, "goodput.dev/job": spec.name, **_kfp_labels(spec),
+              **{str(k): str(v) for k, v in spec.labels.items()}}
+    requests = {"cpu": res["cpu"], "memory": res["memory"]}
+    limits = {"memory": res["memory"]}
+    for resource, count in ((GPU_RESOURCE, spec.gpus_per_node), (EFA_RESOURCE, spec.efa)):
+        if count:
+            requests[resource] = limits[resource] = str(count)
+    env = {**(NCCL_ENV if spec.gpus_per_node else {}), **(EFA_ENV if spec.efa else {}),
+           **{str(k): str(v) for k, v in spec.env.items()}}
+    container = m.V1Container(
+        name=CONTAINER_NAME,
+        image=spec.image,
+        image_pull_policy=spec.image_pull_policy,
+        command=spec.pod_command(),
+        env=[m.V1EnvVar(name=k, value=v) for k, v in env.items()],
+        ports=[m.V1ContainerPort(name=PORT_NAME, container_port=spec.master_port, protocol="TCP"),
+               *_metrics_ports(spec, m)],
+        resources=m.V1ResourceRequirements(requests=requests, limits=limits),
+        volume_mounts=[m.V1VolumeMount(name="fsx", mount_path=spec.fsx_mount),
+                       m.V1VolumeMount(name="dshm", mount_path="/dev/shm")],
+    )
+    volumes = [
+        m.V1Volume(name="fsx", persistent_volume_claim=m.V1PersistentVolumeClaimVolumeSource(claim_name=spec.pvc)),
+        # NCCL and the checkpoint staging copy live in shared memory; the default 64 MiB is far too small.
+        m.V1Volume(name="dshm", empty_dir=m.V1EmptyDirVolumeSource(medium="Memory", size_limit=res["shm"])),
+    ]
+    node_selector = {**({"eks.amazonaws.com/nodegroup": spec.node_group} if spec.node_group else {}),
+                     **{str(k): str(v) for k, v in spec.node_selector.items()}}
+    pod = m.V1PodSpec(
+        containers=[container],
+        volumes=volumes,
+        node_selector=node_selector or None,
+        tolerations=_tolerations(spec, m) or None,
+        priority_class_name=spec.priority_class or None,
+        service_account_name=spec.service_account or None,
+        scheduler_name=(spec.scheduler_name or SCHEDULERS.get(spec.scheduler) or None),
+        termination_grace_period_seconds=spec.termination_grace_s,
+    )
+    template = m.V1PodTemplateSpec(metadata=m.V1ObjectMeta(labels=labels), spec=pod)
+
+    def replica(count: int):
+        return m.KubeflowOrgV1ReplicaSpec(replicas=count, restart_policy=spec.restart_policy, template=template)
+
+    replicas = ({"Worker": replica(spec.nodes)} if spec.elastic else
+                {"Master": replica(1), **({"Worker": replica(spec.nodes - 1)} if spec.nodes > 1 else {})})
+    elastic = None
+    if spec.elastic:
+        elastic = m.KubeflowOrgV1ElasticPolicy(
+            # Not nProcPerNode: deprecated, and the webhook rejects it next to spec.nprocPerNode.
+            min_replicas=spec.min_nodes, max_replicas=spec.nodes,
+            max_restarts=spec.launch.max_restarts, rdzv_backend="c10d", rdzv_port=spec.master_port,
+            rdzv_id=spec.name)
+    gang = None
+    if spec.scheduler:
+        gang = m.KubeflowOrgV1SchedulingPolicy(
+            min_available=spec.min_nodes if spec.elastic else spec.nodes,
+            queue=spec.queue or None, priority_class=spec.priority_class or None)
+    run_policy = m.KubeflowOrgV1RunPolicy(
+        backoff_limit=spec.backoff_limit,
+        active_deadline_seconds=spec.active_deadline_s or None,
+        ttl_seconds_after_finished=None if spec.ttl_after_finished_s < 0 else spec.ttl_after_finished_s,
+        clean_pod_policy=spec.clean_pod_policy,
+        scheduling_policy=gang,
+    )
+    return m.KubeflowOrgV1PyTorchJob(
+        api_version=API_VERSION, kind=KIND,
+        metadata=m.V1ObjectMeta(name=spec.name, namespace=spec.namespace or None, labels=labels),
+        spec=m.KubeflowOrgV1PyTorchJobSpec(
+            pytorch_replica_specs=replicas, run_policy=run_policy, elastic_policy=elastic,
+            nproc_per_node=str(spec.procs)),
+    )
+
+
+def job_manifest(spec_or_job) -> dict:
+    """The job as plain JSON-able data (camelCase keys, no nulls), ready for the API or YAML."""
+    from kubernetes.client import ApiClient
+
+    job = build_pytorchjob(spec_or_job) if isinstance(spec_or_job, JobSpec) else spec_or_job
+    return ApiClient().sanitize_for_serialization(job)
+
+
+def _kfp_labels(spec: JobSpec) -> dict[str, str]:
+    out = {}
+    if spec.run_id:
+        out[RUN_ID_LABEL] = label_value(spec.run_id)
+    if spec.task_name:
+        out[TASK_LABEL] = label_value(spec.task_name)
+    return {k: v for k, v in out.items() if v}
+
+
+def _tolerations(spec: JobSpec, m) -> list:
+    out = []
+    if spec.gpus_per_node:
+        out.append(m.V1Toleration(key=GPU_RESOURCE, operator="Exists", effect="NoSchedule"))
+    if spec.efa:
+        out.append(m.V1Toleration(key=EFA_RESOURCE, operator="Exists", effect="NoSchedule"))
+    if spec.spot:
+        key, value, effect = _parse_taint(spec.spot_taint)
+        out.append(m.V1Toleration(key=key, operator="Equal" if value is not None else "Exists", value=value,
+                                  effect=effect))
+    for t in spec.tolerations:
+        out.append(m.V1Toleration(key=t.get("key"), operator=t.get("operator"), value=t.get("value"),
+                                  effect=t.get("effect"),
+                                  toleration_seconds=None if t.get("tolerationSeconds") is None
+                                  else int(t["tolerationSeconds"])))
+    return out
+
+
+def _metrics_ports(spec: JobSpec, m) -> list:
+    """``metrics-<local rank>`` on the trainer's --metrics-port + local rank: what the PodMonitor scrapes."""
+    first = parse_trainer_args(spec.full_trainer_args()).metrics.metrics_port
+    if not first:
+        return []
+    return [m.V1ContainerPort(name=f"metrics-{i}", container_port=first + i, protocol="TCP")
+            for i in range(spec.procs)]

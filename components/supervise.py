@@ -1,0 +1,723 @@
+"""Create (or re-attach to) a PyTorchJob and supervise it to the end, never waiting forever.
+
+What the launcher does, in order:
+  1. POST the job under its deterministic name. 409 means a launcher before us (a restarted pod, a KFP
+     retry) already created it: re-attach instead of creating a duplicate. A job of another run under
+     that name is an error; a job that already failed is deleted and created again (the trainer
+     resumes from its last committed checkpoint) once per launcher.
+  2. Watch the job (``timeout_seconds`` bounds every watch; on a dropped stream, a 410 or an API error
+     it re-reads the job and watches again with exponential backoff), report phase changes,
+     replica counts, per-replica restarts and pod waiting reasons, and stream the master pod's log.
+  3. End on Succeeded; on Failed raise ``JobFailed`` saying why (conditions, container termination
+     reasons, recent events, the log's tail); past the overall deadline delete the job and raise
+     ``JobTimeout``; on SIGTERM/SIGINT (run cancelled) delete the job and raise ``JobCancelled``.
+
+The kubernetes client is pointed at the cluster (in-cluster service account) or at any URL::
+
+    from components.supervise import SuperviseConfig, api_client, run_job
+    run_job(manifest, namespace="team-a", client=api_client("http://127.0.0.1:8001"))  # kubectl proxy
+
+This module imports neither torch nor kfp.
+"""
+
+from __future__ import annotations
+
+import calendar
+import contextlib
+import json
+import math
+import random
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from kubernetes import client as k8s
+from kubernetes.client.rest import ApiException
+
+__all__ = ["SuperviseConfig", "JobOutcome", "JobFailed", "JobTimeout", "JobCancelled", "api_client",
+           "current_namespace", "run_job", "delete_job"]
+
+GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
+JOB_NAME_LABEL = "training.kubeflow.org/job-name"
+REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
+REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
+CONTAINER = "pytorch"
+RUN_ID_LABEL = "goodput.dev/kfp-run-id"
+SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+RBAC_HINT = ("the launcher's service account may not manage pytorchjobs or read pods, logs and events "
+             "here: apply deploy/rbac.yaml (a Role + RoleBinding for the pipeline runner)")
+Log = Callable[[str], None]
+
+
+@dataclass
+class SuperviseConfig:
+    """How long to wait and how hard to retry. All times in seconds."""
+
+    timeout_s: float = 7 * 86400          # overall deadline; past it the job is deleted
+    watch_timeout_s: int = 30             # server-side end of each watch; pods are re-read between watches
+    request_timeout_s: float = 30.0       # connect/read limit of one plain API call
+    backoff_s: float = 1.0                # first wait after an API error, doubled up to backoff_max_s
+    backoff_max_s: float = 30.0
+    delete_wait_s: float = 20.0           # how long deletion waits for the job to be gone (fits pod grace)
+    stream_logs: bool = True              # follow the master pod's log into this process's stdout
+    log_poll_s: float = 2.0               # how often the log follower looks for the master container
+    log_idle_s: float = 60.0              # reconnect a log stream silent this long (drops go unnoticed)
+    log_drain_s: float = 10.0             # at the end, how long to wait for the rest of the log
+    log_tail_lines: int = 40              # log lines kept for the failure message
+    reattach_tail_lines: int = 200        # on re-attach, start the log this many lines back
+    events_limit: int = 15                # events in the failure message
+    recreate_failed: bool = True          # a re-attached job that already failed is created afresh
+
+
+class JobFailed(RuntimeError):
+    """The job failed; the message says why."""
+
+
+class JobTimeout(TimeoutError):
+    """The overall deadline passed; the job was deleted."""
+
+
+class JobCancelled(RuntimeError):
+    """SIGTERM/SIGINT reached the launcher; the job was deleted."""
+
+
+class _Terminated(BaseException):
+    # BaseException so no ``except Exception`` inside the client swallows it.
+    def __init__(self, signum: int) -> None:
+        super().__init__(signum)
+        self.signum = signum
+
+
+@dataclass
+class JobOutcome:
+    name: str
+    namespace: str
+    phase: str
+    created: bool                          # False: re-attached to an existing job
+    restarts: dict[str, int] = field(default_factory=dict)   # per replica type (container + pod restarts)
+    wall_s: float = 0.0
+    conditions: list[dict] = field(default_factory=list)
+
+
+def _print(line: str) -> None:
+    print(line, flush=True)
+
+
+def api_client(host: str = "") -> k8s.ApiClient:
+    """A client for ``host`` (tests, ``kubectl proxy``), else in-cluster config, else ~/.kube/config."""
+    from kubernetes import config
+
+    if host:
+        return k8s.ApiClient(k8s.Configuration(host=host))
+    try:
+        config.load_incluster_config()
+    except config.ConfigException:
+        config.load_kube_config()
+    return k8s.ApiClient()
+
+
+def current_namespace() -> str:
+    """The launcher pod's namespace, else the kubeconfig context's, else ``default``."""
+    if SA_NAMESPACE.is_file():
+        return SA_NAMESPACE.read_text().strip()
+    with contextlib.suppress(Exception):
+        from kubernetes import config
+
+        _, ctx = config.list_kube_config_contexts()
+        return ctx["context"].get("namespace") or "default"
+    return "default"
+
+
+def run_job(manifest: dict, *, namespace: str, client: k8s.ApiClient, cfg: SuperviseConfig | None = None,
+            log: Log = _print) -> JobOutcome:
+    """Create or re-attach to the job in ``manifest`` and wait for it to succeed.
+
+    Raises:
+        JobFailed: the job failed (message with conditions, pod reasons, events, log tail).
+        JobTimeout: ``cfg.timeout_s`` passed; the job was deleted.
+        JobCancelled: SIGTERM or SIGINT; the job was deleted.
+        PermissionError: the API refused (RBAC).
+        ValueError: the API server rejected the manifest.
+    """
+    sup = _Supervisor(manifest, namespace, client, cfg or SuperviseConfig(), log)
+    with sup.terminate_raises():
+        try:
+            sup.create_or_attach()
+            return sup.wait()
+        except (_Terminated, KeyboardInterrupt) as e:
+            what = f"signal {e.signum}" if isinstance(e, _Terminated) else "interrupt"
+            sup.cleanup(f"launcher stopped ({what})")
+            raise JobCancelled(f"PyTorchJob {sup.ref} cancelled ({what}); it was deleted") from None
+        except JobTimeout as e:
+            sup.cleanup("overall timeout")
+            raise JobTimeout(f"{e}\nthe job was deleted") from None
+        finally:
+            sup.stop_logs()
+
+
+def delete_job(name: str, namespace: str, client: k8s.ApiClient, *, wait_s: float = 20.0,
+               log: Log = _print) -> bool:
+    """Delete the job and its pods (foreground), wait up to ``wait_s`` until it is gone; True if gone."""
+    co = k8s.CustomObjectsApi(k8s.ApiClient(client.configuration))
+    try:
+        co.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
+                                           body=k8s.V1DeleteOptions(propagation_policy="Foreground"),
+                                           _request_timeout=10)
+        log(f"deleting PyTorchJob {namespace}/{name} and its pods")
+    except ApiException as e:
+        if e.status != 404:
+            log(f"could not delete PyTorchJob {namespace}/{name}: {e.status} {e.reason}")
+            return False
+    deadline = time.monotonic() + wait_s
+    while True:
+        try:
+            co.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, _request_timeout=10)
+        except ApiException as e:
+            if e.status == 404:
+                log(f"PyTorchJob {namespace}/{name} is gone")
+                return True
+        except Exception:  # noqa: BLE001 - a flaky API must not stop the cleanup loop
+            pass
+        if time.monotonic() >= deadline:
+            log(f"PyTorchJob {namespace}/{name} is still terminating; the API server finishes the deletion")
+            return False
+        time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
+
+
+# The supervisor ---------------------------------------------------------------------------------
+
+def _transient(e: BaseException) -> bool:
+    """Worth retrying: connection trouble, timeouts, 429 and 5xx."""
+    if isinstance(e, ApiException):
+        return e.status in (0, 408, 429) or e.status >= 500
+    import urllib3
+
+    return isinstance(e, (urllib3.exceptions.HTTPError, OSError))
+
+
+def _phase(job: dict) -> tuple[str, dict]:
+    """(phase, its condition): Succeeded/Failed if set, else the newest true condition."""
+    conds = (job.get("status") or {}).get("conditions") or []
+    true = [c for c in conds if str(c.get("status")) == "True"]
+    for terminal in ("Failed", "Succeeded"):
+        for c in true:
+            if c.get("type") == terminal:
+                return terminal, c
+    if not true:
+        return "Pending", {}
+    latest = max(enumerate(true), key=lambda ic: (ic[1].get("lastTransitionTime") or "", ic[0]))[1]
+    return latest.get("type", "Unknown"), latest
+
+
+class _Backoff:
+    def __init__(self, first: float, most: float) -> None:
+        self.first, self.most, self.next = first, most, first
+
+    def wait(self, deadline: float) -> None:
+        # Full jitter keeps many launchers from hammering a recovering API server in step.
+        pause = min(self.next * (0.5 + random.random() / 2), max(0.0, deadline - time.monotonic()))
+        self.next = min(self.next * 2, self.most)
+        time.sleep(pause)
+
+    def reset(self) -> None:
+        self.next = self.first
+
+
+class _Supervisor:
+    def __init__(self, manifest: dict, namespace: str, client: k8s.ApiClient, cfg: SuperviseConfig,
+                 log: Log) -> None:
+        self.manifest = manifest
+        self.name = manifest["metadata"]["name"]
+        self.ns = namespace
+        self.ref = f"{namespace}/{self.name}"
+        self.client, self.cfg, self.log = client, cfg, log
+        self.co = k8s.CustomObjectsApi(client)
+        self.core = k8s.CoreV1Api(client)
+        self.start = time.monotonic()
+        self.deadline = self.start + cfg.timeout_s
+        self.created = False
+        self._cleaning = False
+        self._phase = ""
+        self._replicas = ""
+        self._pod_states: dict[str, str] = {}
+        self._pod_uids: dict[tuple[str, str], set[str]] = {}
+        self._container_restarts: dict[str, int] = {}
+        self.restarts: dict[str, int] = {}
+        self._logs: _LogFollower | None = None
+        self.tail: deque[str] = deque(maxlen=cfg.log_tail_lines)   # the master's last log lines
+        self.elastic = "elasticPolicy" in manifest.get("spec", {}) and \
+            "Master" not in manifest.get("spec", {}).get("pytorchReplicaSpecs", {})
+
+    # Signals ----------------------------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def terminate_raises(self):
+        """SIGTERM raises ``_Terminated`` in the main thread, even inside a blocking read."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def handler(signum, _frame):
+            if self._cleaning:      # already deleting: finish that first
+                return
+            raise _Terminated(signum)
+
+        previous = signal.signal(signal.SIGTERM, handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGTERM, previous)
+
+    def cleanup(self, why: str) -> None:
+        self._cleaning = True
+        self.log(f"{why}: deleting PyTorchJob {self.ref}")
+        self.stop_logs(drain=False)
+        delete_job(self.name, self.ns, self.client, wait_s=self.cfg.delete_wait_s, log=self.log)
+
+    # API calls --------------------------------------------------------------------------------
+
+    def _call(self, fn, *args, **kw):
+        kw.setdefault("_request_timeout", self.cfg.request_timeout_s)
+        kw.setdefault("_preload_content", False)
+        resp = fn(*args, **kw)
+        return json.loads(resp.data or b"{}")
+
+    def _get_job(self) -> dict | None:
+        try:
+            return self._call(self.co.get_namespaced_custom_object, GROUP, VERSION, self.ns, PLURAL, self.name)
+        except ApiException as e:
+            if e.status == 404:
+                return None
+            raise
+
+    def _remaining(self) -> float:
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise JobTimeout(f"PyTorchJob {self.ref} did not finish within {self.cfg.timeout_s:g} s "
+                             f"(phase {self._phase or 'unknown'})\n{self.diagnose(self._get_quietly())}")
+        return left
+
+    def _get_quietly(self) -> dict:
+        with contextlib.suppress(Exception):
+            return self._get_job() or {}
+        return {}
+
+    def _fatal(self, e: ApiException, doing: str) -> Exception:
+        if e.status in (401, 403):
+            return PermissionError(f"{doing} PyTorchJob {self.ref}: {e.status} {e.reason}: {RBAC_HINT}")
+        return RuntimeError(f"{doing} PyTorchJob {self.ref}: {e.status} {e.reason} {e.body or ''}".strip())
+
+    # 1. Create or re-attach -------------------------------------------------------------------
+
+    def create_or_attach(self) -> None:
+        backoff = _Backoff(self.cfg.backoff_s, self.cfg.backoff_max_s)
+        recreated = False
+        while True:
+            self._remaining()
+            try:
+                self._call(self.co.create_namespaced_custom_object, GROUP, VERSION, self.ns, PLURAL,
+                           body=self.manifest)
+                self.created = True
+                self.log(f"created PyTorchJob {self.ref}")
+                return
+            except ApiException as e:
+                if e.status in (400, 422):
+                    raise ValueError(f"the API server rejected PyTorchJob {self.ref}: {_status_message(e)}") from None
+                if e.status != 409:
+                    if not _transient(e):
+                        raise self._fatal(e, "creating") from None
+                    self.log(f"creating PyTorchJob {self.ref}: {e.status} {e.reason}; retrying")
+                    backoff.wait(self.deadline)
+                    continue
+            except Exception as e:  # noqa: BLE001 - classified right below
+                if not _transient(e):
+                    raise
+                # The POST may have landed: the retry then gets a 409 and re-attaches.
+                self.log(f"creating PyTorchJob {self.ref}: {type(e).__name__}; retrying")
+                backoff.wait(self.deadline)
+                continue
+            # 409: it exists.
+            existing = self._get_job()
+            if existing is None:
+                continue                      # deleted in between: create it
+            self._check_ownership(existing)
+            if existing.get("metadata", {}).get("deletionTimestamp"):
+                self.log(f"PyTorchJob {self.ref} is being deleted; waiting to create it again")
+                self._wait_gone()
+                continue
+            phase, cond = _phase(existing)
+            if phase == "Failed" and self.cfg.recreate_failed and not recreated:
+                self.log(f"PyTorchJob {self.ref} exists and failed ({cond.get('reason', '')}: "
+                         f"{cond.get('message', '')}); creating it again, the trainer resumes from FSx")
+                recreated = True
+                delete_job(self.name, self.ns, self.client, wait_s=self.cfg.delete_wait_s, log=self.log)
+                self._wait_gone()
+                continue
+            self.log(f"re-attached to existing PyTorchJob {self.ref} (phase {phase}); not creating a duplicate")
+            return
+
+    def _check_ownership(self, existing: dict) -> None:
+        mine = self.manifest.get("metadata", {}).get("labels", {}).get(RUN_ID_LABEL)
+        theirs = (existing.get("metadata", {}).get("labels") or {}).get(RUN_ID_LABEL)
+        if mine and theirs != mine:
+            raise RuntimeError(f"a PyTorchJob named {self.ref} already exists but belongs to "
+                               f"{'run ' + theirs if theirs else 'no KFP run'} (this is run {mine}); "
+                               "refusing to adopt it: delete it or choose another name")
+
+    def _wait_gone(self) -> None:
+        while self._get_job() is not None:
+            self._remaining()
+            time.sleep(min(1.0, self.cfg.backoff_s))
+
+    # 2. Watch ---------------------------------------------------------------------------------
+
+    def wait(self) -> JobOutcome:
+        from kubernetes import watch
+
+        if self.cfg.stream_logs:
+            self._logs = _LogFollower(self, tail=None if self.created else self.cfg.reattach_tail_lines)
+            self._logs.start()
+        backoff = _Backoff(self.cfg.backoff_s, self.cfg.backoff_max_s)
+        rv = None
+        while True:
+            remaining = self._remaining()
+            try:
+                if rv is None:        # (re)list: the current state and where to watch from
+                    job = self._get_job()
+                    if job is None:
+                        raise JobFailed(f"PyTorchJob {self.ref} was deleted by someone else while running")
+                    if self._observe(job):
+                        return self._finish(job)
+                    rv = job["metadata"].get("resourceVersion")
+                w = watch.Watch()
+                seconds = max(1, int(min(self.cfg.watch_timeout_s, math.ceil(remaining))))
+                stream = w.stream(self.co.list_namespaced_custom_object, GROUP, VERSION, self.ns, PLURAL,
+                                  field_selector=f"metadata.name={self.name}", resource_version=rv,
+                                  timeout_seconds=seconds, _request_timeout=(10, seconds + 15))
+                for event in stream:
+                    obj = event["raw_object"]
+                    if event["type"] == "DELETED":
+                        raise JobFailed(f"PyTorchJob {self.ref} was deleted by someone else while running\n"
+                                        f"{self.diagnose(obj)}")
+                    rv = obj.get("metadata", {}).get("resourceVersion", rv)
+                    if self._observe(obj):
+                        return self._finish(obj)
+                backoff.reset()
+                self._refresh_pods()      # pod restarts do not always touch the job
+            except ApiException as e:
+                if e.status == 410:       # our resourceVersion is too old: re-list
+                    self.log("watch expired (410); re-reading the job")
+                    rv = None
+                    continue
+                if not _transient(e):
+                    raise self._fatal(e, "watching") from None
+                self.log(f"watching PyTorchJob {self.ref}: {e.status} {e.reason}; resyncing")
+                rv = None
+                backoff.wait(self.deadline)
+            except (JobFailed, JobTimeout, _Terminated, KeyboardInterrupt):
+                raise
+            except Exception as e:  # noqa: BLE001 - classified right below
+                if not _transient(e):
+                    raise
+                self.log(f"watch of PyTorchJob {self.ref} dropped ({type(e).__name__}); resyncing")
+                rv = None
+                backoff.wait(self.deadline)
+
+    def _observe(self, job: dict) -> bool:
+        """Report what changed; True once the job is finished (succeeded or failed)."""
+        phase, cond = _phase(job)
+        if phase != self._phase:
+            detail = f" ({cond.get('reason', '')}: {cond.get('message', '')})" if cond.get("message") else ""
+            self.log(f"PyTorchJob {self.ref}: {phase}{detail}")
+            self._phase = phase
+        statuses = (job.get("status") or {}).get("replicaStatuses") or {}
+        replicas = ", ".join(f"{rt} " + " ".join(f"{k}={v}" for k, v in sorted(s.items()) if k != "selector"
+                                                 and k != "labelSelector")
+                             for rt, s in sorted(statuses.items()))
+        if replicas and replicas != self._replicas:
+            self.log(f"replicas: {replicas}")
+            self._replicas = replicas
+        with contextlib.suppress(Exception):
+            self._refresh_pods()
+        return phase in ("Succeeded", "Failed")
+
+    def _list_pods(self) -> list[dict]:
+        data = self._call(self.core.list_namespaced_pod, self.ns, label_selector=f"{JOB_NAME_LABEL}={self.name}")
+        return data.get("items") or []
+
+    def _refresh_pods(self) -> None:
+        counts: dict[str, int] = {}
+        for pod in self._list_pods():
+            meta, status = pod.get("metadata", {}), pod.get("status") or {}
+            labels = meta.get("labels") or {}
+            rtype = labels.get(REPLICA_TYPE_LABEL, "?").capitalize()
+            index = labels.get(REPLICA_INDEX_LABEL, "?")
+            uid = meta.get("uid", meta.get("name", ""))
+            self._pod_uids.setdefault((rtype, index), set()).add(uid)
+            restarts = sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
+            self._container_restarts[uid] = max(self._container_restarts.get(uid, 0), restarts)
+            state = _pod_state(pod)
+            name = meta.get("name", "?")
+            if self._pod_states.get(name) != state:
+                self._pod_states[name] = state
+                self.log(f"pod {name}: {state}")
+        for (rtype, _), uids in self._pod_uids.items():
+            counts[rtype] = counts.get(rtype, 0) + len(uids) - 1 + sum(self._container_restarts.get(u, 0)
+                                                                       for u in uids)
+        if counts != self.restarts and any(counts.values()):
+            self.log("restarts: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
+        self.restarts = counts
+
+    # 3. The end -------------------------------------------------------------------------------
+
+    def _finish(self, job: dict) -> JobOutcome:
+        phase, _ = _phase(job)
+        if phase == "Failed":
+            self.stop_logs(drain=True)
+            raise JobFailed(self.diagnose(job))
+        self.stop_logs(drain=True)
+        wall = time.monotonic() - self.start
+        self.log(f"PyTorchJob {self.ref} succeeded after {wall:.1f} s (restarts: "
+                 + (", ".join(f"{k}={v}" for k, v in sorted(self.restarts.items())) or "none") + ")")
+        return JobOutcome(self.name, self.ns, phase, self.created, dict(self.restarts), round(wall, 3),
+                          (job.get("status") or {}).get("conditions") or [])
+
+    def stop_logs(self, drain: bool = False) -> None:
+        if self._logs is None:
+            return
+        if drain:
+            self._logs.finish.set()
+            self._logs.join(self.cfg.log_drain_s)
+        self._logs.stop.set()
+        self._logs = None
+
+    def diagnose(self, job: dict) -> str:
+        """Why the job is where it is: conditions, pods, events, the log's tail."""
+        phase, _ = _phase(job) if job else ("unknown", {})
+        lines = [f"PyTorchJob {self.ref} {phase.lower()}:"]
+        for c in (job.get("status") or {}).get("conditions") or []:
+            if str(c.get("status")) == "True":
+                lines.append(f"  condition {c.get('type')}: {c.get('reason', '')}: {c.get('message', '')}")
+        pods: list[dict] = []
+        with contextlib.suppress(Exception):
+            pods = self._list_pods()
+        for pod in pods:
+            for why in _pod_problems(pod):
+                lines.append(f"  pod {pod['metadata']['name']}: {why}")
+        # Events of the job, the master and the pods in trouble (not of every pod of a large job).
+        names = [p["metadata"]["name"] for p in pods
+                 if _pod_problems(p) or (p["metadata"].get("labels") or {}).get(REPLICA_TYPE_LABEL) == "master"]
+        events = self._events([self.name] + names[:20])
+        if events:
+            lines.append("  recent events:")
+            lines += [f"    {e}" for e in events]
+        if self.tail:
+            lines.append(f"  last {len(self.tail)} log lines of the master:")
+            lines += [f"    {t}" for t in self.tail]
+        return "\n".join(lines)
+
+    def _events(self, names: list[str]) -> list[str]:
+        found = []
+        for name in names[:50]:
+            try:
+                data = self._call(self.core.list_namespaced_event, self.ns,
+                                  field_selector=f"involvedObject.name={name}")
+            except Exception:  # noqa: BLE001 - the diagnosis is best effort
+                continue
+            found += data.get("items") or []
+
+        def when(e: dict) -> str:
+            return (e.get("lastTimestamp") or e.get("eventTime") or e.get("firstTimestamp")
+                    or e.get("metadata", {}).get("creationTimestamp") or "")
+
+        found.sort(key=when)
+        out = []
+        for e in found[-self.cfg.events_limit:]:
+            obj = e.get("involvedObject") or {}
+            count = f" (x{e['count']})" if (e.get("count") or 1) > 1 else ""
+            out.append(f"{when(e)} {e.get('type', '')} {e.get('reason', '')} "
+                       f"{obj.get('kind', '').lower()}/{obj.get('name', '')}: {e.get('message', '')}{count}")
+        return out
+
+
+def _status_message(e: ApiException) -> str:
+    with contextlib.suppress(Exception):
+        return json.loads(e.body).get("message") or e.reason
+    return f"{e.status} {e.reason}"
+
+
+def _containers(pod: dict) -> list[dict]:
+    status = pod.get("status") or {}
+    return (status.get("initContainerStatuses") or []) + (status.get("containerStatuses") or [])
+
+
+def _pod_state(pod: dict) -> str:
+    status = pod.get("status") or {}
+    phase = status.get("phase", "Unknown")
+    if status.get("reason"):
+        return f"{phase} ({status['reason']}: {status.get('message', '')})"
+    for c in _containers(pod):
+        waiting = (c.get("state") or {}).get("waiting")
+        if waiting and waiting.get("reason") not in (None, "ContainerCreating", "PodInitializing"):
+            return f"{phase}, {c.get('name')} waiting: {waiting.get('reason')} {waiting.get('message', '')}".rstrip()
+    for cond in status.get("conditions") or []:
+        if cond.get("type") == "PodScheduled" and cond.get("status") == "False":
+            return f"{phase} (unschedulable: {cond.get('message', cond.get('reason', ''))})"
+    return phase
+
+
+def _pod_problems(pod: dict) -> list[str]:
+    out = []
+    status = pod.get("status") or {}
+    if status.get("reason"):
+        out.append(f"{status.get('phase', '')} {status['reason']}: {status.get('message', '')}".strip())
+    for c in _containers(pod):
+        for when, state in (("", c.get("state") or {}), ("previously ", c.get("lastState") or {})):
+            term = state.get("terminated")
+            if term and (term.get("exitCode") or 0) != 0:
+                msg = (term.get("message") or "").strip().replace("\n", " | ")[-500:]
+                out.append(f"container {c.get('name')} {when}terminated: {term.get('reason', '')} "
+                           f"(exit code {term.get('exitCode')}){': ' + msg if msg else ''}")
+            waiting = state.get("waiting")
+            if waiting and waiting.get("reason") not in (None, "ContainerCreating", "PodInitializing"):
+                out.append(f"container {c.get('name')} waiting: {waiting.get('reason')}: "
+                           f"{waiting.get('message', '')}")
+        if c.get("restartCount"):
+            out.append(f"container {c.get('name')} restarted {c['restartCount']} times")
+    return out
+
+
+# Log streaming ----------------------------------------------------------------------------------
+
+def _parse_ts(text: str) -> tuple[int, int] | None:
+    """RFC 3339 with nanoseconds ("2024-05-01T10:00:00.123456789Z") as (epoch seconds, nanoseconds)."""
+    try:
+        main, _, frac = text.rstrip("Z").partition(".")
+        secs = calendar.timegm(time.strptime(main, "%Y-%m-%dT%H:%M:%S"))
+        return secs, int((frac + "000000000")[:9]) if frac else 0
+    except (ValueError, OverflowError):
+        return None
+
+
+class _LogFollower(threading.Thread):
+    """Follow the master's (elastic: worker 0's) container log across restarts and dropped streams.
+
+    Each container instance (pod uid, restart count) is read once: a dropped or idle stream resumes
+    with ``sinceSeconds`` and skips lines at or before the last timestamp seen.
+    """
+
+    def __init__(self, sup: _Supervisor, tail: int | None) -> None:
+        super().__init__(name=f"logs-{sup.name}", daemon=True)
+        self.sup = sup
+        self.stop = threading.Event()
+        self.finish = threading.Event()     # the job ended: read what is left, then stop
+        self.first_tail = tail
+        self.last: tuple[int, int] | None = None     # timestamp of the last line shown
+        rtype = "worker" if sup.elastic else "master"
+        self.selector = f"{JOB_NAME_LABEL}={sup.name},{REPLICA_TYPE_LABEL}={rtype},{REPLICA_INDEX_LABEL}=0"
+        self.prefix = f"[{rtype}-0]"
+        # Its own client: the main thread may be interrupted by SIGTERM in the middle of a request.
+        self.core = k8s.CoreV1Api(k8s.ApiClient(sup.client.configuration))
+
+    def run(self) -> None:
+        done: set[tuple[str, int]] = set()
+        key = None
+        while not self.stop.is_set():
+            pod = self._pod()
+            k = _instance(pod) if pod else None
+            if k is None or k in done:
+                if self.finish.is_set():
+                    return
+                self.stop.wait(self.sup.cfg.log_poll_s)
+                continue
+            if k != key:                    # a new container instance: its log starts afresh
+                key, self.last = k, None
+            try:
+                self._stream(pod["metadata"]["name"])
+            except ApiException:
+                self.stop.wait(self.sup.cfg.log_poll_s)     # not started yet, or gone
+                continue
+            except Exception:  # noqa: BLE001 - dropped or idle stream: reconnect
+                self.stop.wait(min(1.0, self.sup.cfg.log_poll_s))
+                continue
+            # The stream ended: that instance is finished if its container is over or was replaced.
+            now = self._pod()
+            if now is None or _instance(now) != k or _terminated(now):
+                done.add(k)
+
+    def _pod(self) -> dict | None:
+        try:
+            resp = self.core.list_namespaced_pod(self.sup.ns, label_selector=self.selector,
+                                                 _preload_content=False, _request_timeout=10)
+            items = json.loads(resp.data or b"{}").get("items") or []
+        except Exception:  # noqa: BLE001 - retried at the next poll
+            return None
+        live = [p for p in items if not p.get("metadata", {}).get("deletionTimestamp")] or items
+        return live[-1] if live else None
+
+    def _stream(self, pod: str) -> None:
+        kw: dict = {}
+        if self.last is not None:
+            # Resume a little before the last line seen; the timestamps drop the overlap.
+            kw["since_seconds"] = max(1, int(time.time() - self.last[0]) + 5)
+        elif self.first_tail is not None:
+            kw["tail_lines"] = self.first_tail      # re-attached: not the whole history again
+        self.first_tail = None
+        resp = self.core.read_namespaced_pod_log(pod, self.sup.ns, container=CONTAINER, follow=True,
+                                                 timestamps=True, _preload_content=False,
+                                                 _request_timeout=(10, self.sup.cfg.log_idle_s), **kw)
+        try:
+            buf = b""
+            for chunk in resp.stream(amt=None, decode_content=False):
+                buf += chunk
+                *lines, buf = buf.split(b"\n")
+                for raw in lines:
+                    self._emit(raw.decode("utf-8", "replace"))
+                if self.stop.is_set():
+                    return
+            if buf:
+                self._emit(buf.decode("utf-8", "replace"))
+        finally:
+            resp.release_conn()
+
+    def _emit(self, line: str) -> None:
+        stamp, _, text = line.partition(" ")
+        ts = _parse_ts(stamp)
+        if ts is None:
+            text = line
+        elif self.last is not None and ts <= self.last:
+            return                           # already shown before the stream was resumed
+        else:
+            self.last = ts
+        self.sup.tail.append(text)
+        self.sup.log(f"{self.prefix} {text}")
+
+
+def _instance(pod: dict) -> tuple[str, int] | None:
+    """(pod uid, restart count) of the trainer container once it has started, else None."""
+    for c in (pod.get("status") or {}).get("containerStatuses") or []:
+        if c.get("name") == CONTAINER:
+            state = c.get("state") or {}
+            if "running" in state or "terminated" in state:
+                return pod["metadata"].get("uid", pod["metadata"]["name"]), int(c.get("restartCount") or 0)
+    return None
+
+
+def _terminated(pod: dict) -> bool:
+    for c in (pod.get("status") or {}).get("containerStatuses") or []:
+        if c.get("name") == CONTAINER:
+            return "terminated" in (c.get("state") or {})
+    return False
+
+
+if __name__ == "__main__":     # pragma: no cover - a debugging aid: supervise a manifest file
+    import yaml
+
+    _manifest = yaml.safe_load(open(sys.argv[1]))
+    run_job(_manifest, namespace=sys.argv[2] if len(sys.argv) > 2 else current_namespace(),
+            client=api_client(sys.argv[3] if len(sys.argv) > 3 else ""))

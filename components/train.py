@@ -1,0 +1,288 @@
+"""The train step: the trainer as a Kubeflow PyTorchJob on EKS, or as ``goodput train`` on this machine.
+
+``backend="cluster"`` builds the job (``components.pytorchjob``), creates it under a name derived from
+the KFP run and task (a restarted launcher re-attaches instead of creating a duplicate), supervises it
+(``components.supervise``: phases, restarts, the master's log, a reason on failure, deletion on
+cancel or timeout) and reads ``summary.json`` from FSx. ``backend="local"`` runs the same trainer
+arguments through ``trainer.launch.run_local_training``, so the pipeline runs end to end without a
+cluster. Either way the outputs are a ``Model`` (URI: the run's checkpoint directory) and ``Metrics``
+(the summary's numbers).
+
+Core, without KFP::
+
+    from components.train import train
+    result = train("local", ["--max-steps", "20"], run_id="dev", task_name="train", fsx_root="fsx")
+
+The pipeline passes ``run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER`` and
+``task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER`` (also the defaults), mounts FSx at ``fsx_root`` with
+``kubernetes.mount_pvc`` and runs the step as a service account bound by ``deploy/rbac.yaml``.
+"""
+
+# No `from __future__ import annotations`: KFP reads the component's annotations as types.
+import math
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path, PurePosixPath
+from typing import Callable
+
+from kfp import dsl
+from kfp.dsl import Metrics, Model, Output
+
+__all__ = ["TrainResult", "train", "train_op", "write_outputs", "BASE_IMAGE", "TRAINER_IMAGE"]
+
+# The image the component runs in (this package and kfp installed), and the trainer image of the
+# job's pods (CUDA torch, nvidia-resiliency-ext, this package). Override at compile time.
+BASE_IMAGE = os.environ.get("GOODPUT_COMPONENT_IMAGE", "ghcr.io/goodput-pipelines/goodput:0.1.0")
+PACKAGES = os.environ.get("GOODPUT_COMPONENT_PACKAGES", "").split()
+# The component's default for ``image`` repeats it literally: KFP runs the function's source alone.
+TRAINER_IMAGE = "ghcr.io/goodput-pipelines/trainer:0.1.0"
+BACKENDS = ("cluster", "local")
+
+
+def _component(passthroughs: tuple[str, ...] = (), **kw):
+    # Inside a running step (_KFP_RUNTIME=true) kfp.dsl has no ``component`` (nor TaskConfigField), yet
+    # the step's body imports this module for ``train``: there the function stays a plain function.
+    if os.environ.get("_KFP_RUNTIME") == "true":
+        return lambda func: func
+    return dsl.component(task_config_passthroughs=[getattr(dsl.TaskConfigField, f) for f in passthroughs], **kw)
+
+
+@dataclass
+class TrainResult:
+    backend: str
+    job_name: str
+    run_dir: str                       # as seen by this process (under fsx_root)
+    checkpoint_dir: str
+    summary: dict
+    latest_step: int | None = None     # newest committed checkpoint
+    namespace: str = ""
+    job_restarts: dict = field(default_factory=dict)   # cluster: pod/container restarts per replica type
+    reattached: bool = False
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def train(backend: str, trainer_args: list[str], *, run_id: str, task_name: str, fsx_root: str | Path,
+          job: dict | None = None, namespace: str = "", kube_api: str = "", supervise=None,
+          local_nproc: int = 2, log: Callable[[str], None] = print) -> TrainResult:
+    """Run the trainer to the end on the chosen backend; return where the run is and its summary.
+
+    Args:
+        backend: ``cluster`` (a PyTorchJob) or ``local`` (ft_launcher processes here).
+        trainer_args: arguments of ``python -m trainer``; ``--out`` defaults to ``<fsx>/runs/<job name>``.
+        run_id: KFP run id; with ``task_name`` it names the job (and the default run directory).
+        task_name: KFP task name.
+        fsx_root: where FSx is mounted in this process (the launcher pod, or a local directory).
+        job: ``JobSpec`` settings (cluster), e.g. ``{"image": ..., "nodes": 4, "spot": True}``.
+        namespace: namespace of the job; empty = this pod's namespace.
+        kube_api: Kubernetes API URL; empty = in-cluster config (tests and ``kubectl proxy`` set it).
+        supervise: a ``SuperviseConfig`` (timeouts, retries, log streaming).
+        local_nproc: ranks of the local backend.
+        log: where progress lines go.
+
+    Raises:
+        ValueError: bad settings, before anything starts. RuntimeError (``JobFailed``, ``JobCancelled``,
+        ``JobTimeout``): the run did not finish; the message says why.
+    """
+    from components.pytorchjob import job_name_for
+
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if not run_id or "{{$" in run_id or not task_name or "{{$" in task_name:
+        raise ValueError(f"run_id ({run_id!r}) and task_name ({task_name!r}) must be set: pass "
+                         "dsl.PIPELINE_JOB_ID_PLACEHOLDER and dsl.PIPELINE_TASK_NAME_PLACEHOLDER from the pipeline")
+    # A KFP list parameter may carry numbers, as floats: 200.0 must reach the trainer as "200".
+    args = [str(int(a)) if isinstance(a, float) and a.is_integer() else str(a) for a in trainer_args]
+    name = (job or {}).get("name") or job_name_for(run_id, task_name)
+    if backend == "local":
+        return _train_local(args, name, Path(fsx_root), job or {}, local_nproc, log)
+    return _train_cluster(args, name, run_id, task_name, Path(fsx_root), job or {}, namespace, kube_api,
+                          supervise, log)
+
+
+def _train_local(args: list[str], name: str, fsx_root: Path, job: dict, nproc: int, log) -> TrainResult:
+    from components.pytorchjob import JobSpec
+    from trainer.launch import run_local_training
+
+    if _flag_value(args, "--out") is None:
+        args += ["--out", str(fsx_root / "runs" / name)]
+    out = Path(_flag_value(args, "--out")).resolve()
+    spec = JobSpec.from_dict({k: v for k, v in job.items() if k == "launch"})
+    launch = spec.launch
+    launch.nproc_per_node, launch.nnodes, launch.rdzv_endpoint = nproc, 1, ""
+    log(f"local training: {nproc} ranks under ft_launcher, {' '.join(args)}")
+    code, summary = run_local_training(args, launch, fsx_root)
+    if code != 0:
+        raise RuntimeError(f"local training failed with exit code {code}; the run directory is {out} "
+                           "(events.jsonl says what happened)")
+    if summary is None:
+        raise RuntimeError(f"local training stopped before its last step (SIGTERM); the last committed "
+                           f"checkpoint is in {out / 'checkpoints'}")
+    return _result("local", name, out, summary)
+
+
+def _train_cluster(args, name, run_id, task_name, fsx_root: Path, job: dict, namespace: str, kube_api: str,
+                   supervise, log) -> TrainResult:
+    from components.pytorchjob import JobSpec, job_manifest, parse_trainer_args
+    from components.supervise import api_client, current_namespace, run_job
+
+    settings = {**job, "name": name, "run_id": run_id, "task_name": task_name, "trainer_args": args}
+    settings["namespace"] = namespace or job.get("namespace") or (current_namespace() if not kube_api else "default")
+    spec = JobSpec.from_dict(settings)
+    manifest = job_manifest(spec)                 # validates everything before the first request
+    out = PurePosixPath(parse_trainer_args(spec.full_trainer_args()).run.out)
+    local_out = fsx_root / out.relative_to(spec.fsx_mount)
+    log(f"PyTorchJob {spec.namespace}/{name}: {spec.nodes} node(s) x {spec.procs} process(es), image "
+        f"{spec.image}, run directory {out} (here {local_out})")
+    outcome = run_job(manifest, namespace=spec.namespace, client=api_client(kube_api), cfg=supervise, log=log)
+    summary_path = local_out / "summary.json"
+    if not summary_path.is_file():
+        raise RuntimeError(f"PyTorchJob {spec.namespace}/{name} succeeded but {summary_path} is missing: is the "
+                           f"FSx claim {spec.pvc!r} mounted at {fsx_root} in this pod?")
+    import json
+
+    result = _result("cluster", name, local_out, json.loads(summary_path.read_text()))
+    result.namespace, result.job_restarts, result.reattached = spec.namespace, outcome.restarts, not outcome.created
+    return result
+
+
+def _flag_value(args: list[str], flag: str) -> str | None:
+    """The value of the last ``flag VALUE`` or ``flag=VALUE`` in ``args``; None if absent."""
+    value = None
+    for i, a in enumerate(args):
+        if a == flag and i + 1 < len(args):
+            value = args[i + 1]
+        elif a.startswith(flag + "="):
+            value = a[len(flag) + 1:]
+    return value
+
+
+def _result(backend: str, name: str, out: Path, summary: dict) -> TrainResult:
+    from trainer.layout import committed_steps
+
+    ckpt = out / "checkpoints"
+    steps = committed_steps(ckpt)
+    return TrainResult(backend, name, str(out), str(ckpt), summary, steps[-1] if steps else None)
+
+
+def job_settings_from_task_config(tc, job: dict) -> dict:
+    """``job`` completed with the pod settings the pipeline put on the train task (``dsl.TaskConfig``).
+
+    ``task.set_accelerator_limit(8)``, ``.set_cpu_request``, ``.set_memory_limit``, ``.set_env_variable``,
+    ``kubernetes.add_toleration`` and ``kubernetes.add_node_selector`` reach the job's pods instead of
+    the launcher's pod. Settings in ``job`` win over the task's.
+    """
+    if tc is None:
+        return dict(job)
+    out = dict(job)
+    res = getattr(tc, "resources", None) or {}
+    requests, limits = res.get("requests") or {}, res.get("limits") or {}
+    gpus = limits.get("nvidia.com/gpu", requests.get("nvidia.com/gpu"))
+    if gpus is not None and "gpus_per_node" not in job:
+        out["gpus_per_node"] = int(gpus)
+    cpu = requests.get("cpu", limits.get("cpu"))
+    if cpu is not None and "cpu" not in job:
+        out["cpu"] = str(cpu)
+    memory = limits.get("memory", requests.get("memory"))
+    if memory is not None and "memory" not in job:
+        out["memory"] = str(memory)
+    if getattr(tc, "node_selector", None):
+        out["node_selector"] = {**tc.node_selector, **job.get("node_selector", {})}
+    if getattr(tc, "tolerations", None):
+        out["tolerations"] = [*job.get("tolerations", []), *tc.tolerations]
+    env = {e["name"]: e["value"] for e in (getattr(tc, "env", None) or []) if "value" in e}
+    if env:
+        out["env"] = {**env, **job.get("env", {})}
+    return out
+
+
+def flat_metrics(summary: dict, prefix: str = "") -> dict[str, float]:
+    """The summary's numbers (nested dicts joined with '_'), for KFP Metrics."""
+    out: dict[str, float] = {}
+    for k, v in summary.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(flat_metrics(v, key + "_"))
+        elif isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+            out[key] = float(v)
+    return out
+
+
+def write_outputs(result: TrainResult, model, metrics) -> None:
+    """Fill the step's Model (the checkpoint directory) and Metrics (from summary.json)."""
+    s = result.summary
+    model.uri = result.checkpoint_dir
+    latest = (f"{result.checkpoint_dir}/step_{result.latest_step:09d}" if result.latest_step is not None else "")
+    model.metadata.update({k: v for k, v in {
+        "framework": "pytorch", "format": "torch-dcp", "backend": result.backend, "job_name": result.job_name,
+        "namespace": result.namespace, "run_dir": result.run_dir, "latest_checkpoint": latest,
+        "latest_step": -1 if result.latest_step is None else result.latest_step,
+        "params_sha256": s.get("params_sha256") or "", "steps": s.get("steps", 0),
+        "final_val_loss": s.get("final_val_loss"), "reattached": result.reattached,
+    }.items() if v is not None})
+    for key, value in flat_metrics(s).items():
+        metrics.log_metric(key, value)
+    for rtype, n in sorted(result.job_restarts.items()):
+        metrics.log_metric(f"job_restarts_{rtype.lower()}", float(n))
+
+
+@_component(base_image=BASE_IMAGE, packages_to_install=PACKAGES, install_kfp_package=False,
+            # Pod settings on the task go to the job's pods, not to this launcher's pod.
+            passthroughs=("RESOURCES", "ENV", "KUBERNETES_TOLERATIONS", "KUBERNETES_NODE_SELECTOR"))
+def train_op(
+    backend: str = "cluster",
+    trainer_args: list = [],
+    image: str = "ghcr.io/goodput-pipelines/trainer:0.1.0",
+    nodes: int = 1,
+    gpus_per_node: int = 8,
+    spot: bool = False,
+    job_options: dict = {},
+    namespace: str = "",
+    timeout_s: float = 7 * 86400.0,
+    fsx_root: str = "/fsx",
+    local_nproc: int = 2,
+    kube_api: str = "",
+    run_id: str = dsl.PIPELINE_JOB_ID_PLACEHOLDER,
+    task_name: str = dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
+    *,
+    task_config: dsl.TaskConfig,
+    model: Output[Model],
+    metrics: Output[Metrics],
+):
+    """Train: a PyTorchJob on EKS under NVRx (backend=cluster), or `goodput train` here (backend=local).
+
+    Args:
+        backend: ``cluster`` or ``local``.
+        trainer_args: arguments of ``python -m trainer`` (``--max-steps``, ``--data``, ...); ``--out``
+            defaults to ``<fsx>/runs/<job name>``, ``--data`` to the default dataset on FSx.
+        image: trainer image of the job's pods (cluster).
+        nodes: pods (nodes) in the job (cluster).
+        gpus_per_node: GPUs per pod, one trainer process per GPU (cluster); a GPU limit set on the task
+            (``set_accelerator_limit``) wins.
+        spot: let the pods run on spot nodes (cluster).
+        job_options: further ``components.pytorchjob.JobSpec`` settings by name, e.g. ``{"node_group":
+            "p5", "scheduler": "volcano", "queue": "training", "launch": {"max_restarts": 5}}``.
+        namespace: namespace of the job; empty = the namespace of this step's pod.
+        timeout_s: overall deadline in seconds; past it the job is deleted and the step fails.
+        fsx_root: where FSx is mounted in this step's pod (cluster), or a local directory (local).
+        local_nproc: ranks of the local backend.
+        kube_api: Kubernetes API URL; empty = this pod's service account (in-cluster).
+        run_id: the KFP run id (names the job, so a retried step re-attaches).
+        task_name: the KFP task name (names the job).
+        task_config: the task's pod settings (GPU/CPU/memory, env, tolerations, node selector), set by
+            the pipeline on this task and forwarded to the job's pods (cluster); ``job_options`` win.
+        model: output; URI = the run's checkpoint directory on FSx, metadata = latest step, sha256, job.
+        metrics: output; the numbers of the trainer's summary.json (steps, losses, restarts, goodput).
+    """
+    from components.supervise import SuperviseConfig
+    from components.train import job_settings_from_task_config, train, write_outputs
+
+    job = job_settings_from_task_config(task_config, job_options)
+    job.setdefault("gpus_per_node", gpus_per_node)
+    job.update(image=image, nodes=nodes, spot=spot)
+    result = train(backend, list(trainer_args), run_id=run_id, task_name=task_name, fsx_root=fsx_root,
+                   job=job if backend == "cluster" else {k: v for k, v in job_options.items() if k == "launch"},
+                   namespace=namespace, kube_api=kube_api, supervise=SuperviseConfig(timeout_s=timeout_s),
+                   local_nproc=local_nproc)
+    write_outputs(result, model, metrics)

@@ -1,0 +1,84 @@
+"""KFP component: check the run's settings and build the train step's inputs (``components.train_config``)."""
+
+import os
+from typing import NamedTuple
+
+from kfp import dsl
+
+# The image the component runs in: it has this package (and so kfp) installed. Override both at
+# compile time through the environment, as for the other components.
+BASE_IMAGE = os.environ.get("GOODPUT_COMPONENT_IMAGE", "ghcr.io/goodput-pipelines/goodput:0.1.0")
+PACKAGES = os.environ.get("GOODPUT_COMPONENT_PACKAGES", "").split()
+
+
+@dsl.component(base_image=BASE_IMAGE, packages_to_install=PACKAGES, install_kfp_package=False)
+def train_config_op(
+    fsx_root: str,
+    dataset_name: str,
+    dataset_version: str,
+    run_id: str,
+    max_steps: int,
+    ckpt_every: int,
+    n_layer: int,
+    n_head: int,
+    n_embd: int,
+    seq_len: int,
+    batch_size: int,
+    parallel: str,
+    seed: int,
+    inject_fault: str,
+    max_restarts: int,
+    backoff_limit: int,
+    instance_type: str,
+    fsx_pvc: str,
+    service_account: str,
+    backend: str,
+    image: str,
+    nodes: int,
+    gpus_per_node: int,
+    spot: bool,
+    extra_trainer_args: list = [],
+) -> NamedTuple("TrainConfig", [("trainer_args", list), ("job_options", dict), ("run_dir", str)]):
+    """Check the run's settings and build the train step's trainer arguments, job settings and run directory.
+
+    Args:
+        fsx_root: FSx mount path in the pods (cluster) or the local stand-in (local).
+        dataset_name: staged dataset name.
+        dataset_version: staged dataset version.
+        run_id: the KFP run id (``dsl.PIPELINE_JOB_ID_PLACEHOLDER``); names the run directory.
+        max_steps: optimizer steps.
+        ckpt_every: checkpoint interval in optimizer steps.
+        n_layer: transformer blocks.
+        n_head: attention heads.
+        n_embd: model width.
+        seq_len: context length in bytes.
+        batch_size: sequences per micro-batch per rank.
+        parallel: fsdp or ddp.
+        seed: random seed.
+        inject_fault: comma-separated KIND@STEP[:RANK] faults (recovery drills); empty = none.
+        max_restarts: in-job restarts by ft_launcher.
+        backoff_limit: PyTorchJob pod restarts before the job fails.
+        instance_type: EC2 instance type of the trainer pods (empty = any).
+        fsx_pvc: FSx PersistentVolumeClaim of the trainer pods.
+        service_account: service account of the trainer pods (empty = default).
+        backend: cluster or local.
+        image: trainer image.
+        nodes: nodes in the job.
+        gpus_per_node: GPUs per pod.
+        spot: spot nodes allowed.
+        extra_trainer_args: further trainer arguments.
+    """
+    from collections import namedtuple
+
+    from components.train_config import build_train_config
+
+    args, job, run_dir = build_train_config(
+        fsx_root=fsx_root, dataset_name=dataset_name, dataset_version=dataset_version, run_id=run_id,
+        max_steps=max_steps,
+        ckpt_every=ckpt_every, n_layer=n_layer, n_head=n_head, n_embd=n_embd, seq_len=seq_len,
+        batch_size=batch_size, parallel=parallel, seed=seed, inject_fault=inject_fault,
+        extra_trainer_args=extra_trainer_args, max_restarts=max_restarts, backoff_limit=backoff_limit,
+        instance_type=instance_type, fsx_pvc=fsx_pvc, service_account=service_account, backend=backend,
+        image=image, nodes=nodes, gpus_per_node=gpus_per_node, spot=spot)
+    print("trainer arguments:", " ".join(args))
+    return namedtuple("TrainConfig", ["trainer_args", "job_options", "run_dir"])(args, job, run_dir)

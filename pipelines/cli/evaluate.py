@@ -1,0 +1,70 @@
+"""``goodput evaluate``: score a run's committed checkpoints, write the report, gate promotion."""
+
+from __future__ import annotations
+
+import math
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--run", "run_dir", required=True, type=click.Path(path_type=Path, file_okay=False),
+              help="Run directory of `goodput train` (its --out).")
+@click.option("--data", "data_dir", default=None, type=click.Path(path_type=Path, file_okay=False),
+              help="Dataset directory whose validation split is scored (default: the run's --data).")
+@click.option("--out", "out_dir", default=None, type=click.Path(path_type=Path, file_okay=False),
+              help="Where evaluation.json and report.html go (default: RUN/evaluation).")
+@click.option("--last", "last_n", default=0, show_default=True,
+              help="Only the newest N committed checkpoints (0: all).")
+@click.option("--threshold", default=math.log(256), show_default=True,
+              help="Promote only if the best validation loss (nats/byte) is below this (default: ln 256, chance).")
+@click.option("--tolerance", default=0.0, show_default=True,
+              help="Promote only if the best loss is at most the production model's loss plus this.")
+@click.option("--registry", default=None,
+              help="Model registry, a directory or s3://BUCKET/PREFIX; the promoted model is written there and "
+                   "the current production model is read from there. Without it nothing is written.")
+@click.option("--model-name", default="bytegpt", show_default=True, help="The model's name in the registry.")
+@click.option("--endpoint-url", default=None, help="S3-compatible endpoint for an s3:// registry.")
+@click.option("--windows", "max_windows", default=None, type=int,
+              help="Validation windows of seq_len bytes (default: the run's --eval-windows).")
+def evaluate(run_dir: Path, data_dir: Path | None, out_dir: Path | None, last_n: int, threshold: float,
+             tolerance: float, registry: str | None, model_name: str, endpoint_url: str | None,
+             max_windows: int | None) -> None:
+    """Evaluate every committed checkpoint of RUN (or the last N), pick the best, gate promotion.
+
+    Writes evaluation.json (per-checkpoint loss and bits per byte, best, promoted) and report.html. A
+    corrupt or partial checkpoint is reported and skipped. Exit status 1 when nothing could be evaluated.
+
+    \b
+    Example:
+      goodput evaluate --run fsx/runs/demo --data fsx/datasets/pystdlib/3.11 --registry fsx/models
+    """
+    from rich.console import Console
+    from rich.table import Table
+
+    from components.evaluate import EvaluationError, evaluate_run
+
+    try:
+        result = evaluate_run(run_dir, data_dir, out_dir, last_n=last_n or None, threshold=threshold,
+                              tolerance=tolerance, registry=registry, endpoint_url=endpoint_url,
+                              model_name=model_name, max_windows=max_windows)
+    except (ValueError, FileNotFoundError) as e:
+        raise click.UsageError(str(e)) from None
+    except EvaluationError as e:
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    table = Table(title=f"evaluation of {run_dir}")
+    for col in ("step", "val loss", "bits/byte", ""):
+        table.add_column(col, justify="right")
+    for c in result.checkpoints:
+        table.add_row(str(c["step"]), f"{c['val_loss']:.4f}", f"{c['bpb']:.4f}",
+                      "best" if c["step"] == result.best["step"] else "")
+    for s in result.skipped:
+        table.add_row(str(s["step"]), "-", "-", f"skipped: {s['reason']}")
+    Console().print(table)
+    click.echo(("PROMOTED" if result.promoted else "not promoted") + f": {result.gate['reason']}")
+    if result.registered:
+        click.echo(f"registered {result.registered['model_uri']}")
+    click.echo(f"wrote {result.evaluation_path} and {result.report_path}")

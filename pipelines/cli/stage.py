@@ -1,0 +1,107 @@
+"""``goodput stage``: copy an S3 prefix (or a directory) onto FSx and build the training dataset there."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+
+class _RichProgress:
+    """``components.stage.StageProgress`` drawn with rich: files and bytes, with the transfer rate."""
+
+    def __init__(self, progress):
+        self.progress = progress
+        self.files = self.bytes = None
+
+    def start(self, files: int | None, nbytes: int | None) -> None:
+        # First call while listing (totals unknown), second with the totals once the listing is complete.
+        if self.files is None:
+            self.files = self.progress.add_task("objects", total=files)
+            self.bytes = self.progress.add_task("bytes", total=nbytes)
+        else:
+            self.progress.update(self.files, total=files)
+            self.progress.update(self.bytes, total=nbytes, visible=bool(nbytes))
+
+    def advance(self, files: int = 0, nbytes: int = 0) -> None:
+        if files:
+            self.progress.update(self.files, advance=files)
+        if nbytes:
+            self.progress.update(self.bytes, advance=nbytes)
+
+
+@click.command(context_settings={"help_option_names": ["-h", "--help"]})
+@click.argument("source")
+@click.option("--fsx-root", default="fsx", show_default=True, type=click.Path(path_type=Path),
+              help="The FSx mount (a local directory outside the cluster).")
+@click.option("--name", required=True, help="Dataset name: the dataset lands in FSX_ROOT/datasets/NAME/VERSION/.")
+@click.option("--version", "version", required=True, help="Dataset version.")
+@click.option("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS).")
+@click.option("--concurrency", default=32, show_default=True, help="Parallel S3 requests.")
+@click.option("--retry-mode", type=click.Choice(["standard", "adaptive"]), default="standard", show_default=True,
+              help="botocore retry mode for throttling and 5xx; adaptive also slows down after SlowDown.")
+@click.option("--max-attempts", default=10, show_default=True, help="Attempts per request, the first included.")
+@click.option("--val-percent", default=5, show_default=True, help="Share of files in the validation split.")
+@click.option("--no-verify-etag", is_flag=True, help="Skip the MD5/ETag check (needed for SSE-KMS buckets).")
+@click.option("--fsx-dra", is_flag=True,
+              help="The dataset's raw/ is linked to the bucket (FSx data repository association): preload it "
+                   "with `lfs hsm_restore` instead of copying.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (for scripts).")
+def stage(source: str, fsx_root: Path, name: str, version: str, endpoint_url: str | None, concurrency: int,
+          retry_mode: str, max_attempts: int, val_percent: int, no_verify_etag: bool, fsx_dra: bool,
+          quiet: bool, as_json: bool) -> None:
+    """Stage SOURCE (s3://BUCKET/PREFIX or a directory) into FSX_ROOT/datasets/NAME/VERSION/.
+
+    Objects are fetched in parallel, verified (size, and MD5 where the ETag is one) and renamed into
+    place; a rerun skips unchanged objects and resumes an interrupted stage. Keys that would land
+    outside the destination are refused and reported (exit status 1). Then the token shards and
+    manifest.json are built there.
+
+    \b
+    Example:
+      goodput stage s3://my-bucket/corpus/ --fsx-root /fsx --name corpus --version 1
+    """
+    from rich.console import Console
+    from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
+                               TimeRemainingColumn, TransferSpeedColumn)
+
+    from components.stage import StageError, stage_dataset
+
+    console = Console(stderr=True)
+    columns = [TextColumn("{task.description:>8}"), BarColumn(), MofNCompleteColumn(), DownloadColumn(),
+               TransferSpeedColumn(), TimeRemainingColumn()]
+    try:
+        with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
+            result = stage_dataset(source, fsx_root, name, version, endpoint_url, max_concurrency=concurrency,
+                                   retry_mode=retry_mode, max_attempts=max_attempts, val_percent=val_percent,
+                                   verify_etag=not no_verify_etag, fsx_dra=fsx_dra, progress=_RichProgress(bar))
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
+    except StageError as e:
+        if as_json and e.result is not None:
+            click.echo(json.dumps(e.result.to_dict()))
+        _report_refused(e.result.refused if e.result else [])
+        click.echo(f"error: {e}", err=True)
+        sys.exit(1)
+    if as_json:
+        click.echo(json.dumps(result.to_dict()))
+    click.echo(f"{result.dataset_dir}: {result.objects} objects ({result.transferred} transferred, "
+               f"{result.transferred_bytes:,} bytes in {result.transfer_s:.1f}s; {result.skipped_unchanged} "
+               f"unchanged; {result.removed} removed; {result.restored} restored), {result.files} files in the "
+               f"dataset, train {result.train_tokens:,} / val {result.val_tokens:,} tokens"
+               + ("" if result.rebuilt else " (unchanged, manifest kept)"), err=as_json)
+    if result.refused:
+        _report_refused(result.refused)
+        click.echo(f"error: {len(result.refused)} keys were refused and not staged; the dataset was built "
+                   f"without them", err=True)
+        sys.exit(1)
+
+
+def _report_refused(refused: list[dict]) -> None:
+    for r in refused[:50]:
+        click.echo(f"refused {r['key']!r}: {r['reason']}", err=True)
+    if len(refused) > 50:
+        click.echo(f"... and {len(refused) - 50} more refused keys", err=True)

@@ -1,0 +1,186 @@
+"""The goodput training pipeline: wiring only. Compile it with ``goodput compile -o goodput-pipeline.yaml``.
+
+Each step is a component (``components/``); this module only connects them and says what their pods
+get from Kubernetes (kfp-kubernetes): the FSx claim, placement, the S3 secret, retries and caching.
+"""
+
+from kfp import dsl, kubernetes
+
+from components.cleanup_op import cleanup_op
+from components.evaluate_op import evaluate_op
+from components.register_op import register_op
+from components.stage_op import stage_op
+from components.train import TRAINER_IMAGE, train_op
+from components.train_config_op import train_config_op
+from pipelines.compile import PIPELINE_NAME
+
+FSX_MOUNT = "/fsx"
+"""Where every step pod mounts the FSx claim (a constant: kfp-kubernetes mount paths are compile-time)."""
+UNPINNED = "latest"
+"""The dataset version that follows its source: staged afresh on every run, never from KFP's cache."""
+S3_KEYS = {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"}
+UNIFORM_LOSS = 5.545177444479562       # ln 256: nats per byte of a uniform guess
+
+
+def _on_fsx(task: dsl.PipelineTask, pvc) -> dsl.PipelineTask:
+    return kubernetes.mount_pvc(task, pvc_name=pvc, mount_path=FSX_MOUNT)
+
+
+def _placed(task: dsl.PipelineTask, node_selector, tolerations) -> dsl.PipelineTask:
+    kubernetes.add_node_selector_json(task, node_selector)
+    kubernetes.add_toleration_json(task, tolerations)
+    return task
+
+
+def _with_s3_secret(task: dsl.PipelineTask, secret) -> dsl.PipelineTask:
+    # Optional: with IRSA (EKS) there is no secret and boto3 uses the pod's role; for an S3-compatible
+    # endpoint the keys come from this secret. Never a credential in the compiled YAML.
+    return kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env=S3_KEYS, optional=True)
+
+
+@dsl.pipeline(name=PIPELINE_NAME, description="Stage a dataset to FSx, train under NVRx in a PyTorchJob, evaluate "
+                                              "the checkpoints and register the model if it is promoted.")
+def goodput_pipeline(
+    dataset_source: str,
+    dataset_name: str = "pystdlib",
+    dataset_version: str = UNPINNED,
+    s3_endpoint_url: str = "",
+    s3_secret: str = "goodput-s3",
+    n_layer: int = 12,
+    n_head: int = 12,
+    n_embd: int = 768,
+    seq_len: int = 1024,
+    batch_size: int = 8,
+    max_steps: int = 5000,
+    ckpt_every: int = 250,
+    seed: int = 1337,
+    parallel: str = "fsdp",
+    nodes: int = 2,
+    gpus_per_node: int = 8,
+    instance_type: str = "p5.48xlarge",
+    spot: bool = False,
+    max_restarts: int = 3,
+    backoff_limit: int = 3,
+    train_timeout_s: float = 3 * 86400.0,
+    inject_fault: str = "",
+    promotion_threshold: float = UNIFORM_LOSS,
+    promotion_tolerance: float = 0.0,
+    model_name: str = "bytegpt",
+    registry: str = FSX_MOUNT + "/models",
+    trainer_image: str = TRAINER_IMAGE,
+    trainer_service_account: str = "",
+    namespace: str = "",
+    fsx_pvc: str = "fsx-claim",
+    fsx_root: str = FSX_MOUNT,
+    step_node_selector: dict = {},
+    step_tolerations: list = [],
+    backend: str = "cluster",
+    local_nproc: int = 2,
+):
+    """Train a byte-level GPT on EKS where a GPU failure costs seconds.
+
+    Steps (all inside an exit handler):
+      1. check settings: the trainer's arguments and the PyTorchJob are validated before anything runs.
+      2. stage: ``dataset_source`` (s3://bucket/prefix or a directory) -> <fsx>/datasets/<name>/<version>;
+         cached by KFP only for a pinned ``dataset_version`` (anything but "latest").
+      3. train: a PyTorchJob of ``nodes`` x ``gpus_per_node`` under NVRx ft_launcher (backend=cluster), or
+         ft_launcher processes in the step itself (backend=local); writes <fsx>/runs/<run id>.
+      4. evaluate: every committed checkpoint on the validation split, report, promotion gate; a promoted
+         model is written to ``registry``.
+      5. register (only if promoted): the registered model becomes the run's Model artifact.
+      Exit handler, whatever happened: delete a PyTorchJob the run left running.
+
+    Args:
+        dataset_source: s3://bucket/prefix of the text files, or a directory visible to the stage pod.
+        dataset_name: dataset name on FSx.
+        dataset_version: dataset version on FSx; "latest" re-stages every run, any other value is pinned.
+        s3_endpoint_url: S3-compatible endpoint (MinIO, ...); empty for AWS S3.
+        s3_secret: Kubernetes secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, used if it exists.
+        n_layer: transformer blocks.
+        n_head: attention heads.
+        n_embd: model width.
+        seq_len: context length in bytes.
+        batch_size: sequences per micro-batch per GPU.
+        max_steps: optimizer steps.
+        ckpt_every: checkpoint interval in steps.
+        seed: random seed.
+        parallel: fsdp or ddp.
+        nodes: nodes in the PyTorchJob.
+        gpus_per_node: GPUs (trainer processes) per node.
+        instance_type: EC2 instance type of the trainer nodes; empty = any.
+        spot: let the trainer pods run on spot nodes.
+        max_restarts: in-job restarts of the worker group by ft_launcher.
+        backoff_limit: PyTorchJob pod restarts before the job fails.
+        train_timeout_s: deadline of the train step in seconds.
+        inject_fault: KIND@STEP[:RANK] faults for the trainer, comma-separated (recovery drills).
+        promotion_threshold: promote only below this validation loss (nats per byte).
+        promotion_tolerance: and at most this much worse than the production model.
+        model_name: the model's name in the registry.
+        registry: model registry, a directory on FSx or s3://bucket/prefix.
+        trainer_image: image of the trainer pods.
+        trainer_service_account: service account of the trainer pods; empty = the namespace default.
+        namespace: namespace of the PyTorchJob; empty = the pipeline's.
+        fsx_pvc: the FSx for Lustre PersistentVolumeClaim.
+        fsx_root: FSx path in the pods; keep /fsx on a cluster (the claim is mounted there).
+        step_node_selector: nodeSelector of the step pods, e.g. {"karpenter.sh/capacity-type": "on-demand"}.
+        step_tolerations: tolerations of the step pods (a list of Kubernetes toleration objects).
+        backend: cluster (a PyTorchJob) or local (goodput run --local).
+        local_nproc: ranks of the local backend.
+    """
+    cleanup = cleanup_op(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, backend=backend, namespace=namespace)
+    _placed(cleanup, step_node_selector, step_tolerations)
+    cleanup.set_display_name("cleanup").set_caching_options(False).set_retry(2, backoff_duration="30s")
+
+    with dsl.ExitHandler(cleanup, name="goodput-run"):
+        config = train_config_op(
+            fsx_root=fsx_root, dataset_name=dataset_name, dataset_version=dataset_version,
+            run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, max_steps=max_steps, ckpt_every=ckpt_every, n_layer=n_layer,
+            n_head=n_head, n_embd=n_embd, seq_len=seq_len, batch_size=batch_size, parallel=parallel, seed=seed,
+            inject_fault=inject_fault, max_restarts=max_restarts, backoff_limit=backoff_limit,
+            instance_type=instance_type, fsx_pvc=fsx_pvc, service_account=trainer_service_account,
+            backend=backend, image=trainer_image, nodes=nodes, gpus_per_node=gpus_per_node, spot=spot)
+        _placed(config, step_node_selector, step_tolerations)
+        config.set_display_name("check settings").set_caching_options(False)
+
+        with dsl.If(dataset_version == UNPINNED, name="dataset-latest"):
+            stage_latest = stage_op(source=dataset_source, fsx_root=fsx_root, name=dataset_name,
+                                    version=dataset_version, endpoint_url=s3_endpoint_url)
+            stage_latest.set_display_name("stage (latest)").set_caching_options(False)
+        with dsl.Else(name="dataset-pinned"):
+            stage_pinned = stage_op(source=dataset_source, fsx_root=fsx_root, name=dataset_name,
+                                    version=dataset_version, endpoint_url=s3_endpoint_url)
+            stage_pinned.set_display_name("stage (pinned)").set_caching_options(True)
+        for stage in (stage_latest, stage_pinned):
+            _with_s3_secret(_placed(_on_fsx(stage, fsx_pvc), step_node_selector, step_tolerations), s3_secret)
+            # Staging resumes from its journal, so a retry continues where the failed attempt stopped.
+            stage.set_retry(3, backoff_duration="60s").set_cpu_request("4").set_memory_request("8Gi")
+            stage.after(config)                       # no data flows: a bad setting stops the run before staging
+
+        train = train_op(backend=backend, trainer_args=config.outputs["trainer_args"],
+                         job_options=config.outputs["job_options"], image=trainer_image, nodes=nodes,
+                         gpus_per_node=gpus_per_node, spot=spot, namespace=namespace, timeout_s=train_timeout_s,
+                         fsx_root=fsx_root, local_nproc=local_nproc)
+        # The dataset reaches the trainer through FSx at the path in trainer_args (--data), not as a KFP
+        # artifact, so the edge to whichever stage branch ran is an explicit one.
+        train.after(stage_latest, stage_pinned)
+        # Placement set on this task would go to the job's pods (train_op's task_config passthroughs),
+        # which job_options place already; so none here. TODO(train_op): the launcher reads summary.json
+        # from FSx and needs `_on_fsx(train, fsx_pvc)`, which kfp refuses until train_op lists
+        # TaskConfigPassthrough(KUBERNETES_VOLUMES, apply_to_task=True).
+        # A retried train step re-attaches to its PyTorchJob (named from the run) and the trainer resumes
+        # from the last committed checkpoint: retries never duplicate a job.
+        train.set_display_name("train").set_caching_options(False).set_retry(2, backoff_duration="120s")
+
+        evaluate = evaluate_op(run_dir=config.outputs["run_dir"], threshold=promotion_threshold,
+                               tolerance=promotion_tolerance, model_name=model_name, registry=registry,
+                               endpoint_url=s3_endpoint_url)
+        evaluate.after(train)                         # reads the run directory on FSx that train wrote
+        _with_s3_secret(_placed(_on_fsx(evaluate, fsx_pvc), step_node_selector, step_tolerations), s3_secret)
+        evaluate.set_display_name("evaluate").set_caching_options(False).set_retry(2, backoff_duration="60s")
+        evaluate.set_cpu_request("4").set_memory_request("16Gi")
+
+        with dsl.If(evaluate.outputs["promoted"] == True, name="promoted"):  # noqa: E712 - a pipeline condition
+            register = register_op(model_uri=evaluate.outputs["model_uri"], registry=registry,
+                                   model_name=model_name, endpoint_url=s3_endpoint_url)
+            _with_s3_secret(_placed(_on_fsx(register, fsx_pvc), step_node_selector, step_tolerations), s3_secret)
+            register.set_display_name("register").set_caching_options(False).set_retry(2, backoff_duration="30s")

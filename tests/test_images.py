@@ -1,0 +1,233 @@
+"""``images/``: the trainer and component Dockerfiles, checked without Docker.
+
+Pinned bases, a non-root user, the package and its entry points installed, requirement pins that satisfy
+``pyproject.toml``, KFP's artifact mount points writable, and the light image's promise (no torch) checked by
+importing what it imports with torch made unimportable. The component images come from parameters with
+defaults (``GOODPUT_COMPONENT_IMAGE``, ``GOODPUT_EVALUATE_IMAGE``, the pipeline's ``trainer_image``).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import re
+import shlex
+import subprocess
+import sys
+import tomllib
+from pathlib import Path
+
+import pytest
+from packaging.requirements import Requirement
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGES = ROOT / "images"
+PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
+TRAINER_ONLY = {"torch", "nvidia-resiliency-ext"}
+
+
+def instructions(path: Path) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) in order, continuation lines joined, comments dropped."""
+    out, current = [], ""
+    for line in path.read_text().splitlines():
+        if not current and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        if line.rstrip().endswith("\\"):
+            current += line.rstrip()[:-1] + " "
+            continue
+        current += line
+        word, _, rest = current.strip().partition(" ")
+        out.append((word.upper(), rest.strip()))
+        current = ""
+    return out
+
+
+def pins(path: Path) -> dict[str, str]:
+    """name -> exact version of a requirements file, following ``-r`` includes."""
+    out = {}
+    for line in path.read_text().splitlines():
+        line = line.split("#", 1)[0].strip()
+        if not line:
+            continue
+        if line.startswith("-r "):
+            out.update(pins(path.parent / line[3:].strip()))
+            continue
+        req = Requirement(line)
+        (spec,) = req.specifier
+        assert spec.operator == "==", f"{path.name}: {line} is not pinned with =="
+        out[_canonical(req.name)] = spec.version
+    return out
+
+
+def _canonical(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+@pytest.fixture(params=["trainer", "components"])
+def image(request):
+    return request.param, instructions(IMAGES / f"{request.param}.Dockerfile")
+
+
+def test_base_images_are_pinned(image):
+    name, ins = image
+    froms = [args.split()[0] for op, args in ins if op == "FROM"]
+    assert len(froms) == 1
+    base = froms[0]
+    repo, _, tag = base.partition("@")[0].rpartition(":")
+    assert ":" in base.partition("@")[0] and tag and tag != "latest" and re.search(r"\d", tag), base
+    if name == "trainer":
+        # A CUDA PyTorch base: NGC's PyTorch image (torch built for CUDA, NCCL, cuDNN).
+        assert re.fullmatch(r"nvcr\.io/nvidia/pytorch:\d\d\.\d\d-py3", base) or re.fullmatch(
+            r"pytorch/pytorch:[\d.]+-cuda[\d.]+-cudnn\d+-(runtime|devel)", base), base
+    else:
+        assert repo == "python" and "slim" in tag
+
+
+def test_images_run_as_the_same_non_root_user(image):
+    name, ins = image
+    users = [args for op, args in ins if op == "USER"]
+    assert users and users[-1] not in ("root", "0") and users[-1].isdigit()
+    assert users[-1] == [a for op, a in instructions(IMAGES / "components.Dockerfile") if op == "USER"][-1]
+    run = " ".join(args for op, args in ins if op == "RUN")
+    assert f"useradd --uid {users[-1]}" in run
+    # KFP writes artifacts below these prefixes (kfp.dsl.types.artifact_types); as non-root they must exist.
+    from kfp.dsl.types import artifact_types as a
+
+    prefixes = {p.strip("/") for p in (a._GCS_LOCAL_MOUNT_PREFIX, a._MINIO_LOCAL_MOUNT_PREFIX,
+                                       a._S3_LOCAL_MOUNT_PREFIX, a._OCI_LOCAL_MOUNT_PREFIX)}
+    (mkdir,) = re.findall(r"mkdir -p ((?:/\w+ ?)+)", run)
+    (chown,) = re.findall(r"chown goodput ((?:/\w+ ?)+)", run)
+    assert {d.strip("/") for d in mkdir.split()} >= prefixes and {d.strip("/") for d in chown.split()} >= prefixes
+
+
+def test_the_package_is_installed_with_its_code(image):
+    name, ins = image
+    copied = {args.split()[0] for op, args in ins if op == "COPY"} | {
+        src for op, args in ins if op == "COPY" for src in args.split()[:-1]}
+    packages = PYPROJECT["tool"]["setuptools"]["packages"]["find"]["include"]
+    for pkg in packages:
+        assert pkg.rstrip("*") in copied, pkg
+    assert {"pyproject.toml", "README.md"} <= copied
+    run = " && ".join(args for op, args in ins if op == "RUN")
+    assert "pip install --no-deps ." in run
+    req = "images/requirements-trainer.txt" if name == "trainer" else "images/requirements-components.txt"
+    assert f"-r {req}" in run
+    # The build fails if the installed package cannot do its job: these run at build time.
+    if name == "trainer":
+        assert "ft_launcher --help" in run and "python -m trainer --help" in run
+        # NGC's pre-release torch is held at its own version while requirements install.
+        assert "grep -E '^torch=='" in run and "-c /tmp/base-constraints.txt" in run
+    else:
+        assert "goodput --help" in run and "sys.exit('torch' in sys.modules)" in run
+
+
+def test_entrypoints_exist(image):
+    name, ins = image
+    (cmd,) = [shlex.split(args.replace('"', "").strip("[]").replace(",", " ")) for op, args in ins if op == "CMD"]
+    if cmd[0] == "goodput":
+        assert PYPROJECT["project"]["scripts"]["goodput"] == "pipelines.cli:main"
+    else:
+        assert cmd[:3] == ["python", "-m", "trainer"] and (ROOT / "trainer" / "__main__.py").is_file()
+    if name == "trainer":
+        # The PyTorchJob's command is ft_launcher: the console script of the pinned NVRx.
+        dist = importlib.metadata.distribution("nvidia-resiliency-ext")
+        assert dist.version == pins(IMAGES / "requirements-trainer.txt")["nvidia-resiliency-ext"]
+        assert any(e.name == "ft_launcher" for e in dist.entry_points if e.group == "console_scripts")
+        from components.pytorchjob import JobSpec
+
+        assert JobSpec(image="x").pod_command()[0] == "ft_launcher"
+
+
+def test_requirement_pins_satisfy_pyproject():
+    deps = [Requirement(d) for d in PYPROJECT["project"]["dependencies"]]
+    light, trainer = pins(IMAGES / "requirements-components.txt"), pins(IMAGES / "requirements-trainer.txt")
+    assert not {_canonical(n) for n in light} & TRAINER_ONLY                 # the light image has no torch/NVRx
+    for dep in deps:
+        name = _canonical(dep.name)
+        if name == "torch":
+            assert name not in trainer                                       # the base image's CUDA build
+            continue
+        pinned = trainer if name in TRAINER_ONLY else light
+        assert name in pinned, f"{dep} is not pinned for the images"
+        assert dep.specifier.contains(pinned[name], prereleases=True), f"{name}=={pinned[name]} vs {dep}"
+    # And the pins are what these tests run with.
+    for name, version in trainer.items():
+        assert importlib.metadata.version(name) == version, name
+
+
+def test_dockerignore_keeps_the_context_small_but_complete():
+    ignored = {line.strip() for line in (ROOT / ".dockerignore").read_text().splitlines()
+               if line.strip() and not line.startswith("#")}
+    assert {".git", "fsx"} <= ignored
+    assert not ignored & {"trainer", "components", "pipelines", "images", "pyproject.toml", "README.md"}
+
+
+_BLOCK_TORCH = """
+import importlib.abc, sys
+class Block(importlib.abc.MetaPathFinder):
+    def find_spec(self, name, path=None, target=None):
+        if name.split('.')[0] in ('torch', 'nvidia_resiliency_ext'):
+            raise ImportError('not in the component image: ' + name)
+sys.meta_path.insert(0, Block())
+"""
+
+
+def test_the_light_image_s_modules_work_without_torch(tmp_path):
+    """What the component image imports at build time, and the cluster launch path (JobSpec -> manifest,
+    trainer argument checks) and a local stage, all with torch and NVRx unimportable."""
+    (check,) = [a for op, a in instructions(IMAGES / "components.Dockerfile") if op == "RUN" and "torch" in a]
+    modules = re.search(r'import sys, ([\w., ]+);', check).group(1)
+    src = tmp_path / "texts"
+    src.mkdir()
+    for i in range(8):
+        (src / f"f{i}.txt").write_text(f"some text {i} " * 200)
+    code = _BLOCK_TORCH + f"""
+import {modules}
+from components.pytorchjob import JobSpec, job_manifest
+from components.stage import stage_dataset
+m = job_manifest(JobSpec(image='x', nodes=2, trainer_args=['--max-steps', '10']))
+assert m['kind'] == 'PyTorchJob'
+r = stage_dataset({str(src)!r}, {str(tmp_path / 'fsx')!r}, 'd', '1', val_percent=50)
+assert r.files == 8, r
+assert 'torch' not in sys.modules
+"""
+    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-3000:]
+
+
+def test_component_images_come_from_parameters_with_defaults():
+    ops = {"stage_op": "components.stage_op", "train_config_op": "components.train_config_op",
+           "train_op": "components.train", "register_op": "components.register_op",
+           "cleanup_op": "components.cleanup_op", "evaluate_op": "components.evaluate_op"}
+    code = ("import importlib, json\nout = {}\n"
+            f"for name, mod in {ops!r}.items():\n"
+            "    spec = getattr(importlib.import_module(mod), name).component_spec\n"
+            "    out[name] = spec.implementation.container.image\n"
+            "print(json.dumps(out))")
+
+    def images(**env) -> dict:
+        e = {k: v for k, v in os.environ.items() if not k.startswith("GOODPUT_")} | env
+        res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, env=e)
+        assert res.returncode == 0, res.stderr[-2000:]
+        import json
+
+        return json.loads(res.stdout.splitlines()[-1])
+
+    from components.train import TRAINER_IMAGE
+
+    defaults = images()
+    assert defaults["evaluate_op"] == TRAINER_IMAGE                          # evaluation needs torch
+    assert {v for k, v in defaults.items() if k != "evaluate_op"} == {"ghcr.io/goodput-pipelines/goodput:0.1.0"}
+    built = images(GOODPUT_COMPONENT_IMAGE="123.dkr.ecr.us-west-2.amazonaws.com/goodput-components:0.1.0",
+                   GOODPUT_EVALUATE_IMAGE="123.dkr.ecr.us-west-2.amazonaws.com/goodput-trainer:0.1.0")
+    assert built["evaluate_op"].endswith("goodput-trainer:0.1.0")
+    assert {v for k, v in built.items() if k != "evaluate_op"} == {
+        "123.dkr.ecr.us-west-2.amazonaws.com/goodput-components:0.1.0"}
+    # The trainer pods' image is a pipeline parameter whose default is the same trainer image.
+    import ast
+
+    tree = ast.parse((ROOT / "pipelines" / "pipeline.py").read_text())
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "goodput_pipeline"]
+    args = fn.args.args
+    defaults = dict(zip([a.arg for a in args[len(args) - len(fn.args.defaults):]], fn.args.defaults))
+    assert ast.unparse(defaults["trainer_image"]) == "TRAINER_IMAGE"

@@ -1,0 +1,61 @@
+"""Run arguments: parsed, merged (-p over file) and typed against the compiled pipeline's inputs."""
+
+import pytest
+
+from pipelines.params import ParamError, parse_pairs, resolve_arguments
+
+SPEC = {"root": {"inputDefinitions": {"parameters": {
+    "name": {"parameterType": "STRING", "defaultValue": "x", "isOptional": True},
+    "steps": {"parameterType": "NUMBER_INTEGER", "defaultValue": 10.0, "isOptional": True},
+    "lr": {"parameterType": "NUMBER_DOUBLE", "defaultValue": 0.1, "isOptional": True},
+    "spot": {"parameterType": "BOOLEAN", "defaultValue": False, "isOptional": True},
+    "tags": {"parameterType": "LIST", "defaultValue": [], "isOptional": True},
+    "extra": {"parameterType": "STRUCT", "defaultValue": {}, "isOptional": True},
+    "source": {"parameterType": "STRING"},
+}}}}
+
+
+def test_pairs_keep_everything_after_the_first_equals():
+    assert parse_pairs(["a=1", "b=x=y", "c="]) == {"a": "1", "b": "x=y", "c": ""}
+
+
+@pytest.mark.parametrize("pair", ["a", "=1", "a b=1", "a-b=1"])
+def test_malformed_pairs(pair):
+    with pytest.raises(ParamError, match="malformed parameter"):
+        parse_pairs([pair])
+
+
+def test_duplicate_pair():
+    with pytest.raises(ParamError, match="given twice"):
+        parse_pairs(["a=1", "a=2"])
+
+
+def test_types_follow_the_pipeline(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("steps: 5\nspot: true\nname: 1.0\nsource: s3://b/p\nextra: {k: 1}\n")
+    args = resolve_arguments(SPEC, ["steps=7", "lr=3", "tags=[1, 2]"], f)
+    assert args == {"steps": 7, "lr": 3.0, "spot": True, "name": "1.0", "source": "s3://b/p", "tags": [1, 2],
+                    "extra": {"k": 1}}
+    assert isinstance(args["lr"], float)
+
+
+@pytest.mark.parametrize("pairs, message", [
+    (["source=s", "steps=1.5"], "expects integer"),
+    (["source=s", "spot=yes"], "expects boolean"),
+    (["source=s", "lr=fast"], "expects float"),
+    (["source=s", "tags=a,b"], "expects list"),
+    (["source=s", "extra=[1]"], "expects dict"),
+    (["source=s", "stpes=1"], "unknown parameter(s) stpes; the pipeline takes: extra, lr, name, source, spot"),
+    ([], "missing required parameter(s): source"),
+])
+def test_rejected(pairs, message):
+    with pytest.raises(ParamError) as e:
+        resolve_arguments(SPEC, pairs)
+    assert message in str(e.value)
+
+
+def test_typed_file_values_are_checked_too(tmp_path):
+    f = tmp_path / "p.yaml"
+    f.write_text("source: s\nsteps: true\n")
+    with pytest.raises(ParamError, match="'steps' expects integer, got True"):
+        resolve_arguments(SPEC, [], f)

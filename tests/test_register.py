@@ -1,0 +1,72 @@
+"""The register step: the promoted model's registry record, checked, published as the run's Model."""
+
+import json
+
+import pytest
+from kfp import dsl
+
+from components.register import RegistrationError, registered_model
+from components.register_op import register_op
+
+
+@pytest.fixture
+def registry(tmp_path):
+    root = tmp_path / "models"
+    for version in ("run-a-step000000060", "run-b-step000000080"):
+        d = root / "bytegpt" / version
+        d.mkdir(parents=True)
+        (d / "model.pt").write_bytes(b"weights")
+        (d / "metadata.json").write_text(json.dumps({
+            "version": version, "step": 60, "metrics": {"val_loss": 2.9, "bpb": 4.2}, "params_sha256": "ab" * 32,
+            "source_run": f"/fsx/runs/{version[:5]}"}))
+    return root
+
+
+def point_production(registry, version):
+    uri = f"{registry}/bytegpt/{version}/model.pt"
+    (registry / "bytegpt" / "production.json").write_text(json.dumps({"version": version, "model_uri": uri}))
+    return uri
+
+
+def test_record_of_the_production_model(registry):
+    uri = point_production(registry, "run-a-step000000060")
+    rec = registered_model(uri, str(registry), "bytegpt")
+    assert rec["version"] == "run-a-step000000060" and rec["production"] is True
+    assert rec["step"] == 60 and rec["val_loss"] == 2.9 and rec["params_sha256"] == "ab" * 32
+    assert rec["metadata_uri"] == f"{registry}/bytegpt/run-a-step000000060/metadata.json"
+
+
+def test_a_model_promoted_over_since_is_recorded_but_not_production(registry):
+    uri = f"{registry}/bytegpt/run-a-step000000060/model.pt"
+    point_production(registry, "run-b-step000000080")
+    lines = []
+    rec = registered_model(uri, str(registry), "bytegpt", log=lines.append)
+    assert rec["production"] is False
+    assert "another run was promoted after this one" in lines[0]
+
+
+@pytest.mark.parametrize("uri, message", [
+    ("", "is not a model.pt under"),
+    ("/elsewhere/bytegpt/v/model.pt", "is not a model.pt under"),
+    ("{registry}/bytegpt/missing-version/model.pt", "metadata.json is missing"),
+])
+def test_what_evaluate_did_not_register_fails(registry, uri, message):
+    with pytest.raises(RegistrationError, match=message):
+        registered_model(uri.format(registry=registry), str(registry), "bytegpt")
+
+
+def test_weights_missing_fails(registry):
+    uri = point_production(registry, "run-a-step000000060")
+    (registry / "bytegpt" / "run-a-step000000060" / "model.pt").unlink()
+    with pytest.raises(RegistrationError, match="model.pt is missing"):
+        registered_model(uri, str(registry), "bytegpt")
+
+
+def test_component_publishes_the_model_artifact(registry, tmp_path):
+    uri = point_production(registry, "run-a-step000000060")
+    model = dsl.Model(name="model", uri=str(tmp_path / "out" / "model"))
+    (tmp_path / "out").mkdir()
+    model.path = str(tmp_path / "out" / "model")          # local artifact: path and uri coincide
+    register_op.python_func(model_uri=uri, registry=str(registry), model_name="bytegpt", model=model)
+    assert model.metadata["version"] == "run-a-step000000060" and model.metadata["production"] is True
+    assert json.loads((tmp_path / "out" / "model").read_text())["model_uri"] == uri

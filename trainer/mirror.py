@@ -1,0 +1,514 @@
+"""A second home for committed checkpoints: a background copy to S3, and resume from it when FSx has none.
+
+FSx lives in one Availability Zone and one cluster; the mirror (``--ckpt-mirror s3://BUCKET/PREFIX``, any
+S3-compatible endpoint with ``--ckpt-mirror-endpoint-url``) survives both. Layout in the bucket::
+
+    PREFIX/checkpoints/step_000000100/__<rank>_<i>.distcp   DCP shards
+                                      .metadata              DCP metadata
+                                      COMMITTED              JSON marker (the local one + sizes), uploaded LAST
+
+A mirrored step counts only once its ``COMMITTED`` object exists, exactly like on FSx: an upload cut off
+half-way leaves shards without a marker, which are never downloaded and are deleted by retention.
+
+Upload (rank 0, which commits): ``CheckpointManager._commit`` enqueues the step after writing the local
+marker; a daemon thread uploads its files with s3transfer (multipart, ``--ckpt-mirror-concurrency``
+parallel requests, each retried by botocore's ``standard`` mode), then the marker, then applies
+``--ckpt-mirror-keep`` (marker deleted first, then the rest). The training loop only appends to a queue.
+The newest pending step goes first, so a checkpoint taken on a spot interruption notice jumps the queue.
+A checkpoint whose upload still fails is logged (``mirror_error``) and tried again after a backoff, unless
+newer checkpoints have made it obsolete; training never stops for the mirror. Local retention leaves a
+step on FSx until the mirror is done with it.
+
+Download (``maybe_fetch_from_mirror``, collective, from ``CheckpointManager._load_committed``): if FSx has
+no committed checkpoint, rank 0 downloads the newest marked step into ``.step_<N>.mirror-download``,
+checks every size against the marker, renames it to ``step_<N>`` and writes the local ``COMMITTED`` last;
+then every rank loads it as usual.
+
+Events: ``mirror_start``, ``mirror_committed`` (step, bytes, seconds, lag_s = now - local commit time),
+``mirror_error``, ``mirror_skipped``, ``mirror_deleted``, ``mirror_drain``, ``resumed_from_mirror``;
+``mirror_stats`` turns them into the ``mirror`` entry of ``summary.json``.
+
+boto3 is imported only when a mirror is configured. Try it against a local endpoint::
+
+    python -m trainer --data DATASET --out RUN --ckpt-mirror s3://ckpt/run1 \\
+        --ckpt-mirror-endpoint-url http://127.0.0.1:5000
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .config import CheckpointConfig
+from .events import EventLog
+from .layout import COMMITTED, committed_steps, step_dir, step_of
+
+log = logging.getLogger(__name__)
+
+_MAX_RETRY_S = 300.0
+_DOWNLOAD_SUFFIX = ".mirror-download"
+
+
+def parse_s3_url(url: str) -> tuple[str, str]:
+    """``s3://bucket/some/prefix`` -> (``bucket``, ``some/prefix/``); the prefix may be empty."""
+    if not url.startswith("s3://") or not url[5:].split("/", 1)[0]:
+        raise ValueError(f"--ckpt-mirror must look like s3://BUCKET[/PREFIX], got {url!r}")
+    bucket, _, prefix = url[5:].partition("/")
+    prefix = prefix.strip("/")
+    return bucket, f"{prefix}/" if prefix else ""
+
+
+def s3_client(cfg: CheckpointConfig):
+    """A boto3 S3 client for the mirror: standard credential chain (IRSA in the cluster), botocore's
+    ``standard`` retries (exponential backoff with jitter on throttling, 5xx and connection errors)."""
+    import boto3
+    from botocore.config import Config
+
+    # total_max_attempts counts the first request too (Config's "max_attempts" would count only retries).
+    config = Config(retries={"mode": "standard", "total_max_attempts": cfg.mirror_max_attempts},
+                    max_pool_connections=max(10, cfg.mirror_concurrency + 2),
+                    # S3-compatible endpoints (MinIO, moto, on-premises) generally need path-style addressing.
+                    s3={"addressing_style": "path"} if cfg.mirror_endpoint_url else None)
+    return boto3.session.Session().client("s3", endpoint_url=cfg.mirror_endpoint_url or None, config=config)
+
+
+def transfer_manager(client, cfg: CheckpointConfig):
+    """s3transfer's manager: files above the part size go up and down as parallel multipart transfers."""
+    from boto3.s3.transfer import TransferConfig, create_transfer_manager
+
+    part = cfg.mirror_part_mib * 1024 * 1024
+    config = TransferConfig(multipart_threshold=part, multipart_chunksize=part,
+                            max_concurrency=cfg.mirror_concurrency, use_threads=True,
+                            preferred_transfer_client="classic")
+    return create_transfer_manager(client, config)
+
+
+class MirrorLayout:
+    """Keys of the mirror: ``<prefix>checkpoints/step_<N, 9 digits>/<file>``."""
+
+    def __init__(self, url: str):
+        self.url = url.rstrip("/")
+        self.bucket, prefix = parse_s3_url(url)
+        self.root = f"{prefix}checkpoints/"
+
+    def step_prefix(self, step: int) -> str:
+        return f"{self.root}{step_dir(Path(), step).name}/"
+
+    def key(self, step: int, name: str) -> str:
+        return self.step_prefix(step) + name
+
+    def list_steps(self, client) -> dict[int, bool]:
+        """Every step with at least one object in the mirror -> whether its marker exists."""
+        steps: dict[int, bool] = {}
+        for page in client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket, Prefix=self.root):
+            for obj in page.get("Contents", []):
+                rest = obj["Key"][len(self.root):]
+                directory, _, name = rest.partition("/")
+                step = step_of(Path(directory))
+                if step is None or not name:
+                    continue
+                steps[step] = steps.get(step, False) or name == COMMITTED
+        return steps
+
+    def read_marker(self, client, step: int) -> dict:
+        body = client.get_object(Bucket=self.bucket, Key=self.key(step, COMMITTED))["Body"].read()
+        return json.loads(body)
+
+    def delete_step(self, client, step: int) -> None:
+        """Un-commit first (the marker), then delete the rest: a half-deleted step is never taken for whole."""
+        client.delete_object(Bucket=self.bucket, Key=self.key(step, COMMITTED))
+        keys = [obj["Key"] for page in client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self.step_prefix(step)) for obj in page.get("Contents", [])]
+        for i in range(0, len(keys), 1000):
+            client.delete_objects(Bucket=self.bucket,
+                                  Delete={"Objects": [{"Key": k} for k in keys[i:i + 1000]], "Quiet": True})
+
+
+def _files_of(marker: dict) -> list[str]:
+    # The local marker lists the shards and .metadata; never the per-rank .done files or temp files.
+    return [n for n in marker["files"] if n != COMMITTED and not n.endswith(".tmp")]
+
+
+def _error_text(e: BaseException) -> str:
+    text = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {text[0] if text else ''}"[:300]
+
+
+@dataclass
+class _Item:
+    step: int
+    committed_at: float       # wall clock of the local commit (from its marker)
+    not_before: float = 0.0   # monotonic time before which a failed upload is not tried again
+    attempts: int = 0
+
+
+class CheckpointMirror:
+    """Rank 0's uploader: one daemon thread, fed by ``enqueue`` from the commit.
+
+    Args:
+        root: ``<out>/checkpoints`` on FSx.
+        cfg: checkpoint section (``mirror*`` fields).
+        events: the run's event log.
+    """
+
+    def __init__(self, root: Path, cfg: CheckpointConfig, events: EventLog):
+        import importlib.util
+
+        if importlib.util.find_spec("boto3") is None:
+            raise RuntimeError("--ckpt-mirror needs boto3 (pip install boto3)")
+        self.root, self.cfg, self.events = root, cfg, events
+        self.layout = MirrorLayout(cfg.mirror)
+        self._cv = threading.Condition()
+        self._pending: dict[int, _Item] = {}
+        self._current: int | None = None
+        self._mirrored: set[int] | None = None     # marked steps in the mirror, listed on first use
+        self._stopping = False
+        self._client = self._manager = None
+        self._futures: list = []                   # s3transfer futures of the upload in flight
+        self.events.emit("mirror_ready", url=self.layout.url, keep=cfg.mirror_keep)
+        # Started now (during setup), so importing boto3 and building the client stay off the loop.
+        self._thread = threading.Thread(target=self._run, daemon=True, name="ckpt-mirror")
+        self._thread.start()
+
+    # ------------------------------------------------------------------------------- loop-facing side
+    def enqueue(self, step: int, committed_at: float) -> None:
+        """A checkpoint was committed locally: mirror it (never blocks)."""
+        with self._cv:
+            if self._stopping:
+                return
+            self._pending[step] = _Item(step, committed_at)
+            self._cv.notify_all()
+
+    def holds(self, step: int) -> bool:
+        """Whether ``step`` is still to be uploaded (local retention must not delete it yet)."""
+        with self._cv:
+            return step in self._pending or step == self._current
+
+    def drain(self, timeout_s: float) -> bool:
+        """Wait until every enqueued checkpoint is mirrored (or given up on), at most ``timeout_s``.
+
+        Waits in short slices: the main thread keeps running Python, so NVRx's progress watchdog sees it
+        alive. A failed upload waits at most ``--ckpt-mirror-retry-s`` (not its grown backoff) before it is
+        tried again. Returns whether it drained.
+        """
+        t0 = time.monotonic()
+        deadline = t0 + timeout_s
+        with self._cv:
+            if timeout_s > 0:
+                for item in self._pending.values():
+                    item.not_before = min(item.not_before, t0 + self.cfg.mirror_retry_s)
+                self._cv.notify_all()
+            while (self._pending or self._current is not None) and time.monotonic() < deadline:
+                self._cv.wait(min(0.2, max(0.0, deadline - time.monotonic())))
+            left = sorted(self._pending) + ([self._current] if self._current is not None else [])
+        if left or time.monotonic() - t0 > 0.05:
+            self.events.emit("mirror_drain", waited_s=round(time.monotonic() - t0, 3), left=left)
+        if left:
+            log.warning("mirror: %s not uploaded after %.0fs (--ckpt-mirror-drain-s); FSx still has them",
+                        left, timeout_s)
+        return not left
+
+    def close(self, drain_s: float) -> None:
+        """Drain (bounded), then stop the thread; an upload still running is cancelled."""
+        self.drain(drain_s)
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+        # s3transfer's threads are joined at interpreter exit: cancel, so a stuck upload cannot hold it up.
+        # (Per future: TransferManager.shutdown(cancel=True) is broken in s3transfer 0.17.)
+        for f in list(self._futures):
+            f.cancel()
+        self._thread.join(timeout=10)
+
+    # ---------------------------------------------------------------------------------- the thread
+    def _run(self) -> None:
+        try:
+            self._client = s3_client(self.cfg)
+            self._manager = transfer_manager(self._client, self.cfg)
+        except Exception as e:  # noqa: BLE001 - the mirror must never stop training
+            log.error("mirror disabled: cannot build the S3 client: %s", e)
+            self.events.emit("mirror_error", step=None, phase="client", error=_error_text(e), retry_in_s=None)
+            with self._cv:
+                self._pending.clear()
+                self._stopping = True
+                self._cv.notify_all()
+            return
+        try:
+            while True:
+                item = self._next()
+                if item is None:
+                    break
+                self._mirror(item)
+        except Exception as e:  # noqa: BLE001 - a bug here must not stop training nor pin steps on FSx
+            log.exception("mirror thread failed; the mirror is off for the rest of this run")
+            self.events.emit("mirror_error", step=None, phase="thread", error=_error_text(e), retry_in_s=None)
+            with self._cv:
+                self._pending.clear()
+                self._stopping = True
+                self._cv.notify_all()
+        self._manager.shutdown()
+
+    def _next(self) -> _Item | None:
+        """The next checkpoint to upload: the newest ready one. Blocks; None once stopping."""
+        with self._cv:
+            while not self._stopping:
+                self._drop_superseded()
+                now = time.monotonic()
+                ready = [s for s, it in self._pending.items() if it.not_before <= now]
+                if ready:
+                    item = self._pending.pop(max(ready))
+                    self._current = item.step
+                    return item
+                wait = min((it.not_before - now for it in self._pending.values()), default=None)
+                self._cv.wait(wait)
+            return None
+
+    def _drop_superseded(self) -> None:
+        """Pending steps that retention would delete at once (older than the newest ``keep``) are dropped.
+
+        This also bounds what local retention must keep on FSx while S3 is unreachable.
+        """
+        if not self._pending:
+            return
+        window = sorted((self._mirrored or set()) | set(self._pending))
+        if len(window) <= self.cfg.mirror_keep:
+            return
+        cutoff = window[-self.cfg.mirror_keep]
+        for step in [s for s in self._pending if s < cutoff]:
+            del self._pending[step]
+            self.events.emit("mirror_skipped", step=step, reason="superseded by newer mirrored checkpoints")
+
+    def _mirror(self, item: _Item) -> None:
+        try:
+            self._upload(item)
+        finally:
+            with self._cv:
+                self._current = None
+                self._cv.notify_all()
+
+    def _upload(self, item: _Item) -> None:
+        step, client, lay = item.step, self._client, self.layout
+        path = step_dir(self.root, step)
+        item.attempts += 1
+        t0 = time.monotonic()
+        try:
+            if self._mirrored is None:
+                listing = lay.list_steps(client)
+                with self._cv:
+                    self._mirrored = {s for s, marked in listing.items() if marked}
+            try:
+                marker = json.loads((path / COMMITTED).read_text())
+                sizes = {n: (path / n).stat().st_size for n in _files_of(marker)}
+            except FileNotFoundError:
+                self.events.emit("mirror_skipped", step=step, reason="no longer on FSx")
+                return
+            nbytes = sum(sizes.values())
+            self.events.emit("mirror_start", step=step, files=len(sizes), bytes=nbytes, attempt=item.attempts)
+            futures = self._futures = [self._manager.upload(str(path / n), lay.bucket, lay.key(step, n))
+                                       for n in sizes]
+            errors = []
+            for f in futures:       # wait for all, so no part of this step is still in flight on failure
+                try:
+                    f.result()
+                except Exception as e:  # noqa: BLE001
+                    errors.append(e)
+            self._futures = []
+            if errors:
+                raise errors[0]
+            if self._stopping:
+                raise RuntimeError("mirror closed during the upload")
+            # The marker goes last: only now is the mirrored step whole.
+            remote = {**marker, "sizes": sizes, "mirrored_at": time.time()}
+            client.put_object(Bucket=lay.bucket, Key=lay.key(step, COMMITTED), Body=json.dumps(remote).encode(),
+                              ContentType="application/json")
+        except Exception as e:  # noqa: BLE001 - retried later; training never stops for the mirror
+            retry_in = min(_MAX_RETRY_S, self.cfg.mirror_retry_s * 2 ** (item.attempts - 1))
+            log.warning("mirror: step %d failed (attempt %d): %s; retrying in %.1fs", step, item.attempts,
+                        _error_text(e), retry_in)
+            self.events.emit("mirror_error", step=step, phase="upload", attempt=item.attempts,
+                             error=_error_text(e), retry_in_s=retry_in)
+            with self._cv:
+                if not self._stopping and step not in self._pending:
+                    item.not_before = time.monotonic() + retry_in
+                    self._pending[step] = item
+            return
+        took = time.monotonic() - t0
+        lag = time.time() - marker["committed_at"]
+        self.events.emit("mirror_committed", step=step, bytes=nbytes, seconds=round(took, 4), lag_s=round(lag, 4),
+                         attempt=item.attempts)
+        log.info("mirror: step %d -> %s (%.1f MB in %.2fs, %.2fs after its local commit)", step, lay.url,
+                 nbytes / 1e6, took, lag)
+        with self._cv:
+            self._mirrored.add(step)
+        try:
+            self._retain()
+        except Exception as e:  # noqa: BLE001 - retention is tried again after the next upload
+            log.warning("mirror: retention failed: %s", _error_text(e))
+            self.events.emit("mirror_error", step=None, phase="retention", error=_error_text(e), retry_in_s=None)
+
+    def _retain(self) -> None:
+        """Keep the newest ``--ckpt-mirror-keep`` marked steps; delete older steps, marked or torn."""
+        listing = self.layout.list_steps(self._client)
+        marked = sorted(s for s, m in listing.items() if m)
+        if len(marked) <= self.cfg.mirror_keep:
+            return
+        cutoff = marked[-self.cfg.mirror_keep]
+        for step in sorted(s for s in listing if s < cutoff):
+            self.layout.delete_step(self._client, step)
+            with self._cv:
+                self._mirrored.discard(step)
+            self.events.emit("mirror_deleted", step=step, torn=not listing[step])
+
+
+# ------------------------------------------------------------------------------------------ resume
+def _write_durably(path: Path, data: bytes) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fetch_newest(root: Path, cfg: CheckpointConfig, events: EventLog) -> int | None:
+    """Download the newest marked step of the mirror into ``root``; return its step, or None if none.
+
+    A step without a marker (an upload cut off half-way) is never considered. A listing that fails even
+    after the SDK's retries raises: starting from scratch next to a mirror that may hold the run's
+    progress would silently throw that progress away.
+    """
+    lay = MirrorLayout(cfg.mirror)
+    client = s3_client(cfg)
+    t0 = time.monotonic()
+    listing = lay.list_steps(client)
+    marked = sorted((s for s, m in listing.items() if m), reverse=True)
+    ignored = sorted(s for s, m in listing.items() if not m)
+    if ignored:
+        log.info("mirror: ignoring steps without a marker (uploads cut off half-way): %s", ignored)
+    root.mkdir(parents=True, exist_ok=True)
+    for stale in root.glob(f".step_*{_DOWNLOAD_SUFFIX}"):
+        shutil.rmtree(stale, ignore_errors=True)
+    with transfer_manager(client, cfg) as manager:
+        for step in marked:
+            try:
+                nbytes = _download(client, manager, lay, root, step)
+            except Exception as e:  # noqa: BLE001 - try the next older step
+                log.warning("mirror: step %d could not be downloaded: %s", step, _error_text(e))
+                events.emit("mirror_error", step=step, phase="download", error=_error_text(e), retry_in_s=None)
+                continue
+            took = time.monotonic() - t0
+            events.emit("resumed_from_mirror", step=step, bytes=nbytes, download_s=round(took, 4), url=lay.url,
+                        ignored_unmarked=ignored)
+            log.info("resume: FSx has no committed checkpoint; fetched step %d from %s (%.1f MB in %.1fs)", step,
+                     lay.url, nbytes / 1e6, took)
+            return step
+    log.info("resume: no committed checkpoint on FSx nor in %s: fresh start", lay.url)
+    return None
+
+
+def _download(client, manager, lay: MirrorLayout, root: Path, step: int) -> int:
+    marker = lay.read_marker(client, step)
+    if marker.get("step") != step:
+        raise ValueError(f"marker of step {step} says step {marker.get('step')}")
+    sizes = marker["sizes"]
+    tmp = root / f".{step_dir(root, step).name}{_DOWNLOAD_SUFFIX}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    futures = [manager.download(lay.bucket, lay.key(step, n), str(tmp / n)) for n in _files_of(marker)]
+    for f in futures:
+        f.result()
+    for name, size in sizes.items():
+        got = (tmp / name).stat().st_size
+        if got != size:
+            raise ValueError(f"{name}: {got} bytes downloaded, the marker says {size}")
+    for f in tmp.iterdir():
+        with open(f, "rb") as fh:
+            os.fsync(fh.fileno())
+    final = step_dir(root, step)
+    shutil.rmtree(final, ignore_errors=True)    # an uncommitted leftover of the same step
+    os.replace(tmp, final)
+    _fsync_dir(root)
+    # The local marker last, as in a local commit.
+    local = {k: v for k, v in marker.items() if k not in ("sizes", "mirrored_at")}
+    _write_durably(final / COMMITTED, json.dumps({**local, "fetched_from": lay.url}).encode())
+    return sum(sizes.values())
+
+
+def maybe_fetch_from_mirror(root: Path, cfg: CheckpointConfig, d, events: EventLog, poll_s: float = 0.25) -> None:
+    """Collective: when FSx has no committed checkpoint, rank 0 fetches the newest one from the mirror.
+
+    The download can take longer than the process group's collective timeout, so nobody waits in one long
+    collective: rank 0 downloads in a thread and all ranks meet in short all-reduces until it is done.
+    """
+    import torch
+    import torch.distributed as dist
+
+    need = [False]
+    if d.is_main:
+        local = committed_steps(root)
+        need[0] = not local
+        if local:
+            log.info("resume: newest committed checkpoint on FSx is step %d; the mirror is not needed", local[-1])
+    # Sync point: rank 0's decision.
+    dist.broadcast_object_list(need, src=0)
+    if not need[0]:
+        return
+    outcome: dict = {}
+    worker = None
+    if d.is_main:
+        def fetch() -> None:
+            try:
+                outcome["step"] = fetch_newest(root, cfg, events)
+            except BaseException as e:  # noqa: BLE001 - re-raised on the main thread below
+                outcome["error"] = e
+
+        worker = threading.Thread(target=fetch, daemon=True, name="ckpt-mirror-fetch")
+        worker.start()
+    while True:
+        state = 0.0 if worker is None or worker.is_alive() else (2.0 if "error" in outcome else 1.0)
+        flag = torch.tensor([state], device=d.device)
+        # Sync point, repeated every poll_s: 0 = rank 0 still downloading, 1 = done, 2 = failed.
+        dist.all_reduce(flag)
+        if flag.item() > 0:
+            break
+        time.sleep(poll_s)
+    if flag.item() > 1:
+        if d.is_main:
+            raise RuntimeError(f"cannot read the checkpoint mirror {cfg.mirror}") from outcome["error"]
+        raise RuntimeError(f"rank 0 could not read the checkpoint mirror {cfg.mirror}")
+
+
+# ----------------------------------------------------------------------------------------- summary
+def mirror_stats(events: list[dict]) -> dict | None:
+    """The ``mirror`` entry of ``summary.json`` (None when the run had no mirror)."""
+    if not any(e["event"].startswith("mirror_") or e["event"] == "resumed_from_mirror" for e in events):
+        return None
+    done = [e for e in events if e["event"] == "mirror_committed"]
+    resumed = [e["step"] for e in events if e["event"] == "resumed_from_mirror"]
+    return {
+        "checkpoints_mirrored": len(done),
+        # The newest step in the mirror (uploads go newest first, so a retried older one may finish last).
+        "last_mirrored_step": max(e["step"] for e in done) if done else None,
+        "bytes_mirrored": sum(e["bytes"] for e in done),
+        "lag_s_last": done[-1]["lag_s"] if done else None,
+        "lag_s_max": max(e["lag_s"] for e in done) if done else None,
+        "upload_s_max": max(e["seconds"] for e in done) if done else None,
+        "errors": sum(e["event"] == "mirror_error" for e in events),
+        "skipped": sum(e["event"] == "mirror_skipped" for e in events),
+        "resumed_from_mirror_step": resumed[-1] if resumed else None,
+    }
