@@ -78,10 +78,14 @@ class Run:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-n:])
 
     def kill(self) -> None:
-        try:
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        # The launcher's session, then each worker's: torchelastic starts workers as session leaders, and
+        # their NVRx writer processes live in the workers' groups.
+        pgids = [self.proc.pid] + [e["pid"] for e in self.events() if e["event"] == "worker_start"]
+        for pgid in pgids:
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
         self.proc.wait()
 
 

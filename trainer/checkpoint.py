@@ -306,6 +306,12 @@ class CheckpointManager:
         """Rank 0: wait, at most --ckpt-mirror-drain-s, until every committed checkpoint is mirrored."""
         if self.mirror is not None:
             self.mirror.drain(self.cfg.mirror_drain_s)
+            # Local retention skipped steps the mirror still needed; those it has released go now.
+            if self._purger is not None:
+                self._purger.join()
+            steps = committed_steps(self.root)
+            if steps:
+                self._purge(steps[-1])
 
     def close(self) -> None:
         if self.queue is not None:

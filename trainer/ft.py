@@ -55,7 +55,10 @@ class FTManager:
     def reset(self) -> None:
         """After an in-process restart: close whatever the failed attempt left open."""
         if self.client is not None:
-            self.client.end_all_sections()
+            try:
+                self.client.end_all_sections()
+            except Exception as e:  # the monitor may already be gone (the launcher is restarting the group)
+                log.warning("rank monitor unreachable while closing sections: %s", e)
 
     def observe_step(self, step_s: float) -> None:
         """Feed a step's duration; tighten the step timeout once enough steps were seen (collective)."""

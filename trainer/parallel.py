@@ -31,7 +31,7 @@ def ensure_launcher_env() -> None:
     so that ``python -m trainer`` works on its own."""
     if "RANK" not in os.environ:
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=str(_free_port()))
+                          MASTER_PORT=str(free_port()))
 
 
 def init_distributed(timeout_s: float, store: dist.Store | None = None) -> Dist:
@@ -57,7 +57,7 @@ def init_distributed(timeout_s: float, store: dist.Store | None = None) -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:

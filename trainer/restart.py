@@ -15,6 +15,7 @@ the Wrapper's monitor notices a restart requested by another rank.
 
 # No ``from __future__ import annotations`` here: the Wrapper finds the parameter that receives its
 # CallWrapper by the parameter's annotation, which must be the class itself, not a string.
+import functools
 import os
 from datetime import timedelta
 from typing import Callable, Optional
@@ -22,6 +23,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from .config import RestartConfig
+from .parallel import free_port
 
 
 def build_wrapper(cfg: RestartConfig, cuda: bool):
@@ -34,7 +36,7 @@ def build_wrapper(cfg: RestartConfig, cuda: bool):
     interval = timedelta(seconds=cfg.monitor_interval_s)
     return inprocess.Wrapper(
         # The Wrapper's own store gets its own port: MASTER_PORT is the launcher's rendezvous store.
-        store_kwargs={"port": int(os.environ["MASTER_PORT"]) + 1},
+        store_kwargs={"port": _wrapper_store_port()},
         health_check=inprocess.Compose(*checks),
         monitor_thread_interval=interval,
         monitor_process_interval=interval,
@@ -59,16 +61,33 @@ def run_with_inprocess_restart(fn: Callable, cfg: RestartConfig, cuda: bool):
     return build_wrapper(cfg, cuda)(attempt)()
 
 
+@functools.lru_cache(maxsize=None)
+def _launcher_store() -> "dist.TCPStore":
+    """The store at MASTER_ADDR:MASTER_PORT: the launcher agent's, or else hosted by rank 0 (once per process)."""
+    agent_hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
+                         is_master=int(os.environ["RANK"]) == 0 and not agent_hosted, multi_tenant=True,
+                         wait_for_workers=False, use_libuv=True)
+
+
+def _wrapper_store_port() -> int:
+    """A port that is free on rank 0's host right now, agreed through the launcher's store.
+
+    A fixed choice such as MASTER_PORT + 1 can sit in TIME_WAIT after busy traffic; the Wrapper's
+    TCPStore then fails to bind on rank 0 and every rank waits for a server that never comes.
+    """
+    store = _launcher_store()
+    key = f"goodput/wrapper_port/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    if int(os.environ["RANK"]) == 0:
+        store.set(key, str(free_port()))
+    return int(store.get(key))
+
+
 def iteration_store(iteration: int) -> "dist.Store":
     """A store for this restart iteration's process group, prefixed so no key of an earlier one is seen.
 
     Under a launcher the rendezvous store at MASTER_ADDR:MASTER_PORT is hosted by the agent; without one,
     rank 0 hosts it.
     """
-    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
-    world_size, rank = int(os.environ["WORLD_SIZE"]), int(os.environ["RANK"])
-    agent_hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    base = dist.TCPStore(host, port, world_size, is_master=rank == 0 and not agent_hosted,
-                         multi_tenant=True, wait_for_workers=False, use_libuv=True)
     group = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"goodput/inprocess/{group}/{iteration}", base)
+    return dist.PrefixStore(f"goodput/inprocess/{group}/{iteration}", _launcher_store())

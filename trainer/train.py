@@ -293,8 +293,10 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                     policy.observe_checkpoint(block_s)
                     session.metrics.observe_checkpoint(block_s)
     except BaseException:
-        # Failing over to a restart: from here a SIGTERM has nothing to save and ends the process at once.
+        # Failing over to a restart: from here a SIGTERM has nothing to save and ends the process at once,
+        # and the rank monitor must not time the in-process restart against the step timeout.
         session.sigterm.in_loop = False
+        ft.reset()
         raise
 
     # ---- teardown: the final checkpoint, validation, identity of the weights
