@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
-import os
 import pickle
 import shutil
 import signal
@@ -46,29 +45,11 @@ from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_st
 
 from .config import CheckpointConfig
 from .events import EventLog
-from .layout import COMMITTED, step_of, committed_steps, read_marker, step_dir
+from .layout import COMMITTED, committed_steps, fsync_dir, read_marker, step_dir, step_of, write_atomic
 from .mirror import CheckpointMirror, maybe_fetch_from_mirror
 from .parallel import Dist
 
 log = logging.getLogger(__name__)
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 @contextlib.contextmanager
@@ -87,7 +68,7 @@ def delete_checkpoint(path: Path) -> None:
     """Un-commit first (marker gone, fsynced), then delete: a half-deleted directory is never valid."""
     try:
         (path / COMMITTED).unlink()
-        _fsync_dir(path)
+        fsync_dir(path)
     except FileNotFoundError:
         pass
     shutil.rmtree(path, ignore_errors=True)
@@ -267,7 +248,7 @@ class CheckpointManager:
         def finalize() -> None:
             # Runs on this rank once its worker finished: record the write results durably.
             results = writer.retrieve_write_results()
-            _write_atomic(path / f".rank{self.d.rank}.done", pickle.dumps(results))
+            write_atomic(path / f".rank{self.d.rank}.done", pickle.dumps(results))
 
         self.queue.schedule_async_request(AsyncRequest(save_fn, save_args, [finalize]))
         self.pending.append(pending)
@@ -347,7 +328,7 @@ class CheckpointManager:
             p.writer.finish(p.metadata, results)   # writes .metadata (tmp + rename, fsynced)
         marker = {"step": p.step, "world_size": self.d.world_size, "committed_at": time.time(),
                   "files": sorted(f.name for f in path.iterdir() if not f.name.startswith(".rank"))}
-        _write_atomic(path / COMMITTED, json.dumps(marker).encode())
+        write_atomic(path / COMMITTED, json.dumps(marker).encode())
         self.events.emit("ckpt_committed", step=p.step, commit_s=round(time.monotonic() - p.started, 4))
         if self.mirror is not None:
             self.mirror.enqueue(p.step, marker["committed_at"])

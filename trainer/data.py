@@ -20,7 +20,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -28,6 +27,8 @@ from pathlib import Path
 from typing import Iterable
 
 import numpy as np
+
+from .layout import write_atomic
 
 MANIFEST = "manifest.json"
 FORMAT = "goodput-dataset/1"
@@ -68,15 +69,6 @@ def _is_text(path: Path) -> bool:
     with open(path, "rb") as f:
         head = f.read(8192)
     return b"\x00" not in head
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def build_dataset(
@@ -136,7 +128,7 @@ def build_dataset(
         "splits": {s: w.close() for s, w in writers.items()},
         **(extra or {}),
     }
-    _write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+    write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
     return manifest
 
 
@@ -156,7 +148,7 @@ class _ShardWriter:
 
     def _flush(self, data: bytes) -> None:
         name = f"{self.split}_{len(self.shards):05d}.bin"
-        _write_atomic(self.out_dir / name, data)
+        write_atomic(self.out_dir / name, data)
         self.shards.append({"path": name, "tokens": len(data), "sha256": hashlib.sha256(data).hexdigest()})
 
     def close(self) -> dict:

@@ -1,4 +1,5 @@
-"""The run directory's checkpoint layout, readable without torch (the launcher and evaluate use it).
+"""The run directory's checkpoint layout, readable without torch (the launcher and evaluate use it),
+and the durable file writes that every writer of the run directory and of datasets uses.
 
 ``<out>/checkpoints/step_<N, 9 digits>/`` is a checkpoint once its ``COMMITTED`` marker exists.
 """
@@ -6,6 +7,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 COMMITTED = "COMMITTED"
@@ -34,3 +36,23 @@ def committed_steps(root: Path) -> list[int]:
 
 def read_marker(path: Path) -> dict:
     return json.loads((path / COMMITTED).read_text())
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` so that a crash leaves the old file or the whole new one: a temporary
+    name, fsync, rename, fsync of the directory."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -47,7 +47,7 @@ from pathlib import Path
 
 from .config import CheckpointConfig
 from .events import EventLog
-from .layout import COMMITTED, committed_steps, step_dir, step_of
+from .layout import COMMITTED, committed_steps, fsync_dir, step_dir, step_of, write_atomic
 
 log = logging.getLogger(__name__)
 
@@ -367,22 +367,6 @@ class CheckpointMirror:
 
 
 # ------------------------------------------------------------------------------------------ resume
-def _write_durably(path: Path, data: bytes) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def fetch_newest(root: Path, cfg: CheckpointConfig, events: EventLog) -> int | None:
@@ -442,10 +426,10 @@ def _download(client, manager, lay: MirrorLayout, root: Path, step: int) -> int:
     final = step_dir(root, step)
     shutil.rmtree(final, ignore_errors=True)    # an uncommitted leftover of the same step
     os.replace(tmp, final)
-    _fsync_dir(root)
+    fsync_dir(root)
     # The local marker last, as in a local commit.
     local = {k: v for k, v in marker.items() if k not in ("sizes", "mirrored_at")}
-    _write_durably(final / COMMITTED, json.dumps({**local, "fetched_from": lay.url}).encode())
+    write_atomic(final / COMMITTED, json.dumps({**local, "fetched_from": lay.url}).encode())
     return sum(sizes.values())
 
 
