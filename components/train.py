@@ -44,7 +44,10 @@ def _component(passthroughs: tuple[str, ...] = (), **kw):
     # the step's body imports this module for ``train``: there the function stays a plain function.
     if os.environ.get("_KFP_RUNTIME") == "true":
         return lambda func: func
-    return dsl.component(task_config_passthroughs=[getattr(dsl.TaskConfigField, f) for f in passthroughs], **kw)
+    fields = [getattr(dsl.TaskConfigField, f) for f in passthroughs]
+    # The FSx volume goes to the job's pods and stays on this launcher's pod too: it reads summary.json.
+    volumes = dsl.TaskConfigPassthrough(field=dsl.TaskConfigField.KUBERNETES_VOLUMES, apply_to_task=True)
+    return dsl.component(task_config_passthroughs=[*fields, volumes], **kw)
 
 
 @dataclass

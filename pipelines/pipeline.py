@@ -164,9 +164,9 @@ def goodput_pipeline(
         # artifact, so the edge to whichever stage branch ran is an explicit one.
         train.after(stage_latest, stage_pinned)
         # Placement set on this task would go to the job's pods (train_op's task_config passthroughs),
-        # which job_options place already; so none here. TODO(train_op): the launcher reads summary.json
-        # from FSx and needs `_on_fsx(train, fsx_pvc)`, which kfp refuses until train_op lists
-        # TaskConfigPassthrough(KUBERNETES_VOLUMES, apply_to_task=True).
+        # which job_options place already; so none here. The FSx mount is passed through to the job's
+        # pods and kept on the launcher's pod, which reads the run's summary.json from FSx.
+        _on_fsx(train, fsx_pvc)
         # A retried train step re-attaches to its PyTorchJob (named from the run) and the trainer resumes
         # from the last committed checkpoint: retries never duplicate a job.
         train.set_display_name("train").set_caching_options(False).set_retry(2, backoff_duration="120s")
