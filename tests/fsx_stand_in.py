@@ -14,13 +14,15 @@ from __future__ import annotations
 import itertools
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+
+from tests.loopback import LoopbackServer
 
 TARGET_PREFIX = "AWSSimbaAPIService_v20180301."
 CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-west-2"}
 
 
-class FsxStandIn:
+class FsxStandIn(LoopbackServer):
     def __init__(self, *, final: str = "AVAILABLE", creating_polls: int = 2, refuse: str | None = None,
                  page_size: int = 2, failure_message: str = ""):
         self.final, self.creating_polls, self.refuse = final, creating_polls, refuse
@@ -54,18 +56,7 @@ class FsxStandIn:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def __enter__(self) -> "FsxStandIn":
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.serve(Handler)
 
     def client(self):
         import boto3

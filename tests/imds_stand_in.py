@@ -17,12 +17,14 @@ import secrets
 import threading
 import time
 from datetime import datetime, timedelta, timezone
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
+
+from tests.loopback import LoopbackServer
 
 ACTION_PATH = "/latest/meta-data/spot/instance-action"
 
 
-class ImdsServer:
+class ImdsServer(LoopbackServer):
     def __init__(self):
         self.lock = threading.Lock()
         self.tokens: dict[str, float] = {}      # token -> expiry (monotonic)
@@ -69,18 +71,7 @@ class ImdsServer:
                     return self._reply(404)
                 self._reply(200, json.dumps(notice).encode(), "application/json")
 
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-
-    def __enter__(self) -> "ImdsServer":
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.server.shutdown()
-        self.server.server_close()
+        self.serve(Handler)
 
     def set_notice(self, action: str = "terminate", in_s: float = 120.0) -> None:
         """Announce an interruption ``in_s`` seconds from now (EC2 gives two minutes)."""
