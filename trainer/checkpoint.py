@@ -121,7 +121,6 @@ class CheckpointManager:
                 self.queue.schedule_async_request(AsyncRequest(time.sleep, (0,), []))
 
         self._purger: threading.Thread | None = None
-        self.block_s: list[float] = []
         # Rank 0 commits, so rank 0 mirrors (--ckpt-mirror): a background uploader fed by _commit.
         self.mirror = CheckpointMirror(root, cfg, events) if cfg.mirror and d.is_main else None
 
@@ -208,7 +207,6 @@ class CheckpointManager:
             if blocking:
                 self.wait()
         block_s = time.monotonic() - t0
-        self.block_s.append(block_s)
         if self.d.is_main:
             self.events.emit("ckpt_snapshot", step=step, block_s=round(block_s, 4), sync=self.cfg.sync or blocking,
                              **{k: round(v, 4) for k, v in phases.items()})
