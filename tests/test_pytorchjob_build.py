@@ -219,8 +219,9 @@ def test_pod_command_is_ft_launcher_with_a_c10d_rendezvous_on_replica_0():
 
     fixed = spec(name="exp", nodes=4, trainer_args=["--max-steps", "50"])
     cmd = _pod(job_manifest(fixed))["containers"][0]["command"]
-    assert cmd[0] == "ft_launcher"
-    args = get_args_parser().parse_args(cmd[1:])
+    # ft_launcher runs behind the warm-start zygote (ranks are forked from one process that imported torch).
+    assert cmd[:4] == ["python", "-m", "trainer.warmstart", "ft_launcher"]
+    args = get_args_parser().parse_args(cmd[4:])
     assert (args.nnodes, args.nproc_per_node) == ("4", "8")
     assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == ("c10d", "exp-master-0:23456", "exp")
     assert args.max_restarts == 3 and not args.standalone
@@ -231,10 +232,10 @@ def test_pod_command_is_ft_launcher_with_a_c10d_rendezvous_on_replica_0():
     elastic = job_manifest(spec(name="el", nodes=8, min_nodes=2))
     assert set(elastic["spec"]["pytorchReplicaSpecs"]) == {"Worker"}
     assert elastic["spec"]["elasticPolicy"]["minReplicas"] == 2 and elastic["spec"]["elasticPolicy"]["maxReplicas"] == 8
-    args = get_args_parser().parse_args(_pod(elastic, "Worker")["containers"][0]["command"][1:])
+    args = get_args_parser().parse_args(_pod(elastic, "Worker")["containers"][0]["command"][4:])
     assert (args.nnodes, args.rdzv_endpoint) == ("2:8", "el-worker-0:23456")
     # One node: a local store, nothing to resolve.
-    args = get_args_parser().parse_args(_pod(job_manifest(spec(nodes=1)))["containers"][0]["command"][1:])
+    args = get_args_parser().parse_args(_pod(job_manifest(spec(nodes=1)))["containers"][0]["command"][4:])
     assert args.standalone
 
 

@@ -40,6 +40,10 @@ def test_fault_is_recovered_by_the_right_layer(tmp_path, start_run, clean_sha, f
     assert summary["restarts_inprocess"] == (layer == "inprocess")
     assert summary["restarts_injob"] == (layer == "injob")
     assert summary["lost_steps"] >= 0 and summary["faults"][0]["recovered_s"] > 0
+    if layer == "injob":
+        # The restarted ranks were forked from the warm-start zygote, not started cold.
+        starts = [e for e in run.events() if e["event"] == "worker_start"]
+        assert len(starts) == 4 and all(e["warm"] for e in starts)
     if layer == "inprocess":
         # Restored from the in-memory snapshot: no disk read.
         assert any(e["event"] == "ckpt_loaded" and e["source"] == "memory" for e in run.events())

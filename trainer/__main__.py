@@ -4,6 +4,7 @@ import logging
 import sys
 import warnings
 
+from . import warmstart
 from .config import parse_config
 
 
@@ -15,6 +16,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if argv is None:
+        warmstart.delegate(sys.argv[1:])   # under ``trainer.warmstart``: run in a fork of the zygote, exit
     from .train import run   # torch is imported only once the arguments are known to be good
 
     run(cfg)

@@ -44,6 +44,9 @@ class LaunchConfig:
         "help": "SIGTERM to SIGKILL grace when the launcher is stopped (covers the SIGTERM checkpoint)"})
     workers_stop_timeout_s: float = field(default=5.0, metadata={
         "help": "SIGTERM to SIGKILL grace for surviving workers when the group is restarted"})
+    warm_start: bool = field(default=True, metadata={
+        "help": "fork ranks from a process that imported torch once (trainer.warmstart), so a restarted "
+                "group skips the imports"})
 
     def validate(self) -> "LaunchConfig":
         if self.nproc_per_node < 1 or self.nnodes < 1:
@@ -57,7 +60,8 @@ class LaunchConfig:
 
 
 def launcher_command(launch: LaunchConfig, trainer_args: list[str], *, executable: str | None = None) -> list[str]:
-    """ft_launcher argv that runs ``python -m trainer <trainer_args>`` on one node.
+    """ft_launcher argv that runs ``python -m trainer <trainer_args>`` on one node (behind
+    ``python -m trainer.warmstart`` unless ``launch.warm_start`` is off).
 
     Args:
         launch: worker group and fault-tolerance settings.
@@ -67,6 +71,8 @@ def launcher_command(launch: LaunchConfig, trainer_args: list[str], *, executabl
     """
     launch.validate()
     head = [executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher"] if executable else ["ft_launcher"]
+    if launch.warm_start:
+        head = [executable or "python", "-m", "trainer.warmstart", *head]
     rdzv = (["--standalone"] if not launch.rdzv_endpoint else
             ["--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id])
     sections = (f"setup:{launch.setup_timeout_s:g},step:{launch.step_timeout_s:g},"

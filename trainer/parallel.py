@@ -34,12 +34,9 @@ def ensure_launcher_env() -> None:
                           MASTER_PORT=str(free_port()))
 
 
-def init_distributed(timeout_s: float, store: dist.Store | None = None) -> Dist:
-    """Join the process group described by the launcher's environment (torchrun / ft_launcher).
-
-    NCCL on CUDA, gloo on CPU; ``store`` replaces the default env:// rendezvous (in-process restarts
-    give each attempt its own prefixed store).
-    """
+def init_distributed(timeout_s: float, store: dist.Store) -> Dist:
+    """Join the process group described by the launcher's environment (torchrun / ft_launcher) on ``store``
+    (``restart.iteration_store``: one key space per attempt). NCCL on CUDA, gloo on CPU."""
     ensure_launcher_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -49,11 +46,8 @@ def init_distributed(timeout_s: float, store: dist.Store | None = None) -> Dist:
     else:
         device = torch.device("cpu")
         backend = "gloo"
-    if store is None:
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
-    else:
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), store=store,
-                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), store=store,
+                            rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
     return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
 
 

@@ -84,10 +84,12 @@ def _wrapper_store_port() -> int:
 
 
 def iteration_store(iteration: int) -> "dist.Store":
-    """A store for this restart iteration's process group, prefixed so no key of an earlier one is seen.
+    """The store for this attempt's process group, prefixed by the launcher's restart count and the
+    in-process iteration, so a rank never reads a key an earlier attempt wrote (such as a dead peer's gloo
+    address: seen under torchrun, whose agent keeps its store across restarts).
 
     Under a launcher the rendezvous store at MASTER_ADDR:MASTER_PORT is hosted by the agent; without one,
     rank 0 hosts it.
     """
     group = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"goodput/inprocess/{group}/{iteration}", _launcher_store())
+    return dist.PrefixStore(f"goodput/attempt/{group}/{iteration}", _launcher_store())

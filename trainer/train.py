@@ -31,6 +31,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
                                                      set_state_dict)
 
+from . import warmstart
 from .checkpoint import COMMITTED, CheckpointManager, step_dir
 from .config import OptimConfig, TrainConfig
 from .data import BatchSampler, Split, eval_windows
@@ -158,7 +159,7 @@ class Session:
             on_exit=lambda: self.events.emit("exit", reason="sigterm outside the training loop"))
         if self.rank == 0:
             self._record_start()
-        self.events.emit("worker_start", pid=os.getpid())
+        self.events.emit("worker_start", pid=os.getpid(), warm=warmstart.forked)
         self.faults = FaultInjector(cfg.faults.inject_fault, self.rank, self.world_size, self.events,
                                     self.events_path,
                                     chaos_seed=cfg.faults.chaos_seed if cfg.faults.chaos_seed >= 0 else None,
@@ -207,8 +208,7 @@ def train(session: Session, call_wrapper=None) -> dict | None:
     session.sigterm.in_loop = False
     ft.reset()
     with ft.section("setup"):
-        store = iteration_store(iteration) if call_wrapper is not None else None
-        d = init_distributed(cfg.restart.collective_timeout_s, store=store)
+        d = init_distributed(cfg.restart.collective_timeout_s, store=iteration_store(iteration))
         if iteration > 0 and d.is_main:
             events.emit("restart", layer="inprocess", iteration=iteration)
 

@@ -17,8 +17,10 @@ def launch_options(fn):
     for f in reversed(dataclasses.fields(LaunchConfig)):
         if f.name in ("nproc_per_node", "nnodes", "rdzv_endpoint", "rdzv_id"):
             continue
-        fn = click.option("--" + f.name.replace("_", "-"), default=f.default, show_default=True,
-                          type=type(f.default), help=f.metadata["help"][:1].upper() + f.metadata["help"][1:] + ".")(fn)
+        name = "--" + f.name.replace("_", "-")
+        flag = f"{name}/--no-{name[2:]}" if isinstance(f.default, bool) else name
+        fn = click.option(flag, default=f.default, show_default=True, type=type(f.default),
+                          help=f.metadata["help"][:1].upper() + f.metadata["help"][1:] + ".")(fn)
     return fn
 
 

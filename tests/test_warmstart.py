@@ -1,0 +1,135 @@
+"""Warm start (``python -m trainer.warmstart``): ranks forked from a zygote behave, to whoever started them,
+exactly like ranks started cold: exit status and death by signal pass through, signals reach the rank,
+a rank never outlives the process its launcher supervises, and without a zygote the rank starts cold.
+
+One rank, no launcher (the launcher-driven paths run in test_recovery.py and test_resume.py).
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from trainer.events import read_events
+from trainer.layout import committed_steps
+from trainer.warmstart import ENV
+
+from .conftest import TINY
+
+
+def _trainer(dataset: Path, out: Path, *args: str) -> list[str]:
+    return [sys.executable, "-m", "trainer", "--data", str(dataset), *TINY, "--out", str(out),
+            "--restart-layers", "injob", *args]
+
+
+def _warm(dataset: Path, out: Path, *args: str) -> subprocess.Popen:
+    log = open(out.parent / "log", "ab")
+    return subprocess.Popen([sys.executable, "-m", "trainer.warmstart", *_trainer(dataset, out, *args)],
+                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def _wait_for(out: Path, proc: subprocess.Popen, predicate, timeout: float = 120) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for e in read_events(out / "events.jsonl"):
+            if predicate(e):
+                return e
+        assert proc.poll() is None, (out.parent / "log").read_text()[-3000:]
+        time.sleep(0.1)
+    raise AssertionError(f"timed out; log:\n{(out.parent / 'log').read_text()[-3000:]}")
+
+
+def _group(pgid: int) -> list[str]:
+    """Command lines of the processes in process group ``pgid``, multiprocessing's resource tracker aside."""
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            state, _, group = stat.read_bytes().rsplit(b")", 1)[1].split()[:3]
+            if int(group) == pgid and state != b"Z":
+                cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+                found += [] if "resource_tracker" in cmd else [cmd]
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture
+def cleanup():
+    procs: list[subprocess.Popen] = []
+    yield procs.append
+    for p in procs:
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+
+
+def test_a_forked_rank_that_dies_of_sigkill_ends_the_command_the_same_way(tmp_path, dataset, cleanup):
+    out = tmp_path / "run"
+    proc = _warm(dataset, out, "--max-steps", "6", "--ckpt-every", "2", "--inject-fault", "kill@3:0")
+    cleanup(proc)
+    assert proc.wait(timeout=300) == -signal.SIGKILL
+    events = read_events(out / "events.jsonl")
+    (start,) = [e for e in events if e["event"] == "worker_start"]
+    assert start["warm"] is True and start["pid"] != proc.pid
+    assert [e["kind"] for e in events if e["event"] == "fault_injected"] == ["kill"]
+    assert _gone(start["pid"], 5)
+    # NVRx's checkpoint helpers (they ignore SIGTERM and outlive a killed parent) went with the rank.
+    deadline = time.monotonic() + 5
+    while _group(start["pid"]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _group(start["pid"]) == []
+
+
+def test_sigterm_reaches_the_forked_rank_which_checkpoints_and_exits_0(tmp_path, dataset, cleanup):
+    out = tmp_path / "run"
+    proc = _warm(dataset, out, "--max-steps", "100000", "--ckpt-every", "0")
+    cleanup(proc)
+    start = _wait_for(out, proc, lambda e: e["event"] == "worker_start")
+    _wait_for(out, proc, lambda e: e["event"] == "step" and e["step"] >= 2)
+    proc.send_signal(signal.SIGTERM)          # wrapper -> proxy -> forked rank
+    assert proc.wait(timeout=120) == 0
+    (stop,) = [e for e in read_events(out / "events.jsonl") if e["event"] == "exit"]
+    assert stop["reason"] == "sigterm" and committed_steps(out / "checkpoints") == [stop["step"]]
+    assert start["warm"] is True and _gone(start["pid"], 5)
+
+
+def test_a_forked_rank_dies_with_its_proxy(tmp_path, dataset, cleanup):
+    """The launcher SIGKILLs the process it started (its proxy); the rank must not live on."""
+    out = tmp_path / "run"
+    proc = _warm(dataset, out, "--max-steps", "100000", "--ckpt-every", "0")
+    cleanup(proc)
+    start = _wait_for(out, proc, lambda e: e["event"] == "worker_start")
+    _wait_for(out, proc, lambda e: e["event"] == "step" and e["step"] >= 2)
+    children = map(int, Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
+    (proxy,) = [c for c in children if b"trainer.warmstart" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+    assert proxy != start["pid"]
+    os.kill(proxy, signal.SIGKILL)
+    assert _gone(start["pid"], 10), "the forked rank outlived its proxy"
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+
+
+def test_without_a_zygote_the_rank_starts_cold(tmp_path, dataset):
+    out = tmp_path / "run"
+    r = subprocess.run(_trainer(dataset, out, "--max-steps", "2", "--ckpt-every", "0"), capture_output=True,
+                       text=True, timeout=300, env={**os.environ, ENV: str(tmp_path / "no-zygote.sock")})
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "warm start: no zygote answered; starting cold" in r.stderr
+    (start,) = [e for e in read_events(out / "events.jsonl") if e["event"] == "worker_start"]
+    assert start["warm"] is False

@@ -1,0 +1,310 @@
+"""Warm start: ranks are forked from a process that has already imported torch, NVRx and the trainer.
+
+Importing them costs about 5 s of CPU per rank on a small machine (2-4 s on a GPU node, where every local
+rank pays it at once), which is most of what an in-job restart costs. So the launch command is
+
+    python -m trainer.warmstart ft_launcher ... -m trainer ...
+
+which runs the launcher with ``GOODPUT_WARMSTART_SOCKET`` set, next to a *zygote*: a process that imports
+everything once and then waits. Each ``python -m trainer`` the launcher starts sees the variable and,
+instead of importing, hands its arguments, environment, working directory and stdio to the zygote, which
+forks a child to run them. The launcher's worker stays a thin proxy that it supervises as usual: signals
+it receives are forwarded to the child, the child's exit status (or death by signal) becomes its own, and a
+child whose proxy disappears (the launcher's SIGKILL) kills itself. The rank monitor kills a hung rank
+directly: the child registers with its own pid. When a child has exited, the zygote kills whatever it left
+in its process group (NVRx's checkpoint helpers outlive a killed rank otherwise).
+
+Fork safety: the zygote never starts a thread and never initialises CUDA (a forked child could not use
+it); if either happened it refuses to fork and the worker starts cold, as it would without warm start.
+Anything that goes wrong on the way (no zygote, a zygote that died) also ends in a cold start.
+"""
+
+from __future__ import annotations
+
+import atexit
+import glob
+import json
+import os
+import selectors
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import traceback
+import warnings
+
+ENV = "GOODPUT_WARMSTART_SOCKET"
+forked = False          # True in a rank forked from the zygote (reported in its worker_start event)
+_MAX_MSG = 1 << 20
+_FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+# ---- the launch wrapper ------------------------------------------------------------------------------
+
+def run_with_zygote(command: list[str]) -> int:
+    """Start a zygote, run ``command`` with ``GOODPUT_WARMSTART_SOCKET`` pointing at it, return its exit code."""
+    workdir = tempfile.mkdtemp(prefix="goodput-warmstart-")
+    path = os.path.join(workdir, "zygote.sock")
+    # Bound and listening before the zygote has finished importing: workers that connect early queue in
+    # the backlog. Once the zygote holds the only copy, its death makes connects fail, i.e. a cold start.
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    listener.bind(path)
+    listener.listen(256)
+    # The zygote exits when this pipe closes, i.e. when this process is gone, however it ended.
+    alive_r, alive_w = os.pipe()
+    zygote = subprocess.Popen(
+        [sys.executable, "-m", "trainer.warmstart", "--serve", str(listener.fileno()), str(alive_r)],
+        pass_fds=(listener.fileno(), alive_r), start_new_session=True,
+        env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
+    listener.close()
+    os.close(alive_r)
+    proc = subprocess.Popen(command, env={**os.environ, ENV: path})
+    previous = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum)) for s in _FORWARDED}
+    try:
+        code = proc.wait()
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+        os.close(alive_w)
+        zygote.wait()
+        shutil.rmtree(workdir, ignore_errors=True)
+    return code
+
+
+# ---- the zygote --------------------------------------------------------------------------------------
+
+def _preload() -> None:
+    """Import what a rank imports, including what torch and NVRx import lazily on first use."""
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
+    import multiprocessing.managers  # noqa: F401  NVRx's write-results queue (a Manager)
+    import multiprocessing.shared_memory  # noqa: F401  checkpoint staging
+
+    import nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async  # noqa: F401
+    import nvidia_resiliency_ext.inprocess  # noqa: F401
+    import torch._dynamo  # noqa: F401  fully_shard imports it on first call (over 1 s here)
+
+    from . import restart, train  # noqa: F401
+
+
+def _fork_unsafe() -> str | None:
+    import torch
+
+    if threading.active_count() > 1:
+        return f"the zygote runs {threading.active_count()} threads"
+    if torch.cuda.is_initialized():
+        return "the zygote initialised CUDA"
+    return None
+
+
+def serve(listen_fd: int, alive_fd: int) -> None:
+    """The zygote's loop: fork a child per request, report each child's exit status to its proxy."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)      # the wrapper decides when the zygote ends
+    _preload()
+    listener = socket.socket(fileno=listen_fd)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)     # a child's exit wakes the loop through wake_r
+    children: dict[int, socket.socket] = {}
+    sel = selectors.DefaultSelector()
+    for f in (listener, wake_r, alive_fd):
+        sel.register(f, selectors.EVENT_READ)
+    while True:
+        for key, _ in sel.select():
+            if key.fileobj is listener:
+                conn, _ = listener.accept()
+                pid = _fork_child(conn, close_in_child=(listen_fd, wake_r, wake_w, alive_fd))
+                if pid is not None:
+                    children[pid] = conn
+            elif key.fileobj == wake_r:
+                os.read(wake_r, 4096)
+            elif not os.read(alive_fd, 1):
+                return                                   # the wrapper is gone; children die with their proxies
+        while children:
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            _kill_leftovers(pid)
+            conn = children.pop(pid, None)
+            if conn is not None:
+                _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
+                conn.close()
+
+
+def _kill_leftovers(pgid: int) -> None:
+    """SIGKILL what a dead rank left in its process group: NVRx's checkpoint workers and result-queue
+    manager ignore SIGTERM and never notice their parent's death, so each killed rank would leak them,
+    with their share of the checkpoint staging memory, for as long as the node runs. Multiprocessing's
+    resource tracker is spared: it exits by itself once they are gone, unlinking what they registered."""
+    for stat in glob.glob("/proc/[0-9]*/stat"):
+        try:
+            with open(stat, "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+            if int(fields[2]) != pgid:
+                continue
+            pid = int(stat.split("/")[2])
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"resource_tracker" in f.read():
+                    continue
+            os.kill(pid, signal.SIGKILL)
+        except (OSError, IndexError, ValueError):
+            continue          # gone meanwhile
+
+
+def _fork_child(conn: socket.socket, close_in_child: tuple[int, ...]) -> int | None:
+    conn.settimeout(10)
+    try:
+        msg, fds, _, _ = socket.recv_fds(conn, _MAX_MSG, 3)
+        request = json.loads(msg)
+    except (OSError, ValueError):
+        conn.close()
+        return None
+    reason = _fork_unsafe()
+    if reason is not None or len(fds) != 3:
+        _send(conn, {"refused": reason or "stdio not received"})
+        conn.close()
+        for fd in fds:
+            os.close(fd)
+        return None
+    pid = os.fork()
+    if pid == 0:
+        for fd in close_in_child:
+            os.close(fd)
+        os._exit(_run_child(conn, request, fds))
+    for fd in fds:
+        os.close(fd)
+    _send(conn, {"pid": pid})
+    return pid
+
+
+def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
+    """In the forked child: become the worker the proxy would have been, run it, return its exit code."""
+    global forked
+    forked = True
+    os.setpgid(0, 0)        # its own process group, so that what it leaves behind can be found and ended
+    signal.set_wakeup_fd(-1)
+    for s in (signal.SIGCHLD, signal.SIGTERM, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2):
+        signal.signal(s, signal.SIG_DFL)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    for target, fd in enumerate(fds):
+        os.dup2(fd, target)
+        os.close(fd)
+    os.chdir(request["cwd"])
+    os.environ.clear()
+    os.environ.update(request["env"])
+    sys.argv = request["argv"]
+    conn.settimeout(None)
+    threading.Thread(target=_die_with_proxy, args=(conn,), name="warmstart-proxy-watch", daemon=True).start()
+    import torch
+
+    if "OMP_NUM_THREADS" in os.environ:   # read by OpenMP when the zygote imported torch, not since
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+    from .__main__ import main
+
+    try:
+        code = main(sys.argv[1:])
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    atexit._run_exitfuncs()   # os._exit skips them; multiprocessing and logging clean up there
+    for stream in (sys.stdout, sys.stderr):
+        stream.flush()
+    return code
+
+
+def _die_with_proxy(conn: socket.socket) -> None:
+    """The proxy never writes after its request: EOF means it died, and so must this child."""
+    try:
+        conn.recv(1)
+    finally:
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+# ---- the proxy (the process the launcher started) -----------------------------------------------------
+
+def delegate(argv: list[str]) -> None:
+    """Run ``python -m trainer argv`` in a child of the zygote and exit as it exited (dying of the same
+    signal if it died of one, so the launcher sees what it would have seen); return to start cold."""
+    path = os.environ.get(ENV)
+    if not path:
+        return None
+    pending: list[int] = []
+    child: list[int] = []
+
+    def forward(signum, _frame):
+        if child:
+            os.kill(child[0], signum)
+        else:
+            pending.append(signum)
+
+    previous = {s: signal.signal(s, forward) for s in _FORWARDED}
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
+            request = {"argv": [sys.argv[0], *argv], "cwd": os.getcwd(),
+                       "env": {k: v for k, v in os.environ.items() if k != ENV}}
+            try:
+                conn.connect(path)
+                socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+            except OSError:
+                pass                  # no zygote: the reply below is None
+            reply = _recv(conn)
+            if reply is None or "pid" not in reply:
+                why = reply["refused"] if reply else "no zygote answered"
+                print(f"warm start: {why}; starting cold", file=sys.stderr)
+                return None
+            child.append(reply["pid"])
+            for s in pending:
+                os.kill(child[0], s)
+            status = _recv(conn)
+            if status is None:    # the zygote died: the child cannot report, so it must not outlive us
+                os.kill(child[0], signal.SIGKILL)
+                return 1
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    exit_like(status["exit"])
+
+
+def exit_like(code: int) -> None:
+    """Exit with ``code`` as ``Popen.returncode`` reports it: a negative one is death by that signal."""
+    if code < 0:
+        if -code not in (signal.SIGKILL, signal.SIGSTOP):     # those two cannot be handled anyway
+            signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    sys.exit(code)
+
+
+def _send(conn: socket.socket, obj: dict) -> None:
+    try:
+        conn.send(json.dumps(obj).encode())
+    except OSError:
+        pass          # the proxy is gone; its child kills itself
+
+
+def _recv(conn: socket.socket) -> dict | None:
+    try:
+        msg = conn.recv(_MAX_MSG)
+    except OSError:
+        return None
+    return json.loads(msg) if msg else None
+
+
+def main(argv: list[str]) -> None:
+    if argv[:1] == ["--serve"]:
+        serve(int(argv[1]), int(argv[2]))
+    elif argv:
+        exit_like(run_with_zygote(argv))
+    else:
+        sys.exit("usage: python -m trainer.warmstart COMMAND [ARGS...]")
+
+
+if __name__ == "__main__":
+    # Through the package module, not this ``__main__`` copy: ``forked`` must be set where the trainer reads it.
+    from trainer.warmstart import main as package_main
+
+    package_main(sys.argv[1:])
