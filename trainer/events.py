@@ -20,6 +20,8 @@ class EventLog:
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
     def emit(self, event: str, **fields) -> None:
+        if self._fd < 0:
+            return        # closed: a SIGTERM during interpreter teardown has nothing left to record
         record = {"t": round(time.time(), 6), "rank": self.rank, "event": event, **fields}
         os.write(self._fd, (json.dumps(record) + "\n").encode())
 

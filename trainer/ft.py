@@ -1,6 +1,7 @@
 """In-job fault tolerance: this rank's link to its NVRx rank monitor (started by ``ft_launcher``).
 
-The trainer opens three sections: ``setup`` (init, build, resume), ``step`` (one training step) and
+The trainer opens three sections: ``setup`` (init, build, resume, and the first step after them, which
+pays for lazy initialisation), ``step`` (one steady-state training step) and
 ``checkpoint`` (blocking saves, teardown). A rank that stays in a section longer than its timeout, or
 out of every section longer than the out-of-section timeout, is killed by its monitor and ft_launcher
 restarts the worker group. The launcher's flags carry safe upper bounds; after ``calc_after_steps``

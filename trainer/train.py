@@ -255,9 +255,14 @@ def train(session: Session, call_wrapper=None) -> dict | None:
 
     # ---- loop
     session.sigterm.in_loop = True
+    first_step = state.step + 1
     try:
         while state.step < cfg.run.max_steps:
-            with ft.section("step"):
+            # The first step after a (re)start pays for lazy initialisation (FSDP, optimizer state, the
+            # backend's first collectives: NCCL communicators at scale take seconds), so the rank monitor
+            # times it as setup; the step timeout, and what it learns, cover steady-state steps only.
+            steady = state.step >= first_step
+            with ft.section("step" if steady else "setup"):
                 ckpt.maybe_finalize()
                 t0 = time.monotonic()
                 loss = train_step(model, optimizer, sampler, cfg, d,
@@ -277,7 +282,8 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 loss_mean, stop, due = flags[0].item() / d.world_size, flags[1].item() > 0, flags[2].item() > 0
                 step_s = time.monotonic() - t0
             policy.observe_step(step_s)
-            ft.observe_step(step_s)
+            if steady:
+                ft.observe_step(step_s)
             session.metrics.observe_step(state.step, step_s, tokens_per_step)
             if d.is_main:
                 events.emit("step", step=state.step, loss=round(loss_mean, 6), step_s=round(step_s, 5),
