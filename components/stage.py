@@ -7,13 +7,14 @@ Layout of a staged dataset, ``<fsx_root>/datasets/<name>/<version>/``::
     train_00000.bin, val_00000.bin     token shards (``trainer.data.build_dataset``)
     .stage/                            journal of verified objects, temp files, lock (private to staging)
 
-How an object gets into ``raw/``: s3transfer downloads it (parallel, ranged GETs for large objects,
-the SDK's retry modes for throttling and 5xx) to ``.stage/tmp/`` while the listing goes on; once
-complete its size, and its MD5 where the ETag is one (single-part uploads, hashed as the bytes arrive),
-are checked; it is renamed into place, and recorded in ``.stage/journal.jsonl``, only once the whole
-listing has been checked and files that left the source have been removed. A rerun skips every
-object whose ETag and size match the previous manifest or the journal and whose file is on disk with
-that size, so an interrupted stage resumes where it stopped and an unchanged prefix transfers nothing.
+How an object gets into ``raw/``: it is downloaded to ``.stage/tmp/`` while the listing goes on (one GET
+per small object from a pool of threads, s3transfer's parallel ranged GETs for large ones, the SDK's
+retry modes for throttling and 5xx); once complete its size, and its MD5 where the ETag is one
+(single-part uploads, hashed as the bytes arrive), are checked; it is renamed into place, and recorded in
+``.stage/journal.jsonl``, only once the whole listing has been checked and files that left the source
+have been removed. A rerun skips every object whose ETag and size match the previous manifest or the
+journal and whose file is on disk with that size, so an interrupted stage resumes where it stopped and
+an unchanged prefix transfers nothing.
 Temp files of an interrupted run are deleted at the next start.
 
 Every key is checked before it is fetched: a key that would land outside ``raw/`` (``..``, an absolute
@@ -56,6 +57,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 NAME_MAX = 255        # bytes in one path component (Linux, Lustre)
 PATH_MAX = 4096       # bytes in a whole path
 MB = 1024 * 1024
+CHUNK = MB           # bytes per read of an object body
 
 
 class StageError(RuntimeError):
@@ -192,11 +194,18 @@ def s3_client(endpoint_url: str | None = None, *, retry_mode: str = "standard", 
     import boto3
     from botocore.config import Config
 
+    import botocore.session
+
     config = Config(retries={"mode": retry_mode, "max_attempts": max_attempts},
                     max_pool_connections=max_pool_connections,
                     # S3-compatible endpoints (MinIO, moto, on-prem) generally need path-style addressing.
                     s3={"addressing_style": "path"} if endpoint_url else None)
-    return boto3.session.Session().client("s3", endpoint_url=endpoint_url or None, config=config)
+    session = botocore.session.get_session()
+    # LastModified is never used here, and parsing it (dateutil) is over half the client CPU of a listing
+    # (10,000 keys: 1.7 s -> 0.7 s) and a tenth of a small GET's: keep timestamps as the strings S3 sent.
+    session.get_component("response_parser_factory").set_parser_defaults(timestamp_parser=str)
+    return boto3.session.Session(botocore_session=session).client("s3", endpoint_url=endpoint_url or None,
+                                                                  config=config)
 
 
 def _pages_s3(client, bucket: str, prefix: str) -> Iterator[list[tuple[str, int, str]]]:
@@ -397,10 +406,22 @@ def _short_error(e: BaseException) -> str:
 @contextlib.contextmanager
 def _s3_downloads(client, bucket: str, tmp_dir: Path, finisher: _Finisher, progress: StageProgress | None, *,
                   max_concurrency: int, multipart_threshold: int, multipart_chunksize: int):
-    """Yields ``submit(obj)``, which queues one download on an s3transfer TransferManager; leaving the
-    block waits for every download (an exception cancels them)."""
+    """Yields ``submit(obj)``, which queues one download; leaving the block waits for every download (an
+    exception cancels the ones not started).
+
+    An object under ``multipart_threshold`` is one GetObject by ``max_concurrency`` worker threads that
+    share the client, so the SDK's retry mode retries it as it retries any request. s3transfer would do
+    the same GET, but its futures, subscribers and task queues cost about as much client CPU per object
+    as the request itself, and on a small machine that CPU is taken from the endpoint (see
+    ``bench/stage.py``). A body cut off mid-stream is not retried by the SDK: that object is handed to
+    s3transfer, whose download retries such reads. Larger objects go to s3transfer from the start, as
+    parallel ranged GETs (``max_concurrency`` more threads).
+    """
+    import queue
+
     from boto3.s3.transfer import TransferConfig, create_transfer_manager
     from s3transfer.subscribers import BaseSubscriber
+    from s3transfer.utils import S3_RETRYABLE_DOWNLOAD_ERRORS
 
     class Subscriber(BaseSubscriber):
         def __init__(self, obj: _Object, target: _Target):
@@ -424,17 +445,67 @@ def _s3_downloads(client, bucket: str, tmp_dir: Path, finisher: _Finisher, progr
                 error = e
             finisher.finish(self.obj, self.target, error)
 
+    def transfer(obj: _Object, tmp: str) -> None:
+        target = finisher.target(obj, tmp)
+        manager.download(bucket, obj.key, target, subscribers=[Subscriber(obj, target)])
+
+    def get(obj: _Object, tmp: str) -> None:
+        target = finisher.target(obj, tmp)
+        error = None
+        try:
+            # If-Match: an object replaced since it was listed fails (412) instead of landing unverified.
+            body = client.get_object(Bucket=bucket, Key=obj.key, IfMatch=f'"{obj.etag}"')["Body"]
+            with contextlib.closing(body):
+                for chunk in body.iter_chunks(CHUNK):
+                    target.write(chunk)
+        except S3_RETRYABLE_DOWNLOAD_ERRORS:
+            target.close()
+            transfer(obj, tmp)           # s3transfer starts the file over and retries the read
+            return
+        except Exception as e:  # noqa: B902 - recorded by the finisher, like s3transfer's errors
+            error = e
+        if progress is not None:
+            progress.advance(nbytes=target.size)
+        finisher.finish(obj, target, error)
+
+    # A bounded queue: the listing waits for the workers instead of queueing millions of keys.
+    todo: queue.Queue = queue.Queue(maxsize=8 * max_concurrency)
+    cancelled = threading.Event()
+
+    def worker() -> None:
+        while (item := todo.get()) is not None:
+            if not cancelled.is_set():
+                get(*item)
+
     config = TransferConfig(max_concurrency=max_concurrency, multipart_threshold=multipart_threshold,
                             multipart_chunksize=multipart_chunksize, use_threads=True,
                             preferred_transfer_client="classic")
     tmp = str(tmp_dir)
     count = itertools.count()
     with create_transfer_manager(client, config) as manager:
-        def submit(obj: _Object) -> None:
-            target = finisher.target(obj, os.path.join(tmp, f"{next(count):08d}"))
-            manager.download(bucket, obj.key, target, subscribers=[Subscriber(obj, target)])
+        workers = [threading.Thread(target=worker, name=f"stage-get-{i}", daemon=True)
+                   for i in range(max_concurrency)]
+        for w in workers:
+            w.start()
 
-        yield submit
+        def submit(obj: _Object) -> None:
+            path = os.path.join(tmp, f"{next(count):08d}")
+            if obj.size < multipart_threshold:
+                todo.put((obj, path))
+            else:
+                transfer(obj, path)
+
+        try:
+            yield submit
+        except BaseException:
+            cancelled.set()
+            raise
+        finally:
+            for _ in workers:
+                todo.put(None)
+            for w in workers:
+                w.join()
+        # Leaving the manager's block waits for its transfers (cancels them after an exception).
 
 
 @contextlib.contextmanager
@@ -533,7 +604,7 @@ def stage_dataset(
         name: dataset name (one path component).
         version: dataset version (one path component).
         endpoint_url: S3-compatible endpoint; None for AWS. Credentials come from the standard chain.
-        max_concurrency: parallel S3 requests (s3transfer threads).
+        max_concurrency: parallel GETs of small objects, and as many again of parts of large objects.
         multipart_threshold: objects at least this large (bytes) are fetched with parallel ranged GETs.
         multipart_chunksize: size of one ranged GET (bytes).
         retry_mode: botocore retry mode: ``standard`` (backoff with jitter) or ``adaptive`` (also slows the
@@ -576,7 +647,7 @@ def stage_dataset(
 
         list_errors: tuple = (BotoCoreError, ClientError)
         client = s3_client(endpoint_url, retry_mode=retry_mode, max_attempts=max_attempts,
-                           max_pool_connections=max_concurrency + 4)
+                           max_pool_connections=2 * max_concurrency + 4)
         pages = _pages_s3(client, bucket, prefix)
         refused: list[dict] = []
     else:
