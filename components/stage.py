@@ -695,7 +695,7 @@ def stage_dataset(
                             objects.append(obj)
                             k = known.get(rel)
                             if not (k and k.get("etag") == etag and k.get("size") == size
-                                    and _size_on_disk(raw / rel) == size):
+                                    and _size_on_disk(os.path.join(raw, rel)) == size):
                                 submitted.add(rel)
                                 submit(obj)
                 except list_errors as e:
@@ -732,15 +732,15 @@ def stage_dataset(
         # ---- build the dataset (skipped when nothing changed since the manifest was written)
         objects_map = {o.rel: {"key": o.key, "etag": o.etag, "size": o.size} for o in sorted(objects)}
         extra = {"objects": objects_map, "stage": {"val_percent": val_percent, "refused": result.refused}}
-        _build(dest, raw, [raw / o.rel for o in objects], uri, val_percent, extra, result)
+        _build(dest, raw, [o.rel for o in objects], uri, val_percent, extra, result)
         (state / JOURNAL).unlink(missing_ok=True)     # the manifest now records every object
     result.wall_s = round(time.monotonic() - t_start, 3)
     return result
 
 
-def _size_on_disk(path: Path) -> int | None:
+def _size_on_disk(path: str) -> int | None:
     try:
-        return path.stat().st_size
+        return os.stat(path).st_size
     except OSError:
         return None
 
@@ -760,10 +760,9 @@ def _remove_stale(raw: Path, wanted: set[str]) -> int:
     return removed
 
 
-def _build(dest: Path, raw: Path, files: list[Path], uri: str, val_percent: int, extra: dict,
+def _build(dest: Path, raw: Path, rels: list[str], uri: str, val_percent: int, extra: dict,
            result: StageResult) -> None:
-    from trainer.data import build_dataset
-
+    """Build the dataset from ``raw/<rel>`` files, or keep the manifest when none of its inputs changed."""
     t0 = time.monotonic()
     previous = None
     try:
@@ -776,6 +775,9 @@ def _build(dest: Path, raw: Path, files: list[Path], uri: str, val_percent: int,
     if unchanged:
         manifest = previous
     else:
+        from trainer.data import build_dataset     # numpy: not needed when nothing changed
+
+        files = [raw / rel for rel in rels]
         try:
             manifest = build_dataset(raw, dest, files=files, source=uri, val_percent=val_percent, extra=extra)
         except ValueError as e:
@@ -807,6 +809,6 @@ def _stage_dra(uri: str, dest: Path, raw: Path, result: StageResult, val_percent
     result.transfer_s = round(time.monotonic() - t0, 3)
     objects_map = {rel: {"key": rel, "etag": etag, "size": size} for rel, size, etag in listed}
     extra = {"objects": objects_map, "stage": {"val_percent": val_percent, "refused": refused, "mode": "dra"}}
-    _build(dest, raw, [raw / rel for rel, _, _ in listed], uri, val_percent, extra, result)
+    _build(dest, raw, [rel for rel, _, _ in listed], uri, val_percent, extra, result)
     result.wall_s = round(time.monotonic() - t_start, 3)
     return result
