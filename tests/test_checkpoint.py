@@ -9,6 +9,7 @@ import socket
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 
 from trainer.checkpoint import COMMITTED, CheckpointManager, committed_steps, delete_checkpoint, step_dir
 from trainer.config import CheckpointConfig
@@ -85,6 +86,32 @@ def test_in_memory_restore_after_an_in_process_restart(tmp_path, process_group):
         assert (step_dir(tmp_path / "ckpt", 5) / COMMITTED).exists()  # the write still completed and committed
     finally:
         mgr.close()
+
+
+def test_a_save_whose_state_changed_structure_is_planned_afresh(tmp_path, process_group):
+    """Saves reuse the staging copy and its plan; new keys or shapes must not be written with the old plan."""
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
+    try:
+        for step in (1, 2, 3):
+            mgr.save(step, _state(step))
+        changed = _state(4)
+        changed["model"]["w"] = torch.randn(32, 64)          # a new shape
+        changed["model"]["extra"] = torch.arange(5.0)        # a new key
+        expected = changed["model"]["w"].clone()
+        mgr.save(4, changed)
+        changed["model"]["w"].add_(1.0)                       # the snapshot, not the live state, is written
+        mgr.save(5, _state(5))                                # and back
+        mgr.wait()
+    finally:
+        mgr.close()
+    target = _zeros()
+    target["model"].update(w=torch.zeros(32, 64), extra=torch.zeros(5))
+    dcp.load(target, checkpoint_id=str(step_dir(tmp_path / "ckpt", 4)))
+    assert torch.equal(target["model"]["w"], expected)
+    assert torch.equal(target["model"]["extra"], torch.arange(5.0)) and target["train"]["step"] == 4
+    target = _zeros()
+    dcp.load(target, checkpoint_id=str(step_dir(tmp_path / "ckpt", 5)))
+    assert torch.equal(target["model"]["w"], _state(5)["model"]["w"]) and target["train"]["step"] == 5
 
 
 def test_delete_uncommits_before_removing(tmp_path):

@@ -13,7 +13,9 @@ that died) is torn: never loaded, and deleted at the next start.
 An async save, in the order the training loop sees it:
   1. ``save``: the state's tensors are copied into a shared-memory staging copy (the only time the
      loop is blocked), DCP planning runs on that copy, and the write is handed to NVRx's persistent
-     worker process through ``AsyncCallsQueue``.
+     worker process through ``AsyncCallsQueue``. The staging tensors are the same objects at every
+     save, so the plan made at the first saves is reused for as long as the state's structure (keys,
+     shapes, dtypes) is unchanged; a changed structure gets new staging and is planned afresh.
   2. ``maybe_finalize`` (top of every step): finalizes this rank's finished writes without blocking
      and without collectives (``no_dist=True``) by writing ``.rank<r>.done``. Rank 0 commits a step
      once all ranks' done files exist: ``.metadata``, then ``COMMITTED``.
@@ -26,6 +28,7 @@ a torn directory behind.
 from __future__ import annotations
 
 import contextlib
+import importlib
 import json
 import logging
 import pickle
@@ -42,6 +45,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.tensor import DTensor
 
 from .config import CheckpointConfig
 from .events import EventLog
@@ -74,6 +80,71 @@ def delete_checkpoint(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
+class _StructureChanged(Exception):
+    pass
+
+
+def _staged(live: Any, staged: Any, pairs: list) -> Any:
+    """``live``'s structure with the tensors of ``staged`` (the staging copy) and ``live``'s other values.
+
+    Appends each (live, staging) pair of local tensors to ``pairs`` for one batched copy. Raises
+    ``_StructureChanged`` unless both have the same keys, and tensors the same type, shape and dtype.
+    """
+    if isinstance(live, torch.Tensor):
+        if (not isinstance(staged, torch.Tensor) or isinstance(staged, DTensor) != isinstance(live, DTensor)
+                or staged.shape != live.shape or staged.dtype != live.dtype):
+            raise _StructureChanged
+        if not isinstance(live, DTensor):
+            pairs.append((live, staged))
+        elif staged._local_tensor.shape == live._local_tensor.shape:
+            pairs.append((live._local_tensor, staged._local_tensor))
+        else:   # the same global shape, sharded differently
+            raise _StructureChanged
+        return staged
+    if isinstance(live, dict):
+        if not isinstance(staged, dict) or staged.keys() != live.keys():
+            raise _StructureChanged
+        return {k: _staged(v, staged[k], pairs) for k, v in live.items()}
+    if isinstance(live, (list, tuple)):
+        if type(staged) is not type(live) or len(staged) != len(live):
+            raise _StructureChanged
+        return type(live)(_staged(v, s, pairs) for v, s in zip(live, staged))
+    return live
+
+
+class _StagingPlanner(DefaultSavePlanner):
+    """DCP's default save planner, kept for the life of one staging copy.
+
+    Every save into that copy has the same tensors, so flattening the state and resolving the tensor
+    behind each write item are done once; later saves only refresh the non-tensor values (the loop
+    counters, scheduler and ft state), which are serialized anew at every save.
+    """
+
+    def __init__(self):
+        super().__init__()
+        self._values: list[str] | None = None     # flattened keys of the non-tensor values, once set up
+        self._tensors: dict = {}                  # write item index -> resolved tensor
+
+    def set_up_planner(self, state_dict, *args, **kwargs) -> None:
+        if self._values is None:
+            super().set_up_planner(state_dict, *args, **kwargs)
+            self._values = [k for k, v in self.state_dict.items() if not isinstance(v, torch.Tensor)]
+            return
+        for key in self._values:
+            value = state_dict
+            for part in self.mappings[key]:
+                value = value[part]
+            self.state_dict[key] = value
+
+    def resolve_data(self, write_item: WriteItem):
+        if write_item.type == WriteItemType.BYTE_IO:
+            return super().resolve_data(write_item)
+        tensor = self._tensors.get(write_item.index)
+        if tensor is None:
+            tensor = self._tensors[write_item.index] = super().resolve_data(write_item)
+        return tensor
+
+
 @dataclass
 class _Pending:
     step: int
@@ -104,21 +175,27 @@ class CheckpointManager:
         self.staging: dict | None = None
         self.snapshot: dict | None = None
         self.snapshot_step: int | None = None
-        self.plan_cache = self._new_plan_cache()
+        # Planning state of the current staging copy (see _StagingPlanner), replaced with it.
+        self.plan_cache = self.planner = None
+        self.writes_in_flight = 0   # handed to the worker and not finalized: they read the staging copy
         self.queue = None
         if not cfg.sync:
             from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
-            from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import _get_write_results_queue
+            from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (FileSystemWriterAsync,
+                                                                                         _get_write_results_queue)
 
             self.queue = AsyncCallsQueue(persistent=True)
-            # Start NVRx's worker process and its results-queue manager now (a spawn that imports torch
-            # takes seconds), not inside the first save's blocking window or write. They ignore SIGTERM
+            # Start NVRx's worker process and its results-queue manager now, not inside a save: a spawn
+            # that imports torch takes seconds, and the worker's first write would also import the
+            # writer's module (torch DCP, seconds more), so the warm-up request imports it. Saves never
+            # wait for this request (it does not read the staging copy). They ignore SIGTERM
             # (inherited through spawn): the launcher signals the rank's whole process group, and the
             # writers must live on to finish the final checkpoint the rank writes after SIGTERM. They end
             # when the rank closes the queue, or by SIGKILL to the group.
             with _sigterm_ignored():
                 _get_write_results_queue()
-                self.queue.schedule_async_request(AsyncRequest(time.sleep, (0,), []))
+                self.queue.schedule_async_request(
+                    AsyncRequest(importlib.import_module, (FileSystemWriterAsync.__module__,), []))
 
         self._purger: threading.Thread | None = None
         # Rank 0 commits, so rank 0 mirrors (--ckpt-mirror): a background uploader fed by _commit.
@@ -145,13 +222,36 @@ class CheckpointManager:
         # previous group's device mesh. A write still in flight keeps its own mapping of the old buffers.
         # Allocating them now keeps that cost out of the first save's blocking time.
         self.snapshot = self.snapshot_step = None
-        self.staging = None if self.cfg.sync else self._allocate_staging(restored)
-        self.plan_cache = self._new_plan_cache()
+        self.staging = None
+        if not self.cfg.sync:
+            self._allocate_staging(restored)
         return step, source, restored
 
-    def _allocate_staging(self, state: dict) -> dict:
+    def _allocate_staging(self, state: dict) -> None:
+        """New staging copy shaped like ``state``, with a new planner: its first saves plan from scratch
+        (collectives: every rank must allocate at the same save, as they do when the structure changes)."""
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache
+
         # Shared memory: NVRx's persistent worker receives the tensors without another copy.
-        return _create_cpu_state_dict(state, share_memory=True, pin_memory=self.d.device.type == "cuda")
+        self.staging = _create_cpu_state_dict(state, share_memory=True, pin_memory=self.d.device.type == "cuda")
+        # NVRx reuses the global save plan once it is stable: later saves plan without collectives.
+        self.plan_cache, self.planner = CheckpointMetadataCache(), _StagingPlanner()
+
+    def _copy_to_staging(self, state: dict) -> dict:
+        """Copy ``state``'s tensors into the staging copy; return the snapshot (staging tensors, and the
+        state's other values)."""
+        pairs: list = []
+        try:
+            snapshot = _staged(state, self.staging, pairs) if self.staging is not None else None
+        except _StructureChanged:
+            snapshot = None
+        if snapshot is None:
+            self._allocate_staging(state)
+            pairs = []
+            snapshot = _staged(state, self.staging, pairs)
+        # One batched copy: per-tensor copies cost ~10% more for the few hundred tensors of a model.
+        torch._foreach_copy_([staged for _, staged in pairs], [live for live, _ in pairs])
+        return snapshot
 
     def _load_committed(self, state: dict) -> int | None:
         """Load the newest committed checkpoint into ``state`` in place; return its step or None.
@@ -219,7 +319,7 @@ class CheckpointManager:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
 
         # The staging copy is reused, so the previous write must be finished before it is overwritten.
-        self.queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+        self._finalize(writes_only=True)
         t_wait = time.monotonic()
         if self.snapshot_step is not None:
             # Sync point: every rank has recorded the previous write, so rank 0 commits it now; otherwise a
@@ -229,15 +329,13 @@ class CheckpointManager:
             dist.barrier()
             self._maybe_commit()
         t_commit = time.monotonic()
-        if self.staging is None:
-            self.staging = self._allocate_staging(state)
-        snapshot = _copy_state_dict(state, self.staging)
+        snapshot = self._copy_to_staging(state)
         self.snapshot, self.snapshot_step = snapshot, step
         if self.d.device.type == "cuda":
             torch.cuda.synchronize()
         t_copy = time.monotonic()
         writer = FileSystemWriterAsync(str(path), thread_count=self.cfg.write_threads)
-        writer, metadata, _ = save_state_dict_async_plan(snapshot, writer, enable_cache=True,
+        writer, metadata, _ = save_state_dict_async_plan(snapshot, writer, planner=self.planner, enable_cache=True,
                                                          metadata_cache=self.plan_cache)
         save_fn, _, save_args = writer.get_save_function_and_args()
         t_plan = time.monotonic()
@@ -247,21 +345,27 @@ class CheckpointManager:
             # Runs on this rank once its worker finished: record the write results durably.
             results = writer.retrieve_write_results()
             write_atomic(path / f".rank{self.d.rank}.done", pickle.dumps(results))
+            self.writes_in_flight -= 1
 
         self.queue.schedule_async_request(AsyncRequest(save_fn, save_args, [finalize]))
+        self.writes_in_flight += 1
         self.pending.append(pending)
         if self.on_write_started:
             self.on_write_started(step)
         return {"wait_s": t_wait - t0, "commit_s": t_commit - t_wait, "copy_s": t_copy - t_commit,
                 "plan_s": t_plan - t_copy, "handoff_s": time.monotonic() - t_plan}
 
-    def _new_plan_cache(self):
-        """NVRx reuses the global save plan once it is stable: later saves plan without collectives."""
-        if self.cfg.sync:
-            return None
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache
+    def _finalize(self, writes_only: bool = False) -> None:
+        """Finalize NVRx requests until none is left (with ``writes_only``: until no write is left).
 
-        return CheckpointMetadataCache()
+        Polls every 5 ms: NVRx's own blocking finalize sleeps 100 ms between checks, which the loop
+        would pay whenever a save waits for the previous write.
+        """
+        while True:
+            self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
+            if not (self.writes_in_flight if writes_only else self.queue.get_num_unfinalized_calls()):
+                return
+            time.sleep(0.005)
 
     def maybe_finalize(self) -> None:
         """Top of every step: finalize finished writes without blocking; rank 0 commits complete steps."""
@@ -273,7 +377,7 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until every scheduled checkpoint is committed (call on all ranks)."""
         if self.queue is not None:
-            self.queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+            self._finalize()
         # Sync point: all ranks' done files exist before rank 0 commits the rest.
         dist.barrier()
         self._maybe_commit()
@@ -295,7 +399,7 @@ class CheckpointManager:
     def close(self) -> None:
         if self.queue is not None:
             # Rank-local finalize first: NVRx's own close() would synchronize ranks through CUDA.
-            self.queue.maybe_finalize_async_calls(blocking=True, no_dist=True)
+            self._finalize()
             self.queue.close()
             self.queue = None
         if self._purger is not None:
