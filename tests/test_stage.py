@@ -183,6 +183,50 @@ def test_throttling_and_server_errors_are_survived(s3, bucket, tmp_path):
     check_dataset(dest, objects)
 
 
+def test_body_cut_off_mid_stream_is_fetched_again_by_s3transfer(s3, bucket, tmp_path, monkeypatch):
+    # The SDK's retry mode covers a request up to its headers, not a body that breaks off afterwards:
+    # such an object is handed to s3transfer, whose download retries the read.
+    from botocore.exceptions import ResponseStreamingError
+    from botocore.response import StreamingBody
+
+    objects = corpus(50)
+    seed(bucket, objects)
+    read, cut = StreamingBody.read, []
+
+    def read_once_cut(self, amt=None):
+        if not cut:
+            cut.append(self)
+            raise ResponseStreamingError(error="connection reset mid-body")
+        return read(self, amt)
+
+    monkeypatch.setattr(StreamingBody, "read", read_once_cut)
+    with FaultProxy(s3.url) as proxy:
+        r = stage_dataset(f"s3://{bucket}/corpus", tmp_path, "c", "1", proxy.url, val_percent=20)
+        assert (r.transferred, r.failed) == (50, []) and len(cut) == 1
+        assert sorted(proxy.object_gets.values()) == [1] * 49 + [2]
+    check_dataset(tmp_path / "datasets" / "c" / "1", objects)
+
+
+def test_object_replaced_after_listing_never_lands(s3, bucket, tmp_path, monkeypatch):
+    # Each GET carries the listed ETag as If-Match: a newer version fails (412) and nothing is written.
+    import components.stage as stage
+
+    objects = corpus(20)
+    seed(bucket, objects)
+    replaced = "corpus/d02/f00002.txt"
+    pages = stage._pages_s3
+
+    def listed_before_replacement(*args):
+        for page in pages(*args):
+            yield [(k, size, "0" * 32 if k == replaced else etag) for k, size, etag in page]
+
+    monkeypatch.setattr(stage, "_pages_s3", listed_before_replacement)
+    with pytest.raises(StageError, match="1 of 20 objects failed") as err:
+        stage_dataset(f"s3://{bucket}/corpus", tmp_path, "c", "1", s3.url, val_percent=20)
+    assert err.value.result.failed[0]["key"] == replaced and "PreconditionFailed" in err.value.result.failed[0]["error"]
+    assert not (tmp_path / "datasets" / "c" / "1" / "raw" / replaced[len("corpus/"):]).exists()
+
+
 def test_corruption_in_transit_is_caught_and_never_lands(s3, bucket, tmp_path):
     objects = corpus(40)
     seed(bucket, objects)
