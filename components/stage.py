@@ -468,8 +468,10 @@ def _s3_downloads(client, bucket: str, tmp_dir: Path, finisher: _Finisher, progr
             progress.advance(nbytes=target.size)
         finisher.finish(obj, target, error)
 
-    # A bounded queue: the listing waits for the workers instead of queueing millions of keys.
-    todo: queue.Queue = queue.Queue(maxsize=8 * max_concurrency)
+    # Unbounded (every listed object is held in memory anyway): the listing runs ahead of the downloads,
+    # so verified files are placed and journaled as they finish instead of waiting in the temp directory
+    # for the end of the listing; an interrupted stage keeps them.
+    todo: queue.SimpleQueue = queue.SimpleQueue()
     cancelled = threading.Event()
 
     def worker() -> None:
