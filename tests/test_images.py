@@ -129,13 +129,15 @@ def test_entrypoints_exist(image):
     else:
         assert cmd[:3] == ["python", "-m", "trainer"] and (ROOT / "trainer" / "__main__.py").is_file()
     if name == "trainer":
-        # The PyTorchJob's command is ft_launcher: the console script of the pinned NVRx.
+        # The PyTorchJob's command is ft_launcher (the console script of the pinned NVRx) behind the image's
+        # python running trainer.warmstart.
         dist = importlib.metadata.distribution("nvidia-resiliency-ext")
         assert dist.version == pins(IMAGES / "requirements-trainer.txt")["nvidia-resiliency-ext"]
         assert any(e.name == "ft_launcher" for e in dist.entry_points if e.group == "console_scripts")
         from components.pytorchjob import JobSpec
 
-        assert JobSpec(image="x").pod_command()[0] == "ft_launcher"
+        assert JobSpec(image="x").pod_command()[:4] == ["python", "-m", "trainer.warmstart", "ft_launcher"]
+        assert (ROOT / "trainer" / "warmstart.py").is_file()
 
 
 def test_requirement_pins_satisfy_pyproject():

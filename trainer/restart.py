@@ -61,6 +61,14 @@ def run_with_inprocess_restart(fn: Callable, cfg: RestartConfig, cuda: bool):
     return build_wrapper(cfg, cuda)(attempt)()
 
 
+def abort_process_group() -> None:
+    """Abort this rank's collectives and destroy its process groups (NVRx's abort, as the Wrapper does):
+    a peer waiting on this rank fails at once instead of at a timeout."""
+    from nvidia_resiliency_ext.inprocess.abort import AbortTorchDistributed
+
+    AbortTorchDistributed()(None)
+
+
 @functools.lru_cache(maxsize=None)
 def _launcher_store() -> "dist.TCPStore":
     """The store at MASTER_ADDR:MASTER_PORT: the launcher agent's, or else hosted by rank 0 (once per process)."""

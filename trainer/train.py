@@ -42,7 +42,7 @@ from .goodput import IntervalPolicy
 from .metrics import build_metrics
 from .model import ByteGPT
 from .parallel import Dist, ensure_launcher_env, init_distributed, parallelize
-from .restart import iteration_store, run_with_inprocess_restart
+from .restart import abort_process_group, iteration_store, run_with_inprocess_restart
 from .signals import SigtermFlag
 from .spot import build_spot_watcher
 from .summary import summarize, write_summary
@@ -303,6 +303,10 @@ def train(session: Session, call_wrapper=None) -> dict | None:
         # and the rank monitor must not time the in-process restart against the step timeout.
         session.sigterm.in_loop = False
         ft.reset()
+        if call_wrapper is None:
+            # No in-process layer: the launcher restarts every rank, so peers blocked in a collective with
+            # this one should fail now, not at the rank monitor's step timeout or the collective timeout.
+            abort_process_group()
         raise
 
     # ---- teardown: the final checkpoint, validation, identity of the weights
