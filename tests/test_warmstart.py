@@ -59,15 +59,32 @@ def _group(pgid: int) -> list[str]:
     return found
 
 
-def _gone(pid: int, timeout: float) -> bool:
+def _until(condition, timeout: float) -> bool:
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return True
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
         time.sleep(0.05)
-    return False
+    return True
+
+
+def _gone(pid: int, timeout: float) -> bool:
+    """The process ended (a zombie counts: once the zygote is gone, only init may reap it)."""
+    def dead() -> bool:
+        try:
+            return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] == b"Z"
+        except FileNotFoundError:
+            return True
+    return _until(dead, timeout)
+
+
+def _training(dataset: Path, out: Path, cleanup) -> tuple[subprocess.Popen, dict]:
+    """A long warm-started run, once it has done 2 steps; returns it and its worker_start event."""
+    proc = _warm(dataset, out, "--max-steps", "100000", "--ckpt-every", "0")
+    cleanup(proc)
+    start = _wait_for(out, proc, lambda e: e["event"] == "worker_start")
+    _wait_for(out, proc, lambda e: e["event"] == "step" and e["step"] >= 2)
+    return proc, start
 
 
 @pytest.fixture
@@ -91,18 +108,12 @@ def test_a_forked_rank_that_dies_of_sigkill_ends_the_command_the_same_way(tmp_pa
     assert [e["kind"] for e in events if e["event"] == "fault_injected"] == ["kill"]
     assert _gone(start["pid"], 5)
     # NVRx's checkpoint helpers (they ignore SIGTERM and outlive a killed parent) went with the rank.
-    deadline = time.monotonic() + 5
-    while _group(start["pid"]) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert _group(start["pid"]) == []
+    assert _until(lambda: not _group(start["pid"]), 5), _group(start["pid"])
 
 
 def test_sigterm_reaches_the_forked_rank_which_checkpoints_and_exits_0(tmp_path, dataset, cleanup):
     out = tmp_path / "run"
-    proc = _warm(dataset, out, "--max-steps", "100000", "--ckpt-every", "0")
-    cleanup(proc)
-    start = _wait_for(out, proc, lambda e: e["event"] == "worker_start")
-    _wait_for(out, proc, lambda e: e["event"] == "step" and e["step"] >= 2)
+    proc, start = _training(dataset, out, cleanup)
     proc.send_signal(signal.SIGTERM)          # wrapper -> proxy -> forked rank
     assert proc.wait(timeout=120) == 0
     (stop,) = [e for e in read_events(out / "events.jsonl") if e["event"] == "exit"]
@@ -113,10 +124,7 @@ def test_sigterm_reaches_the_forked_rank_which_checkpoints_and_exits_0(tmp_path,
 def test_a_forked_rank_dies_with_its_proxy(tmp_path, dataset, cleanup):
     """The launcher SIGKILLs the process it started (its proxy); the rank must not live on."""
     out = tmp_path / "run"
-    proc = _warm(dataset, out, "--max-steps", "100000", "--ckpt-every", "0")
-    cleanup(proc)
-    start = _wait_for(out, proc, lambda e: e["event"] == "worker_start")
-    _wait_for(out, proc, lambda e: e["event"] == "step" and e["step"] >= 2)
+    proc, start = _training(dataset, out, cleanup)
     children = map(int, Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
     (proxy,) = [c for c in children if b"trainer.warmstart" not in Path(f"/proc/{c}/cmdline").read_bytes()]
     assert proxy != start["pid"]
