@@ -33,7 +33,7 @@ def stage_op(
         name: dataset name; the dataset lands in ``<fsx_root>/datasets/<name>/<version>/``.
         version: dataset version.
         endpoint_url: S3-compatible endpoint URL; empty for AWS (credentials from IRSA).
-        max_concurrency: parallel S3 requests.
+        max_concurrency: parallel GETs of small objects, and as many again of parts of large objects.
         val_percent: share of files in the validation split.
         fsx_dra: the dataset's ``raw/`` is linked to the bucket by an FSx data repository association;
             preload it with ``lfs hsm_restore`` instead of copying.
