@@ -4,7 +4,7 @@ Setup (awscli is a bench-only tool, not a dependency of the package):
 
     python -m pip install -e '.[test]' awscli
 
-Run (about 5 minutes on 2 cores; needs ~4 GB of disk under --work and ~3 GB of memory for moto):
+Run (about 13 minutes on 2 cores, 2.5 of them uploading; ~4 GB of disk under --work, ~3 GB of memory for moto):
 
     python bench/stage.py                       # 10,000 x 4 KB objects, 4 x 256 MB objects
     python bench/stage.py --small 2000 --large 2 --large-mb 64     # a quick look
