@@ -131,6 +131,7 @@ def test_a_forked_rank_dies_with_its_proxy(tmp_path, dataset, cleanup):
     os.kill(proxy, signal.SIGKILL)
     assert _gone(start["pid"], 10), "the forked rank outlived its proxy"
     assert proc.wait(timeout=30) == -signal.SIGKILL
+    assert _until(lambda: not _group(start["pid"]), 5), _group(start["pid"])   # nor did its NVRx helpers
 
 
 def test_without_a_zygote_the_rank_starts_cold(tmp_path, dataset):

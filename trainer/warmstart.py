@@ -122,7 +122,12 @@ def serve(listen_fd: int, alive_fd: int) -> None:
             elif key.fileobj == wake_r:
                 os.read(wake_r, 4096)
             elif not os.read(alive_fd, 1):
-                return                                   # the wrapper is gone; children die with their proxies
+                # The wrapper is gone, so is the launcher and every proxy: end what is left of their ranks.
+                for pid in children:
+                    os.kill(pid, signal.SIGKILL)
+                    os.waitpid(pid, 0)
+                    _kill_leftovers(pid)
+                return
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
