@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 
 import pytest
 import torch
@@ -48,9 +49,9 @@ def test_round_trip_commit_retention_and_torn_cleanup(tmp_path, process_group, s
         live = _state(1)
         for step in (1, 2, 3):
             live = _state(step)
-            block = mgr.save(step, live)
-            assert block >= 0
-            for t in live["model"].values():       # the loop mutates the state right after save returns:
+            mgr.save(step, live)
+            mgr.finish_snapshot()                  # what the loop calls before its optimizer step,
+            for t in live["model"].values():       # which mutates the state:
                 t.add_(100.0)                      # the checkpoint must hold the snapshot, not this
             mgr.maybe_finalize()
         mgr.wait()
@@ -69,8 +70,13 @@ def test_round_trip_commit_retention_and_torn_cleanup(tmp_path, process_group, s
         expected = _state(3)
         assert torch.equal(restored["model"]["w"], expected["model"]["w"])
         assert restored["train"]["step"] == 3 and float(restored["scalar"]) == 3.0
-        kinds = [e["event"] for e in read_events(tmp_path / "events.jsonl")]
+        log = read_events(tmp_path / "events.jsonl")
+        kinds = [e["event"] for e in log]
         assert kinds.count("ckpt_committed") == 3 and "ckpt_torn_deleted" in kinds
+        snapshots = [e for e in log if e["event"] == "ckpt_snapshot"]
+        assert [e["step"] for e in snapshots] == [1, 2, 3] and all(e["block_s"] >= 0 for e in snapshots)
+        if not sync:   # the blocking time counts the wait for the background copy
+            assert all(e["block_s"] >= e["copy_wait_s"] for e in snapshots)
     finally:
         mgr.close()
 
@@ -79,13 +85,36 @@ def test_in_memory_restore_after_an_in_process_restart(tmp_path, process_group):
     mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
     try:
         mgr.save(5, _state(5))
-        step, source, restored = mgr.restore(_zeros())        # what a restarted training function does
+        # A fault before the loop's finish_snapshot: what the restarted training function does first.
+        step, source, restored = mgr.restore(_zeros())
         assert (step, source) == (5, "memory")
         assert torch.equal(restored["model"]["b"], _state(5)["model"]["b"])
         mgr.wait()
         assert (step_dir(tmp_path / "ckpt", 5) / COMMITTED).exists()  # the write still completed and committed
     finally:
         mgr.close()
+
+
+def test_save_returns_while_the_copy_runs_and_the_write_waits_for_it(tmp_path, process_group):
+    """The loop's forward and backward passes overlap the copy; the writer only ever sees a whole snapshot."""
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
+    release, copy = threading.Event(), mgr._copy
+    mgr._copy = lambda *a: (release.wait(60), copy(*a))[1]
+    try:
+        live = _state(7)
+        mgr.save(7, live)                                     # returns with the copy held back
+        assert mgr.copying is not None and not mgr.copying.copy.done()
+        assert mgr.writes_in_flight == 0 and mgr.snapshot_step is None   # nothing written from a partial copy
+        threading.Timer(0.2, release.set).start()
+        assert mgr.finish_snapshot() > 0.1                    # the optimizer step waits for the copy
+        for t in live["model"].values():
+            t.add_(100.0)
+        mgr.wait()
+    finally:
+        mgr.close()
+    target = _zeros()
+    dcp.load(target, checkpoint_id=str(step_dir(tmp_path / "ckpt", 7)))
+    assert torch.equal(target["model"]["w"], _state(7)["model"]["w"]) and target["train"]["step"] == 7
 
 
 def test_a_save_whose_state_changed_structure_is_planned_afresh(tmp_path, process_group):
@@ -99,6 +128,7 @@ def test_a_save_whose_state_changed_structure_is_planned_afresh(tmp_path, proces
         changed["model"]["extra"] = torch.arange(5.0)        # a new key
         expected = changed["model"]["w"].clone()
         mgr.save(4, changed)
+        mgr.finish_snapshot()
         changed["model"]["w"].add_(1.0)                       # the snapshot, not the live state, is written
         mgr.save(5, _state(5))                                # and back
         mgr.wait()

@@ -68,6 +68,26 @@ def test_interval_policy_by_steps_and_auto(tmp_path):
     auto.observe_checkpoint(0.4)
     # sqrt(2 * 0.4 * 5000) = 63.2 s / 0.1 s per step = 632 steps
     assert auto.every == 632
+    # While a rank's previous write runs, an auto save is postponed (it would block on the writer); a fixed
+    # interval is kept exactly.
+    assert not auto.due(10 + 632, 10_000, writers_busy=True) and auto.due(10 + 633, 10_000)
+    assert fixed.due(5, 20, writers_busy=True)
+
+
+def test_auto_interval_counts_what_background_writes_take_from_training(tmp_path):
+    auto = IntervalPolicy(CheckpointConfig(ckpt_every="auto", mtbf_s=5000.0), tmp_path / "events.jsonl")
+    for _ in range(10):
+        auto.observe_step(0.1)
+    auto.observe_checkpoint(0.4)
+    assert auto.every == 632                           # quiet steps only: the cost is the blocking time
+    for i in range(20):                                # two checkpoints' writes, each slowing 10 steps by 0.05 s
+        auto.observe_step(0.15, writing=True)
+        if i % 10 == 9:
+            auto.observe_checkpoint(0.4)
+    # cost = 0.4 s + 0.05 s x 20 steps / 3 checkpoints = 0.733 s; sqrt(2 x 0.733 x 5000) = 85.6 s; the median
+    # step is 0.15 s (20 of the 30 steps seen) -> 571 steps
+    assert auto.write_interference_s() == pytest.approx(0.05 * 20 / 3)
+    assert auto.every == 571
 
 
 def test_fault_specs_and_chaos_schedule():

@@ -11,15 +11,19 @@ A directory is a checkpoint only once ``COMMITTED`` exists. Anything else (a cra
 that died) is torn: never loaded, and deleted at the next start.
 
 An async save, in the order the training loop sees it:
-  1. ``save``: the state's tensors are copied into a shared-memory staging copy (the only time the
-     loop is blocked), DCP planning runs on that copy, and the write is handed to NVRx's persistent
-     worker process through ``AsyncCallsQueue``. The staging tensors are the same objects at every
-     save, so the plan made at the first saves is reused for as long as the state's structure (keys,
-     shapes, dtypes) is unchanged; a changed structure gets new staging and is planned afresh.
-  2. ``maybe_finalize`` (top of every step): finalizes this rank's finished writes without blocking
+  1. ``save``: DCP planning runs on a shared-memory staging copy of the state, and a background thread
+     starts copying the state's tensors into it (on GPU: device-to-host on a side stream). The staging
+     tensors are the same objects at every save, so the plan made at the first saves is reused for as
+     long as the state's structure (keys, shapes, dtypes) is unchanged; a changed structure gets new
+     staging and is planned afresh.
+  2. The loop runs the next step's forward and backward passes while the copy runs: they only read the
+     parameters. ``finish_snapshot``, called before the optimizer step changes the state, waits for the
+     copy (usually done by then) and hands the write to NVRx's persistent worker process through
+     ``AsyncCallsQueue``. The loop is blocked only for planning and for whatever of the copy is left.
+  3. ``maybe_finalize`` (top of every step): finalizes this rank's finished writes without blocking
      and without collectives (``no_dist=True``) by writing ``.rank<r>.done``. Rank 0 commits a step
      once all ranks' done files exist: ``.metadata``, then ``COMMITTED``.
-  3. ``wait`` (exit, SIGTERM): blocking finalize on every rank, barrier, commit.
+  4. ``wait`` (exit, SIGTERM): blocking finalize on every rank, barrier, commit.
 
 Commit needs no collective, so ranks never stall on each other's disks and a dead rank simply leaves
 a torn directory behind.
@@ -31,12 +35,14 @@ import contextlib
 import importlib
 import json
 import logging
+import os
 import pickle
 import shutil
 import signal
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -78,6 +84,13 @@ def delete_checkpoint(path: Path) -> None:
     except FileNotFoundError:
         pass
     shutil.rmtree(path, ignore_errors=True)
+
+
+def _prepare_writer(module: str, niceness: int) -> None:
+    """Runs in NVRx's persistent worker, once: lower its CPU priority (inherited by the processes it forks
+    for each write) and import the writer's module."""
+    os.nice(niceness)
+    importlib.import_module(module)
 
 
 class _StructureChanged(Exception):
@@ -159,6 +172,19 @@ class _Pending:
     metadata: Any = None    # rank 0: the global DCP metadata from planning
 
 
+@dataclass
+class _Snapshot:
+    """A save whose copy into the staging copy is running: between ``save`` and ``finish_snapshot``."""
+
+    step: int
+    state: dict             # the snapshot: the staging tensors and the state's other values
+    copy: Future            # the background copy; its result is the seconds it took
+    request: Any            # the NVRx AsyncRequest that writes the snapshot, handed over once it is whole
+    pending: _Pending
+    blocked_s: float        # how long ``save`` held the caller
+    phases: dict
+
+
 class CheckpointManager:
     """Saves and loads the training state; owns the commit protocol and retention.
 
@@ -184,8 +210,14 @@ class CheckpointManager:
         # Planning state of the current staging copy (see _StagingPlanner), replaced with it.
         self.plan_cache = self.planner = None
         self.writes_in_flight = 0   # handed to the worker and not finalized: they read the staging copy
-        self.queue = None
+        self.copying: _Snapshot | None = None
+        # Called with the blocking seconds of every interval save (the interval policy, the metrics).
+        self.on_snapshot: Callable[[float], None] | None = None
+        self.queue = self.copier = self.copy_stream = None
         if not cfg.sync:
+            self.copier = ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy")
+            if d.device.type == "cuda":
+                self.copy_stream = torch.cuda.Stream(d.device)
             from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
             from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (FileSystemWriterAsync,
                                                                                          _get_write_results_queue)
@@ -201,7 +233,7 @@ class CheckpointManager:
             with _sigterm_ignored():
                 _get_write_results_queue()
                 self.queue.schedule_async_request(
-                    AsyncRequest(importlib.import_module, (FileSystemWriterAsync.__module__,), []))
+                    AsyncRequest(_prepare_writer, (FileSystemWriterAsync.__module__, cfg.writer_nice), []))
 
         self._purger: threading.Thread | None = None
         # Rank 0 commits, so rank 0 mirrors (--ckpt-mirror): a background uploader fed by _commit.
@@ -215,6 +247,7 @@ class CheckpointManager:
         ranks hold one of the same step, it is copied back (``memory``: no disk read). Otherwise the
         newest committed checkpoint is loaded (``checkpoint``). Collective: call on every rank.
         """
+        self.finish_snapshot()   # a fault can come while a snapshot is copied: the copy still completes
         steps = [None] * self.d.world_size
         # Sync point: which snapshot step each rank holds in memory.
         dist.all_gather_object(steps, self.snapshot_step)
@@ -243,9 +276,9 @@ class CheckpointManager:
         # NVRx reuses the global save plan once it is stable: later saves plan without collectives.
         self.plan_cache, self.planner = CheckpointMetadataCache(), _StagingPlanner()
 
-    def _copy_to_staging(self, state: dict) -> dict:
-        """Copy ``state``'s tensors into the staging copy; return the snapshot (staging tensors, and the
-        state's other values)."""
+    def _stage(self, state: dict) -> tuple[dict, list]:
+        """The snapshot of ``state`` (staging tensors, and the state's other values) and the (live, staging)
+        tensor pairs to copy; new staging if the structure changed. Copies nothing."""
         pairs: list = []
         try:
             snapshot = _staged(state, self.staging, pairs) if self.staging is not None else None
@@ -255,9 +288,26 @@ class CheckpointManager:
             self._allocate_staging(state)
             pairs = []
             snapshot = _staged(state, self.staging, pairs)
-        # One batched copy: per-tensor copies cost ~10% more for the few hundred tensors of a model.
-        torch._foreach_copy_([staged for _, staged in pairs], [live for live, _ in pairs])
-        return snapshot
+        return snapshot, pairs
+
+    def _copy(self, pairs: list, ready: torch.cuda.Event | None) -> float:
+        """Background thread: copy the live tensors into the staging copy; return the seconds it took.
+
+        One batched copy: per-tensor copies cost ~10% more for the few hundred tensors of a model. It
+        releases the GIL, so the loop's forward and backward passes run meanwhile.
+        """
+        t0 = time.monotonic()
+        staging, live = [s for _, s in pairs], [t for t, _ in pairs]
+        if self.copy_stream is None:
+            torch._foreach_copy_(staging, live)
+        else:
+            # Device-to-host into pinned memory on a side stream, ordered after the optimizer step that
+            # produced the state; the next step's kernels run on the default stream meanwhile.
+            with torch.cuda.device(self.d.device), torch.cuda.stream(self.copy_stream):
+                self.copy_stream.wait_event(ready)
+                torch._foreach_copy_(staging, live, non_blocking=True)
+            self.copy_stream.synchronize()
+        return time.monotonic() - t0
 
     def _load_committed(self, state: dict) -> int | None:
         """Load the newest committed checkpoint into ``state`` in place; return its step or None.
@@ -289,15 +339,15 @@ class CheckpointManager:
         return step
 
     # ----------------------------------------------------------------------------------------- save
-    def save(self, step: int, state: dict, *, blocking: bool = False) -> float:
-        """Checkpoint ``state`` as step ``step``; return the seconds the caller was blocked.
+    def save(self, step: int, state: dict, *, blocking: bool = False) -> None:
+        """Checkpoint ``state`` as step ``step``. Must be called on every rank with the same step.
 
-        Must be called on every rank with the same step. With ``blocking`` the call returns only once
-        the checkpoint is committed (SIGTERM, end of training).
+        Async (the default), it returns once the copy of ``state`` has started: the caller may run forward
+        and backward passes, but must call ``finish_snapshot`` before it changes the state. With ``blocking``
+        (SIGTERM, end of training), and with ``--ckpt-sync``, it returns once the checkpoint is committed.
         """
         t0 = time.monotonic()
         path = step_dir(self.root, step)
-        phases: dict[str, float] = {}
         if self.d.is_main:
             self.events.emit("ckpt_start", step=step)
         if self.cfg.sync:
@@ -308,23 +358,24 @@ class CheckpointManager:
             dist.barrier()
             if self.d.is_main:
                 self._commit(_Pending(step, t0), results=None)
-        else:
-            phases = self._save_async(step, state, path, t0)
-            if blocking:
-                self.wait()
-        block_s = time.monotonic() - t0
-        if self.d.is_main:
-            self.events.emit("ckpt_snapshot", step=step, block_s=round(block_s, 4), sync=self.cfg.sync or blocking,
-                             **{k: round(v, 4) for k, v in phases.items()})
-        return block_s
+            self._snapshot_taken(step, time.monotonic() - t0, sync=True, interval=not blocking)
+            return
+        self._save_async(step, state, path, t0)
+        if blocking:
+            self.finish_snapshot(report=False)
+            self.wait()
+            self._snapshot_taken(step, time.monotonic() - t0, sync=True, interval=False)
 
-    def _save_async(self, step: int, state: dict, path: Path, t0: float) -> dict[str, float]:
-        """Snapshot and hand off; returns where the blocking time went (wait, commit, copy, plan, handoff)."""
+    def _save_async(self, step: int, state: dict, path: Path, t0: float) -> None:
+        """Plan the write and start the copy; ``self.copying`` records where the blocking time went (wait,
+        commit, stage, plan, start)."""
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
 
-        # The staging copy is reused, so the previous write must be finished before it is overwritten.
+        # The staging copy is reused, so the previous snapshot must be whole and its write finished before
+        # it is overwritten.
+        self.finish_snapshot()
         self._finalize(writes_only=True)
         t_wait = time.monotonic()
         if self.snapshot_step is not None:
@@ -335,23 +386,22 @@ class CheckpointManager:
             dist.barrier()
             self._maybe_commit()
         t_commit = time.monotonic()
-        snapshot = self._copy_to_staging(state)
-        self.snapshot, self.snapshot_step = snapshot, step
-        if self.d.device.type == "cuda":
-            torch.cuda.synchronize()
-        t_copy = time.monotonic()
+        snapshot, pairs = self._stage(state)
+        # The staging copy is about to be overwritten: it no longer holds the previous snapshot.
+        self.snapshot = self.snapshot_step = None
+        t_stage = time.monotonic()
+        # Planning reads the staging tensors' metadata only, not their data, so it runs before the copy.
         writer = FileSystemWriterAsync(str(path), thread_count=self.cfg.write_threads)
         writer, metadata, _ = save_state_dict_async_plan(snapshot, writer, planner=self.planner, enable_cache=True,
                                                          metadata_cache=self.plan_cache)
         if not self.plan_cache.validated_cache_reuse:
             # NVRx trusts a plan once a second full planning (with a gather) produced the same one. That it
-            # stays valid is what _copy_to_staging checks at every save, so it is trusted from the first.
+            # stays valid is what _stage checks at every save, so it is trusted from the first.
             central_plan, local_plan, _, _ = self.plan_cache.get_cache_metadata()
             self.plan_cache.set_cache_metadata(central_plan, local_plan, False)
             self.plan_cache.cached_global_metadata = metadata
         save_fn, _, save_args = writer.get_save_function_and_args()
         t_plan = time.monotonic()
-        pending = _Pending(step, t0, writer if self.d.is_main else None, metadata)
 
         def finalize() -> None:
             # Runs on this rank once its worker finished: record the write results durably.
@@ -359,13 +409,47 @@ class CheckpointManager:
             write_atomic(path / f".rank{self.d.rank}.done", pickle.dumps(results))
             self.writes_in_flight -= 1
 
-        self.queue.schedule_async_request(AsyncRequest(save_fn, save_args, [finalize]))
+        ready = None
+        if self.copy_stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()   # on the loop's stream: the state as the last optimizer step left it
+        copy = self.copier.submit(self._copy, pairs, ready)
+        now = time.monotonic()
+        self.copying = _Snapshot(step, snapshot, copy, AsyncRequest(save_fn, save_args, [finalize]),
+                                 _Pending(step, t0, writer if self.d.is_main else None, metadata), now - t0,
+                                 {"wait_s": t_wait - t0, "commit_s": t_commit - t_wait, "stage_s": t_stage - t_commit,
+                                  "plan_s": t_plan - t_stage, "start_s": now - t_plan})
+
+    def finish_snapshot(self, *, report: bool = True) -> float:
+        """Wait for the copy ``save`` started and hand the write to NVRx's worker; return the seconds waited.
+
+        Call before the state changes (the optimizer step). Returns at once when no copy is running.
+        ``report``: record the save's blocking time (an interval save's; a blocking save records its own).
+        """
+        s, self.copying = self.copying, None
+        if s is None:
+            return 0.0
+        t0 = time.monotonic()
+        copy_s = s.copy.result()
+        self.snapshot, self.snapshot_step = s.state, s.step
+        self.queue.schedule_async_request(s.request)
         self.writes_in_flight += 1
-        self.pending.append(pending)
+        self.pending.append(s.pending)
+        waited = time.monotonic() - t0
+        if report:
+            self._snapshot_taken(s.step, s.blocked_s + waited, sync=False,
+                                 phases={**s.phases, "copy_wait_s": waited, "copy_s": copy_s})
         if self.on_write_started:
-            self.on_write_started(step)
-        return {"wait_s": t_wait - t0, "commit_s": t_commit - t_wait, "copy_s": t_copy - t_commit,
-                "plan_s": t_plan - t_copy, "handoff_s": time.monotonic() - t_plan}
+            self.on_write_started(s.step)
+        return waited
+
+    def _snapshot_taken(self, step: int, block_s: float, *, sync: bool, phases: dict | None = None,
+                        interval: bool = True) -> None:
+        if self.d.is_main:
+            self.events.emit("ckpt_snapshot", step=step, block_s=round(block_s, 4), sync=sync,
+                             **{k: round(v, 4) for k, v in (phases or {}).items()})
+        if interval and self.on_snapshot is not None:
+            self.on_snapshot(block_s)
 
     def _finalize(self, writes_only: bool = False) -> None:
         """Finalize NVRx requests until none is left (with ``writes_only``: until no write is left).
@@ -379,6 +463,11 @@ class CheckpointManager:
                 return
             time.sleep(0.005)
 
+    @property
+    def writing(self) -> bool:
+        """A snapshot is being copied or written (as of the last finalize)."""
+        return self.copying is not None or self.writes_in_flight > 0
+
     def maybe_finalize(self) -> None:
         """Top of every step: finalize finished writes without blocking; rank 0 commits complete steps."""
         if self.queue is None:
@@ -389,6 +478,7 @@ class CheckpointManager:
     def wait(self) -> None:
         """Block until every scheduled checkpoint is committed (call on all ranks)."""
         if self.queue is not None:
+            self.finish_snapshot()
             self._finalize()
         # Sync point: all ranks' done files exist before rank 0 commits the rest.
         dist.barrier()
@@ -410,10 +500,12 @@ class CheckpointManager:
 
     def close(self) -> None:
         if self.queue is not None:
+            self.finish_snapshot()
             # Rank-local finalize first: NVRx's own close() would synchronize ranks through CUDA.
             self._finalize()
             self.queue.close()
             self.queue = None
+            self.copier.shutdown()
         if self._purger is not None:
             self._purger.join()
         if self.mirror is not None:

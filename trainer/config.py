@@ -66,6 +66,10 @@ class CheckpointConfig:
     sync: bool = _f(False, "write checkpoints synchronously (torch DCP) instead of NVRx async",
                     flag="--ckpt-sync")
     write_threads: int = _f(1, "writer processes per rank for async checkpoints", flag="--ckpt-threads")
+    writer_nice: int = _f(0, "CPU niceness of the async checkpoint writer processes (0-19). Where the writers "
+                             "share cores with training, a higher value favours the loop, but each write "
+                             "takes longer and a save waits if the previous write is still running",
+                          flag="--ckpt-writer-nice")
     sigterm_grace_s: float = _f(30.0, "seconds the final checkpoint after SIGTERM may take before the "
                                       "pod's grace period runs out; exceeding it is logged")
     # Mirror of committed checkpoints in S3 (trainer/mirror.py): survives the loss of FSx, its AZ or the cluster.
@@ -224,6 +228,8 @@ class TrainConfig:
                 problems.append(f"{name} must be at least 1, got {value}")
         if c.ckpt_every != "auto" and (not c.ckpt_every.isdigit()):
             problems.append(f"--ckpt-every must be a number of steps or 'auto', got {c.ckpt_every!r}")
+        if not 0 <= c.writer_nice <= 19:
+            problems.append(f"--ckpt-writer-nice must be between 0 and 19, got {c.writer_nice}")
         if c.ckpt_every_s < 0 or c.mtbf_s < 0:
             problems.append("--ckpt-every-s and --mtbf-s must not be negative")
         rs = self.restart

@@ -34,9 +34,12 @@ def young_daly_interval_s(ckpt_cost_s: float, mtbf_s: float) -> float:
 class IntervalPolicy:
     """Decides on rank 0 when the next checkpoint is due (the decision is shared by the step all-reduce).
 
-    ``auto`` starts with a checkpoint after ``first_auto_step`` steps to measure the blocking cost, then
-    uses the Young-Daly interval from the median blocking time, the median step time and the MTBF
-    (``--mtbf-s``, else the faults observed in this run's event log, else 24 h).
+    ``auto`` starts with a checkpoint after ``first_auto_step`` steps to measure its cost, then uses the
+    Young-Daly interval from that cost, the median step time and the MTBF (``--mtbf-s``, else the faults
+    observed in this run's event log, else 24 h). A checkpoint's cost is the loop's median blocking time
+    plus what its background write took from training: steps that ran alongside a write were slower
+    than the others (next to nothing where the writers have host cores of their own, as on GPU nodes; on
+    a host whose cores all train, it can be most of the cost).
     """
 
     first_auto_step = 10
@@ -48,10 +51,20 @@ class IntervalPolicy:
         self.last_step, self.last_time = start_step, time.monotonic()
         self.step_s: list[float] = []
         self.block_s: list[float] = []
+        # Recent step times with and without a checkpoint write running alongside; steps seen with one.
+        self.writing_step_s: list[float] = []
+        self.quiet_step_s: list[float] = []
+        self.writing_steps = 0
         self.chosen: int | None = None
 
-    def observe_step(self, step_s: float) -> None:
+    def observe_step(self, step_s: float, writing: bool = False) -> None:
+        """A step's duration; ``writing``: a checkpoint write was running when it started."""
         self.step_s = (self.step_s + [step_s])[-50:]
+        if writing:
+            self.writing_step_s = (self.writing_step_s + [step_s])[-50:]
+            self.writing_steps += 1
+        else:
+            self.quiet_step_s = (self.quiet_step_s + [step_s])[-50:]
 
     def observe_checkpoint(self, block_s: float) -> None:
         self.block_s.append(block_s)
@@ -69,19 +82,35 @@ class IntervalPolicy:
             return max(1.0, (events[-1]["t"] - starts[0]) / faults)
         return DEFAULT_MTBF_S
 
+    def write_interference_s(self) -> float:
+        """Training time lost per checkpoint to its background write (slower steps while it ran)."""
+        if not (self.writing_step_s and self.quiet_step_s and self.block_s):
+            return 0.0
+        slower = max(0.0, statistics.median(self.writing_step_s) - statistics.median(self.quiet_step_s))
+        return slower * self.writing_steps / len(self.block_s)
+
     def auto_interval_steps(self) -> int:
         # The first save pays for allocating the staging copy; later ones are the steady-state cost.
-        cost = statistics.median(self.block_s[1:] or self.block_s)
+        block = statistics.median(self.block_s[1:] or self.block_s)
+        interference = self.write_interference_s()
+        cost = block + interference
         step = statistics.median(self.step_s) if self.step_s else 1.0
         mtbf = self.mtbf_s()
         steps = max(1, round(young_daly_interval_s(cost, mtbf) / max(step, 1e-6)))
         if steps != self.chosen:
             logging.getLogger("trainer").info(
-                "ckpt-every auto: %d steps (Young-Daly: cost %.4fs, MTBF %.0fs, step %.3fs)", steps, cost, mtbf, step)
+                "ckpt-every auto: %d steps (Young-Daly: cost %.4fs = blocking %.4fs + write interference %.4fs, "
+                "MTBF %.0fs, step %.3fs)", steps, cost, block, interference, mtbf, step)
             self.chosen = steps
         return steps
 
-    def due(self, step: int, max_steps: int) -> bool:
+    def due(self, step: int, max_steps: int, writers_busy: bool = False) -> bool:
+        """Whether to checkpoint after ``step``. ``writers_busy``: a rank's previous write is still running.
+
+        A fixed step interval is kept exactly (that save waits for the writers). An ``auto`` or time-based
+        save is postponed while the writers are busy, so it never blocks on them: Young-Daly with a tiny
+        blocking cost can ask for saves more often than the writers can write them.
+        """
         if step >= max_steps:
             return False  # the final checkpoint is written by the teardown
         if self.auto:
@@ -89,7 +118,8 @@ class IntervalPolicy:
         else:
             by_steps = self.every > 0 and step % self.every == 0
         by_time = self.cfg.ckpt_every_s > 0 and time.monotonic() - self.last_time >= self.cfg.ckpt_every_s
-        if by_steps or by_time:
+        exact = by_steps and not self.auto
+        if exact or ((by_steps or by_time) and not writers_busy):
             self.last_step = step
             return True
         return False

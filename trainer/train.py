@@ -253,6 +253,23 @@ def train(session: Session, call_wrapper=None) -> dict | None:
             events.emit("resumed" if resumed_from is not None else "fresh_start", step=state.step, source=source)
         policy = IntervalPolicy(cfg.checkpoint, events_path=session.events_path, start_step=state.step)
 
+        def observe_checkpoint(block_s: float) -> None:
+            policy.observe_checkpoint(block_s)
+            session.metrics.observe_checkpoint(block_s)
+
+        ckpt.on_snapshot = observe_checkpoint
+        snapshot_wait_s = 0.0
+        writers_busy = False    # any rank's checkpoint write was running at the start of the last step
+
+        def before_update() -> None:
+            """Between backward and the optimizer step, which changes the state."""
+            nonlocal snapshot_wait_s
+            # A checkpoint's copy of the state ran alongside this step's forward and backward passes; it
+            # must be whole before the optimizer writes to the state.
+            with _atomic(call_wrapper):
+                snapshot_wait_s = ckpt.finish_snapshot()
+            session.faults.maybe_fire(state.step + 1)
+
     # ---- loop
     session.sigterm.in_loop = True
     first_step = state.step + 1
@@ -265,23 +282,27 @@ def train(session: Session, call_wrapper=None) -> dict | None:
             with ft.section("step" if steady else "setup"):
                 ckpt.maybe_finalize()
                 t0 = time.monotonic()
-                loss = train_step(model, optimizer, sampler, cfg, d,
-                                  before_optimizer_step=lambda: session.faults.maybe_fire(state.step + 1))
+                snapshot_wait_s = 0.0
+                loss = train_step(model, optimizer, sampler, cfg, d, before_optimizer_step=before_update)
                 scheduler.step()
                 state.step += 1
                 state.batches_read = sampler.batches_read
                 state.tokens += tokens_per_step
-                # Sync point, once per step: mean loss, any rank's SIGTERM, and rank 0's checkpoint decision
-                # travel in one all-reduce, so every rank takes the same decision at the same step.
-                due = d.is_main and policy.due(state.step, cfg.run.max_steps)
+                # Sync point, once per step: mean loss, any rank's SIGTERM, rank 0's checkpoint decision and
+                # whether any rank's checkpoint writer is busy travel in one all-reduce, so every rank takes
+                # the same decision at the same step.
+                due = d.is_main and policy.due(state.step, cfg.run.max_steps, writers_busy or ckpt.writing)
                 # A spot interruption notice seen on this rank's node makes a checkpoint due (any rank: SUM below).
                 due = session.spot.maybe_due(state.step, cfg.run.max_steps) or due
-                flags = torch.stack([loss.float(), torch.tensor(float(session.sigterm.is_set), device=d.device),
-                                     torch.tensor(float(due), device=d.device)])
+                flags = torch.cat([loss.float().reshape(1),
+                                   torch.tensor([session.sigterm.is_set, due, ckpt.writing], dtype=torch.float32,
+                                                device=d.device)])
                 _all_reduce_interruptible(flags)
                 loss_mean, stop, due = flags[0].item() / d.world_size, flags[1].item() > 0, flags[2].item() > 0
-                step_s = time.monotonic() - t0
-            policy.observe_step(step_s)
+                writers_busy = flags[3].item() > 0
+                # A wait for the checkpoint copy is the checkpoint's blocking time, not the step's.
+                step_s = time.monotonic() - t0 - snapshot_wait_s
+            policy.observe_step(step_s, writing=writers_busy)
             if steady:
                 ft.observe_step(step_s)
             session.metrics.observe_step(state.step, step_s, tokens_per_step)
@@ -295,9 +316,7 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 return _stop_on_sigterm(session, ckpt, d, state, app_state, call_wrapper)
             if due:
                 with ft.section("checkpoint"), _atomic(call_wrapper):
-                    block_s = ckpt.save(state.step, app_state())
-                    policy.observe_checkpoint(block_s)
-                    session.metrics.observe_checkpoint(block_s)
+                    ckpt.save(state.step, app_state())
     except BaseException:
         # Failing over to a restart: from here a SIGTERM has nothing to save and ends the process at once,
         # and the rank monitor must not time the in-process restart against the step timeout.
