@@ -39,7 +39,8 @@ class _RichProgress:
 @click.option("--name", required=True, help="Dataset name: the dataset lands in FSX_ROOT/datasets/NAME/VERSION/.")
 @click.option("--version", "version", required=True, help="Dataset version.")
 @click.option("--endpoint-url", default=None, help="S3-compatible endpoint (default: AWS).")
-@click.option("--concurrency", default=32, show_default=True, help="Parallel S3 requests.")
+@click.option("--concurrency", default=32, show_default=True,
+              help="Parallel GETs of small objects, and as many again of parts of large objects.")
 @click.option("--retry-mode", type=click.Choice(["standard", "adaptive"]), default="standard", show_default=True,
               help="botocore retry mode for throttling and 5xx; adaptive also slows down after SlowDown.")
 @click.option("--max-attempts", default=10, show_default=True, help="Attempts per request, the first included.")
