@@ -95,6 +95,28 @@ def test_in_memory_restore_after_an_in_process_restart(tmp_path, process_group):
         mgr.close()
 
 
+@pytest.mark.parametrize("sync", [False, True])
+def test_restore_takes_the_newest_of_the_last_save_and_the_memory_copy(tmp_path, process_group, sync):
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(sync=sync), process_group, EventLog(tmp_path / "e", 0))
+    try:
+        mgr.save(5, _state(5))
+        mgr.finish_snapshot()
+        live = _state(8)
+        mgr.snapshot_to_memory(8, lambda: live)
+        assert mgr.writes_in_flight <= 1 and not (step_dir(tmp_path / "ckpt", 8)).exists()   # nothing written
+        mgr.finish_snapshot()
+        live["model"]["w"].add_(1.0)                                  # the optimizer step after it
+        step, source, restored = mgr.restore(_zeros())
+        assert (step, source) == (8, "memory") and restored["train"]["step"] == 8
+        assert torch.equal(restored["model"]["w"], _state(8)["model"]["w"])
+        # The replica describes the old process group's state: a restore drops it; the save's copy stays
+        # on disk, and is what a second restore without a newer snapshot finds once it is committed.
+        mgr.wait()
+        assert mgr.restore(_zeros())[:2] == (5, "checkpoint")
+    finally:
+        mgr.close()
+
+
 def test_save_returns_while_the_copy_runs_and_the_write_waits_for_it(tmp_path, process_group):
     """The loop's forward and backward passes overlap the copy; the writer only ever sees a whole snapshot."""
     mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))

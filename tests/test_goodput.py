@@ -74,6 +74,26 @@ def test_interval_policy_by_steps_and_auto(tmp_path):
     assert fixed.due(5, 20, writers_busy=True)
 
 
+def test_memory_snapshots_are_spaced_by_time_and_by_their_own_cost(tmp_path, monkeypatch):
+    clock = [100.0]
+    monkeypatch.setattr("trainer.goodput.time.monotonic", lambda: clock[0])
+    policy = IntervalPolicy(CheckpointConfig(ckpt_every="50", memory_every_s=2.0), tmp_path / "events.jsonl")
+    clock[0] += 1.0
+    assert not policy.memory_due(1, 100, copy_s=0.01)                # 1 s < 2 s
+    clock[0] += 1.5
+    assert policy.memory_due(2, 100, copy_s=0.01) and not policy.memory_due(3, 100, copy_s=0.01)
+    clock[0] += 2.5
+    assert not policy.memory_due(4, 100, copy_s=0.2)                 # a 0.2 s copy: at least 4 s apart
+    clock[0] += 2.0
+    assert policy.memory_due(5, 100, copy_s=0.2)
+    policy.observe_checkpoint(0.01)                                   # a save's snapshot resets the clock
+    clock[0] += 2.5
+    assert not policy.memory_due(6, 100, copy_s=0.2) and not policy.memory_due(100, 100, copy_s=0.0)
+    off = IntervalPolicy(CheckpointConfig(memory_every_s=0.0), tmp_path / "events.jsonl")
+    clock[0] += 100
+    assert not off.memory_due(7, 100, copy_s=0.0)
+
+
 def test_auto_interval_counts_what_background_writes_take_from_training(tmp_path):
     auto = IntervalPolicy(CheckpointConfig(ckpt_every="auto", mtbf_s=5000.0), tmp_path / "events.jsonl")
     for _ in range(10):

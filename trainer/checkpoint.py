@@ -63,6 +63,8 @@ from .parallel import Dist
 
 log = logging.getLogger(__name__)
 
+StateSource = dict | Callable[[], dict]   # a state dict, or a function that builds one
+
 
 @contextlib.contextmanager
 def _sigterm_ignored():
@@ -174,14 +176,15 @@ class _Pending:
 
 @dataclass
 class _Snapshot:
-    """A save whose copy into the staging copy is running: between ``save`` and ``finish_snapshot``."""
+    """A copy of the state that is running: between ``save`` (or ``snapshot_to_memory``) and
+    ``finish_snapshot``."""
 
     step: int
-    state: dict             # the snapshot: the staging tensors and the state's other values
+    state: dict | None      # the snapshot: the copy's tensors and the state's other values
     copy: Future            # the background copy; its result is the seconds it took
-    request: Any            # the NVRx AsyncRequest that writes the snapshot, handed over once it is whole
-    pending: _Pending
-    blocked_s: float        # how long ``save`` held the caller
+    request: Any            # the NVRx AsyncRequest that writes the snapshot (None: kept in memory only)
+    pending: _Pending | None
+    blocked_s: float        # how long the call that started it held the caller
     phases: dict
 
 
@@ -208,17 +211,22 @@ class CheckpointManager:
         self.staging_allocation: Future | None = None   # the staging copy being allocated after a restore
         self.snapshot: dict | None = None
         self.snapshot_step: int | None = None
+        # The in-memory replica (snapshot_to_memory): private host memory, never written to disk.
+        self.replica: dict | None = None
+        self.replica_snapshot: dict | None = None
+        self.replica_step: int | None = None
+        self.replica_copy_s = 0.0   # how long the last copy into the replica took (the policy spaces them)
         # Planning state of the current staging copy (see _StagingPlanner), replaced with it.
         self.plan_cache = self.planner = None
         self.writes_in_flight = 0   # handed to the worker and not finalized: they read the staging copy
         self.copying: _Snapshot | None = None
         # Called with the blocking seconds of every interval save (the interval policy, the metrics).
         self.on_snapshot: Callable[[float], None] | None = None
-        self.queue = self.copier = self.copy_stream = None
+        self.queue = self.copy_stream = None
+        self.copier = ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy")
+        if d.device.type == "cuda":
+            self.copy_stream = torch.cuda.Stream(d.device)
         if not cfg.sync:
-            self.copier = ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy")
-            if d.device.type == "cuda":
-                self.copy_stream = torch.cuda.Stream(d.device)
             from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
             from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (FileSystemWriterAsync,
                                                                                          _get_write_results_queue)
@@ -244,17 +252,20 @@ class CheckpointManager:
     def restore(self, state: dict) -> tuple[int | None, str, dict]:
         """Restore the newest state into ``state``; return (step or None, source, the restored dict).
 
-        After an in-process restart every rank still holds the staging copy of its last snapshot. If all
-        ranks hold one of the same step, it is copied back (``memory``: no disk read). Otherwise the
-        newest committed checkpoint is loaded (``checkpoint``). Collective: call on every rank.
+        After an in-process restart every rank still holds its last snapshots in memory: the staging copy
+        of its last save and the replica of its last ``snapshot_to_memory``. The newest step that every
+        rank holds is copied back (``memory``: no disk read). Otherwise the newest committed checkpoint is
+        loaded (``checkpoint``). Collective: call on every rank.
         """
         self.finish_snapshot()   # a fault can come while a snapshot is copied: the copy still completes
-        steps = [None] * self.d.world_size
-        # Sync point: which snapshot step each rank holds in memory.
-        dist.all_gather_object(steps, self.snapshot_step)
-        if steps[0] is not None and all(s == steps[0] for s in steps):
-            restored = _copy_state_dict(self.snapshot, state)
-            step, source = steps[0], "memory"
+        held = [None] * self.d.world_size
+        # Sync point: which snapshot steps each rank holds in memory.
+        dist.all_gather_object(held, (self.snapshot_step, self.replica_step))
+        everywhere = set.intersection(*({s for s in h if s is not None} for h in held))
+        if everywhere:
+            step, source = max(everywhere), "memory"
+            restored = _copy_state_dict(self.snapshot if step == self.snapshot_step else self.replica_snapshot,
+                                        state)
             self.events.emit("ckpt_loaded", step=step, source=source)
         else:
             step, source, restored = self._load_committed(state), "checkpoint", state
@@ -264,6 +275,7 @@ class CheckpointManager:
         # and the first save waits for that; only the shapes of ``restored`` are read.
         self.snapshot = self.snapshot_step = None
         self.staging = None
+        self.replica = self.replica_snapshot = self.replica_step = None
         if not self.cfg.sync:
             self.staging_allocation = self.copier.submit(self._allocate_staging, restored)
         return step, source, restored
@@ -344,14 +356,17 @@ class CheckpointManager:
         return step
 
     # ----------------------------------------------------------------------------------------- save
-    def save(self, step: int, state: dict, *, blocking: bool = False) -> None:
+    def save(self, step: int, state: StateSource, *, blocking: bool = False) -> None:
         """Checkpoint ``state`` as step ``step``. Must be called on every rank with the same step.
+
+        ``state``: the state dict, or a function that builds it (then building it counts as blocking time).
 
         Async (the default), it returns once the copy of ``state`` has started: the caller may run forward
         and backward passes, but must call ``finish_snapshot`` before it changes the state. With ``blocking``
         (SIGTERM, end of training), and with ``--ckpt-sync``, it returns once the checkpoint is committed.
         """
         t0 = time.monotonic()
+        state = state() if callable(state) else state
         path = step_dir(self.root, step)
         if self.d.is_main:
             self.events.emit("ckpt_start", step=step)
@@ -436,6 +451,13 @@ class CheckpointManager:
             return 0.0
         t0 = time.monotonic()
         copy_s = s.copy.result()
+        if s.request is None:   # kept in memory only
+            waited = time.monotonic() - t0
+            self.replica_snapshot, self.replica_step, self.replica_copy_s = s.state, s.step, copy_s
+            if self.d.is_main:
+                self.events.emit("memory_snapshot", step=s.step, block_s=round(s.blocked_s + waited, 4),
+                                 copy_s=round(copy_s, 4))
+            return waited
         self.snapshot, self.snapshot_step = s.state, s.step
         self.queue.schedule_async_request(s.request)
         self.writes_in_flight += 1
@@ -447,6 +469,33 @@ class CheckpointManager:
         if self.on_write_started:
             self.on_write_started(s.step)
         return waited
+
+    def snapshot_to_memory(self, step: int, state: StateSource) -> None:
+        """Copy ``state`` into the in-memory replica, for in-process restarts only (nothing is written).
+
+        Like ``save``: the copy runs on the copier thread, and ``finish_snapshot`` must be called before
+        the state changes. It costs no disk, no writer and no collective, so it can be taken far more often
+        than checkpoints: an in-process restart then redoes only the steps since the last one.
+        """
+        t0 = time.monotonic()
+        self.finish_snapshot()
+        state = state() if callable(state) else state
+        pairs: list = []
+        try:
+            snapshot = _staged(state, self.replica, pairs) if self.replica is not None else None
+        except _StructureChanged:
+            snapshot = None
+        if snapshot is None:
+            self.replica = _create_cpu_state_dict(state, pin_memory=self.d.device.type == "cuda")
+            pairs = []
+            snapshot = _staged(state, self.replica, pairs)
+        self.replica_snapshot = self.replica_step = None   # overwritten from here on
+        ready = None
+        if self.copy_stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()
+        copy = self.copier.submit(self._copy, pairs, ready)
+        self.copying = _Snapshot(step, snapshot, copy, None, None, time.monotonic() - t0, {})
 
     def _snapshot_taken(self, step: int, block_s: float, *, sync: bool, phases: dict | None = None,
                         interval: bool = True) -> None:
@@ -482,8 +531,8 @@ class CheckpointManager:
 
     def wait(self) -> None:
         """Block until every scheduled checkpoint is committed (call on all ranks)."""
+        self.finish_snapshot()
         if self.queue is not None:
-            self.finish_snapshot()
             self._finalize()
         # Sync point: all ranks' done files exist before rank 0 commits the rest.
         dist.barrier()
@@ -504,13 +553,13 @@ class CheckpointManager:
                 self._purge(steps[-1])
 
     def close(self) -> None:
+        self.finish_snapshot()
+        self.copier.shutdown()
         if self.queue is not None:
-            self.finish_snapshot()
             # Rank-local finalize first: NVRx's own close() would synchronize ranks through CUDA.
             self._finalize()
             self.queue.close()
             self.queue = None
-            self.copier.shutdown()
         if self._purger is not None:
             self._purger.join()
         if self.mirror is not None:

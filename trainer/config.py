@@ -62,6 +62,11 @@ class CheckpointConfig:
     mtbf_s: float = _f(0.0, "with --ckpt-every auto: expected seconds between failures of this job (0 = from "
                             "the faults observed in this run, else 24 h)")
     ckpt_every_s: float = _f(0.0, "also checkpoint when this many seconds passed since the last one (0 = off)")
+    memory_every_s: float = _f(2.0, "with an in-process restart layer: between checkpoints, copy the state to host "
+                                    "memory (no write) this often, so an in-process restart redoes at most this "
+                                    "much work; copies are spaced at least 20x their own duration apart "
+                                    "(0 = off: the last checkpoint's snapshot only)",
+                               flag="--memory-snapshot-every-s")
     keep: int = _f(3, "committed checkpoints to keep (older ones are deleted)", flag="--ckpt-keep")
     sync: bool = _f(False, "write checkpoints synchronously (torch DCP) instead of NVRx async",
                     flag="--ckpt-sync")
@@ -230,8 +235,8 @@ class TrainConfig:
             problems.append(f"--ckpt-every must be a number of steps or 'auto', got {c.ckpt_every!r}")
         if not 0 <= c.writer_nice <= 19:
             problems.append(f"--ckpt-writer-nice must be between 0 and 19, got {c.writer_nice}")
-        if c.ckpt_every_s < 0 or c.mtbf_s < 0:
-            problems.append("--ckpt-every-s and --mtbf-s must not be negative")
+        if c.ckpt_every_s < 0 or c.mtbf_s < 0 or c.memory_every_s < 0:
+            problems.append("--ckpt-every-s, --mtbf-s and --memory-snapshot-every-s must not be negative")
         rs = self.restart
         if not (rs.monitor_interval_s < rs.soft_timeout_s < rs.hard_timeout_s < rs.barrier_timeout_s
                 and rs.heartbeat_timeout_s < rs.barrier_timeout_s and rs.monitor_interval_s < rs.heartbeat_timeout_s):

@@ -49,6 +49,7 @@ class IntervalPolicy:
         self.auto = cfg.ckpt_every == "auto"
         self.every = self.first_auto_step if self.auto else int(cfg.ckpt_every)
         self.last_step, self.last_time = start_step, time.monotonic()
+        self.last_memory_time = self.last_time
         self.step_s: list[float] = []
         self.block_s: list[float] = []
         # Recent step times with and without a checkpoint write running alongside; steps seen with one.
@@ -68,7 +69,7 @@ class IntervalPolicy:
 
     def observe_checkpoint(self, block_s: float) -> None:
         self.block_s.append(block_s)
-        self.last_time = time.monotonic()
+        self.last_time = self.last_memory_time = time.monotonic()   # a save's snapshot is in memory too
         if self.auto:
             self.every = self.auto_interval_steps()
 
@@ -103,6 +104,18 @@ class IntervalPolicy:
                 "MTBF %.0fs, step %.3fs)", steps, cost, block, interference, mtbf, step)
             self.chosen = steps
         return steps
+
+    def memory_due(self, step: int, max_steps: int, copy_s: float) -> bool:
+        """Whether to copy the state to memory after ``step`` (``--memory-snapshot-every-s``), given how long
+        the last such copy took: copies stay at least 20x their duration apart (at most 5% of the copy
+        bandwidth, whatever the state's size)."""
+        if self.cfg.memory_every_s <= 0 or step >= max_steps:
+            return False
+        now = time.monotonic()
+        if now - self.last_memory_time < max(self.cfg.memory_every_s, 20 * copy_s):
+            return False
+        self.last_memory_time = now
+        return True
 
     def due(self, step: int, max_steps: int, writers_busy: bool = False) -> bool:
         """Whether to checkpoint after ``step``. ``writers_busy``: a rank's previous write is still running.
@@ -163,7 +176,7 @@ def account(events: list[dict]) -> dict:
     redone = [s for s in steps if kept[s["step"]] is not s]
     productive_s = sum(s["step_s"] for s in kept.values())
     redone_s = sum(s["step_s"] for s in redone)
-    block_s = sum(e["block_s"] for e in events if e["event"] == "ckpt_snapshot")
+    block_s = sum(e["block_s"] for e in events if e["event"] in ("ckpt_snapshot", "memory_snapshot"))
     startup_s = (steps[0]["t"] - steps[0]["step_s"] - t0) if steps else 0.0
     # Restart cost: from each fault (or restart, for uninjected ones) to the next completed step.
     restart_s = 0.0

@@ -288,18 +288,21 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 state.step += 1
                 state.batches_read = sampler.batches_read
                 state.tokens += tokens_per_step
-                # Sync point, once per step: mean loss, any rank's SIGTERM, rank 0's checkpoint decision and
-                # whether any rank's checkpoint writer is busy travel in one all-reduce, so every rank takes
-                # the same decision at the same step.
+                # Sync point, once per step: mean loss, any rank's SIGTERM, rank 0's checkpoint and memory
+                # snapshot decisions and whether any rank's checkpoint writer is busy travel in one
+                # all-reduce, so every rank takes the same decisions at the same step.
                 due = d.is_main and policy.due(state.step, cfg.run.max_steps, writers_busy or ckpt.writing)
                 # A spot interruption notice seen on this rank's node makes a checkpoint due (any rank: SUM below).
                 due = session.spot.maybe_due(state.step, cfg.run.max_steps) or due
+                # Between checkpoints, a copy in memory bounds what an in-process restart redoes.
+                to_memory = (d.is_main and not due and call_wrapper is not None
+                             and policy.memory_due(state.step, cfg.run.max_steps, ckpt.replica_copy_s))
                 flags = torch.cat([loss.float().reshape(1),
-                                   torch.tensor([session.sigterm.is_set, due, ckpt.writing], dtype=torch.float32,
-                                                device=d.device)])
+                                   torch.tensor([session.sigterm.is_set, due, ckpt.writing, to_memory],
+                                                dtype=torch.float32, device=d.device)])
                 _all_reduce_interruptible(flags)
                 loss_mean, stop, due = flags[0].item() / d.world_size, flags[1].item() > 0, flags[2].item() > 0
-                writers_busy = flags[3].item() > 0
+                writers_busy, to_memory = flags[3].item() > 0, flags[4].item() > 0
                 # A wait for the checkpoint copy is the checkpoint's blocking time, not the step's.
                 step_s = time.monotonic() - t0 - snapshot_wait_s
             policy.observe_step(step_s, writing=writers_busy)
@@ -316,7 +319,10 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 return _stop_on_sigterm(session, ckpt, d, state, app_state, call_wrapper)
             if due:
                 with ft.section("checkpoint"), _atomic(call_wrapper):
-                    ckpt.save(state.step, app_state())
+                    ckpt.save(state.step, app_state)
+            elif to_memory:
+                with _atomic(call_wrapper):
+                    ckpt.snapshot_to_memory(state.step, app_state)
     except BaseException:
         # Failing over to a restart: from here a SIGTERM has nothing to save and ends the process at once,
         # and the rank monitor must not time the in-process restart against the step timeout.
@@ -333,7 +339,7 @@ def train(session: Session, call_wrapper=None) -> dict | None:
         ckpt.maybe_finalize()
         if not (step_dir(ckpt.root, state.step) / COMMITTED).exists():
             with _atomic(call_wrapper):
-                ckpt.save(state.step, app_state(), blocking=True)
+                ckpt.save(state.step, app_state, blocking=True)
         ckpt.wait()
         val_loss = validation_loss(model, session.split_val, cfg, d)
         sha = params_sha256(model)
@@ -369,7 +375,7 @@ def _stop_on_sigterm(session: Session, ckpt: CheckpointManager, d: Dist, state: 
     session.events.emit("sigterm", step=state.step)
     t0 = time.monotonic()
     with session.ft.section("checkpoint"), _atomic(call_wrapper):
-        ckpt.save(state.step, app_state(), blocking=True)
+        ckpt.save(state.step, app_state, blocking=True)
     took = time.monotonic() - t0
     if d.is_main:
         if took > session.cfg.checkpoint.sigterm_grace_s:
