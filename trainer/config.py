@@ -62,7 +62,7 @@ class CheckpointConfig:
     mtbf_s: float = _f(0.0, "with --ckpt-every auto: expected seconds between failures of this job (0 = from "
                             "the faults observed in this run, else 24 h)")
     ckpt_every_s: float = _f(0.0, "also checkpoint when this many seconds passed since the last one (0 = off)")
-    memory_every_s: float = _f(2.0, "with an in-process restart layer: between checkpoints, copy the state to host "
+    memory_every_s: float = _f(1.0, "with an in-process restart layer: between checkpoints, copy the state to host "
                                     "memory (no write) this often, so an in-process restart redoes at most this "
                                     "much work; copies are spaced at least 20x their own duration apart "
                                     "(0 = off: the last checkpoint's snapshot only)",
