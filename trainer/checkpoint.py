@@ -208,7 +208,6 @@ class CheckpointManager:
         self.pending: deque[_Pending] = deque()
         # The shared-memory copy of the last snapshot (reused by every save), and that snapshot's step.
         self.staging: dict | None = None
-        self.staging_allocation: Future | None = None   # the staging copy being allocated after a restore
         self.snapshot: dict | None = None
         self.snapshot_step: int | None = None
         # The in-memory replica (snapshot_to_memory): private host memory, never written to disk.
@@ -271,13 +270,13 @@ class CheckpointManager:
             step, source, restored = self._load_committed(state), "checkpoint", state
         # The new process group gets fresh staging buffers and plans: the old ones describe DTensors of the
         # previous group's device mesh. A write still in flight keeps its own mapping of the old buffers.
-        # The copier thread allocates them while training resumes (tenths of a second off every restart),
-        # and the first save waits for that; only the shapes of ``restored`` are read.
+        # Allocating them now keeps that cost out of the first save's blocking time. (Not on the copier
+        # thread: the caller goes on to load ``restored`` into the model and optimizer, which mutates it.)
         self.snapshot = self.snapshot_step = None
         self.staging = None
         self.replica = self.replica_snapshot = self.replica_step = None
         if not self.cfg.sync:
-            self.staging_allocation = self.copier.submit(self._allocate_staging, restored)
+            self._allocate_staging(restored)
         return step, source, restored
 
     def _allocate_staging(self, state: dict) -> None:
@@ -293,9 +292,6 @@ class CheckpointManager:
     def _stage(self, state: dict) -> tuple[dict, list]:
         """The snapshot of ``state`` (staging tensors, and the state's other values) and the (live, staging)
         tensor pairs to copy; new staging if the structure changed. Copies nothing."""
-        if self.staging_allocation is not None:
-            self.staging_allocation.result()
-            self.staging_allocation = None
         pairs: list = []
         try:
             snapshot = _staged(state, self.staging, pairs) if self.staging is not None else None
