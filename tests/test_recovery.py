@@ -66,13 +66,15 @@ def test_sigterm_fault_is_recovered_by_a_job_restart(tmp_path, start_run, clean_
 
 
 def test_in_process_restart_resumes_from_the_newest_memory_snapshot(tmp_path, start_run, clean_sha):
-    """Between checkpoints the state is copied to memory; an exception then redoes nothing that finished."""
-    run = start_run(tmp_path / "run", *STEPS, "--inject-fault", "exception@6:1", "--memory-snapshot-every-s", "0.001",
+    """Between checkpoints the state is copied to memory; an exception redoes only the steps since the copy."""
+    run = start_run(tmp_path / "run", *STEPS, "--inject-fault", "exception@7:1", "--memory-snapshot-every-s", "0.001",
                     max_restarts=0, **FAST_FT)
     assert run.wait() == 0, run.tail()
     summary = _check_finished_like_clean(run, clean_sha)
-    assert summary["restarts_inprocess"] == 1 and summary["lost_steps"] == 0
-    loaded = [e for e in run.events() if e["event"] == "ckpt_loaded"]
-    # Step 5's copy in memory, newer than the step-4 checkpoint; the fault came during step 6.
-    assert [(e["source"], e["step"]) for e in loaded] == [("memory", 5), ("memory", 5)]
-    assert any(e["event"] == "memory_snapshot" for e in run.events())
+    events = run.events()
+    copies = [e["step"] for e in events if e["event"] == "memory_snapshot" and e["step"] < 7]
+    loaded = [(e["source"], e["step"]) for e in events if e["event"] == "ckpt_loaded"]
+    # The fault came during step 7, after the step-4 checkpoint and a copy at step 5 or 6 (copies are spaced
+    # at least 20x their duration apart, so not necessarily both): the newest copy is what both ranks loaded.
+    assert copies and copies[-1] in (5, 6) and loaded == [("memory", copies[-1])] * 2
+    assert summary["restarts_inprocess"] == 1 and summary["lost_steps"] == 6 - copies[-1]
