@@ -3,9 +3,11 @@
 Two runs of the same training, side by side in one invocation, on 2 CPU ranks: one writes its
 checkpoints through NVRx's async path (shared-memory snapshot, background writer), the other with
 synchronous ``torch.distributed.checkpoint.save``. The state (model + AdamW moments, all ranks) is
-about 200 MB or more. Blocking = the time ``CheckpointManager.save`` holds the loop plus, for the async
-save, any wait for its background copy before the next optimizer step, from the events of each run's
-interval checkpoints (the final, deliberately blocking one is excluded).
+about 200 MB or more. Blocking = the time ``CheckpointManager.save`` holds the loop (building the state
+dict included: ``get_state_dict`` of the FSDP2 model and optimizer) plus, for the async save, any wait for
+its background copy before the next optimizer step, from the events of each run's interval checkpoints
+(the final, deliberately blocking one is excluded). The phases of each save are in its ``ckpt_snapshot``
+event (``wait_s`` includes building the state dict).
 
 The loop is not the only thing a save slows down: the background copy and NVRx's writer process share
 the CPU with training. On a GPU node they use host cores the training does not; on 2 CPU cores they
