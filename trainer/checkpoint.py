@@ -127,6 +127,19 @@ def _staged(live: Any, staged: Any, pairs: list) -> Any:
     return live
 
 
+def _staged_into(state: dict, buffer: dict | None, allocate: Callable[[dict], dict]) -> tuple[dict, dict, list]:
+    """(buffer, snapshot, pairs): ``_staged`` into ``buffer``, or into a new one from ``allocate(state)``
+    when there is none yet or the state's structure changed."""
+    if buffer is not None:
+        try:
+            pairs: list = []
+            return buffer, _staged(state, buffer, pairs), pairs
+        except _StructureChanged:
+            pass
+    buffer, pairs = allocate(state), []
+    return buffer, _staged(state, buffer, pairs), pairs
+
+
 class _StagingPlanner(DefaultSavePlanner):
     """DCP's default save planner, kept for the life of one staging copy.
 
@@ -279,7 +292,7 @@ class CheckpointManager:
             self._allocate_staging(restored)
         return step, source, restored
 
-    def _allocate_staging(self, state: dict) -> None:
+    def _allocate_staging(self, state: dict) -> dict:
         """New staging copy shaped like ``state``, with a new planner: its first saves plan from scratch
         (collectives: every rank must allocate at the same save, as they do when the structure changes)."""
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache
@@ -288,20 +301,21 @@ class CheckpointManager:
         self.staging = _create_cpu_state_dict(state, share_memory=True, pin_memory=self.d.device.type == "cuda")
         # NVRx reuses the global save plan once it is stable: later saves plan without collectives.
         self.plan_cache, self.planner = CheckpointMetadataCache(), _StagingPlanner()
+        return self.staging
 
     def _stage(self, state: dict) -> tuple[dict, list]:
         """The snapshot of ``state`` (staging tensors, and the state's other values) and the (live, staging)
         tensor pairs to copy; new staging if the structure changed. Copies nothing."""
-        pairs: list = []
-        try:
-            snapshot = _staged(state, self.staging, pairs) if self.staging is not None else None
-        except _StructureChanged:
-            snapshot = None
-        if snapshot is None:
-            self._allocate_staging(state)
-            pairs = []
-            snapshot = _staged(state, self.staging, pairs)
+        self.staging, snapshot, pairs = _staged_into(state, self.staging, self._allocate_staging)
         return snapshot, pairs
+
+    def _start_copy(self, pairs: list) -> Future:
+        """Start the copy of ``pairs`` on the copier thread."""
+        ready = None
+        if self.copy_stream is not None:
+            ready = torch.cuda.Event()
+            ready.record()   # on the loop's stream: the state as the last optimizer step left it
+        return self.copier.submit(self._copy, pairs, ready)
 
     def _copy(self, pairs: list, ready: torch.cuda.Event | None) -> float:
         """Background thread: copy the live tensors into the staging copy; return the seconds it took.
@@ -425,11 +439,7 @@ class CheckpointManager:
             write_atomic(path / f".rank{self.d.rank}.done", pickle.dumps(results))
             self.writes_in_flight -= 1
 
-        ready = None
-        if self.copy_stream is not None:
-            ready = torch.cuda.Event()
-            ready.record()   # on the loop's stream: the state as the last optimizer step left it
-        copy = self.copier.submit(self._copy, pairs, ready)
+        copy = self._start_copy(pairs)
         now = time.monotonic()
         self.copying = _Snapshot(step, snapshot, copy, AsyncRequest(save_fn, save_args, [finalize]),
                                  _Pending(step, t0, writer if self.d.is_main else None, metadata), now - t0,
@@ -476,21 +486,10 @@ class CheckpointManager:
         t0 = time.monotonic()
         self.finish_snapshot()
         state = state() if callable(state) else state
-        pairs: list = []
-        try:
-            snapshot = _staged(state, self.replica, pairs) if self.replica is not None else None
-        except _StructureChanged:
-            snapshot = None
-        if snapshot is None:
-            self.replica = _create_cpu_state_dict(state, pin_memory=self.d.device.type == "cuda")
-            pairs = []
-            snapshot = _staged(state, self.replica, pairs)
+        self.replica, snapshot, pairs = _staged_into(
+            state, self.replica, lambda s: _create_cpu_state_dict(s, pin_memory=self.d.device.type == "cuda"))
         self.replica_snapshot = self.replica_step = None   # overwritten from here on
-        ready = None
-        if self.copy_stream is not None:
-            ready = torch.cuda.Event()
-            ready.record()
-        copy = self.copier.submit(self._copy, pairs, ready)
+        copy = self._start_copy(pairs)
         self.copying = _Snapshot(step, snapshot, copy, None, None, time.monotonic() - t0, {})
 
     def _snapshot_taken(self, step: int, block_s: float, *, sync: bool, phases: dict | None = None,
