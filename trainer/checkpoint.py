@@ -238,27 +238,33 @@ class CheckpointManager:
         self.copier = ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy")
         if d.device.type == "cuda":
             self.copy_stream = torch.cuda.Stream(d.device)
-        if not cfg.sync:
-            from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
-            from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (FileSystemWriterAsync,
-                                                                                         _get_write_results_queue)
-
-            self.queue = AsyncCallsQueue(persistent=True)
-            # Start NVRx's worker process and its results-queue manager now, not inside a save: a spawn
-            # that imports torch takes seconds, and the worker's first write would also import the
-            # writer's module (torch DCP, seconds more), so the warm-up request imports it. Saves never
-            # wait for this request (it does not read the staging copy). They ignore SIGTERM
-            # (inherited through spawn): the launcher signals the rank's whole process group, and the
-            # writers must live on to finish the final checkpoint the rank writes after SIGTERM. They end
-            # when the rank closes the queue, or by SIGKILL to the group.
-            with _sigterm_ignored():
-                _get_write_results_queue()
-                self.queue.schedule_async_request(
-                    AsyncRequest(_prepare_writer, (FileSystemWriterAsync.__module__, cfg.writer_nice), []))
-
         self._purger: threading.Thread | None = None
         # Rank 0 commits, so rank 0 mirrors (--ckpt-mirror): a background uploader fed by _commit.
         self.mirror = CheckpointMirror(root, cfg, events) if cfg.mirror and d.is_main else None
+
+    def start_writer(self) -> None:
+        """Start NVRx's persistent worker process and its results-queue manager, if not running yet.
+
+        Called by the loop once the first step after a (re)start is done, not here in the constructor:
+        the worker is a spawned process that imports torch and the writer's module (seconds of CPU), and
+        on a restart that CPU would be taken from the ranks while they restore. No checkpoint needs the
+        writer before then (a blocking save before it writes synchronously). The warm-up request imports
+        the writer's module; saves never wait for it (it does not read the staging copy).
+        """
+        if self.cfg.sync or self.queue is not None:
+            return
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (FileSystemWriterAsync,
+                                                                                     _get_write_results_queue)
+
+        # They ignore SIGTERM (inherited through spawn): the launcher signals the rank's whole process
+        # group, and the writers must live on to finish the final checkpoint the rank writes after
+        # SIGTERM. They end when the rank closes the queue, or by SIGKILL to the group.
+        with _sigterm_ignored():
+            _get_write_results_queue()
+            self.queue = AsyncCallsQueue(persistent=True)
+            self.queue.schedule_async_request(
+                AsyncRequest(_prepare_writer, (FileSystemWriterAsync.__module__, self.cfg.writer_nice), []))
 
     # ----------------------------------------------------------------------------------------- load
     def restore(self, state: dict) -> tuple[int | None, str, dict]:
@@ -380,7 +386,7 @@ class CheckpointManager:
         path = step_dir(self.root, step)
         if self.d.is_main:
             self.events.emit("ckpt_start", step=step)
-        if self.cfg.sync:
+        if self.cfg.sync or (blocking and self._writer_cold()):
             dcp.save(state, checkpoint_id=str(path))
             if self.on_write_started:
                 self.on_write_started(step)
@@ -396,6 +402,20 @@ class CheckpointManager:
             self.wait()
             self._snapshot_taken(step, time.monotonic() - t0, sync=True, interval=False)
 
+    def _writer_cold(self) -> bool:
+        """Whether some rank's writer is not started, or still booting with no write queued (collective).
+
+        A blocking save then writes synchronously (SIGTERM or the end of training soon after a start):
+        faster than waiting for the writer to boot.
+        """
+        cold = self.queue is None
+        if not cold:
+            self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
+            cold = self.writes_in_flight == 0 and self.queue.get_num_unfinalized_calls() > 0
+        flag = torch.tensor([float(cold)], device=self.d.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)   # sync point: every rank takes the same path
+        return flag.item() > 0
+
     def _save_async(self, step: int, state: dict, path: Path, t0: float) -> None:
         """Plan the write and start the copy; ``self.copying`` records where the blocking time went (wait,
         commit, stage, plan, start)."""
@@ -403,6 +423,7 @@ class CheckpointManager:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
 
+        self.start_writer()
         # The staging copy is reused, so the previous snapshot must be whole and its write finished before
         # it is overwritten.
         self.finish_snapshot()
@@ -528,7 +549,7 @@ class CheckpointManager:
         """Block until every scheduled checkpoint is committed (call on all ranks)."""
         self.finish_snapshot()
         if self.queue is not None:
-            self._finalize()
+            self._finalize(writes_only=True)   # not the writer's warm-up: it may still be booting
         # Sync point: all ranks' done files exist before rank 0 commits the rest.
         dist.barrier()
         self._maybe_commit()

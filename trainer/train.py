@@ -155,8 +155,7 @@ class Session:
         self.out.mkdir(parents=True, exist_ok=True)
         self.events_path = self.out / "events.jsonl"
         self.events = EventLog(self.events_path, self.rank)
-        self.sigterm = SigtermFlag.install(
-            on_exit=lambda: self.events.emit("exit", reason="sigterm outside the training loop"))
+        self.sigterm = SigtermFlag.install()
         if self.rank == 0:
             self._record_start()
         self.events.emit("worker_start", pid=os.getpid(), warm=warmstart.forked)
@@ -323,6 +322,8 @@ def train(session: Session, call_wrapper=None) -> dict | None:
             elif to_memory:
                 with _atomic(call_wrapper):
                     ckpt.snapshot_to_memory(state.step, app_state)
+            if state.step == first_step:
+                ckpt.start_writer()   # not before: see CheckpointManager.start_writer
     except BaseException:
         # Failing over to a restart: from here a SIGTERM has nothing to save and ends the process at once,
         # and the rank monitor must not time the in-process restart against the step timeout.
