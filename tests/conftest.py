@@ -1,19 +1,24 @@
-"""Shared fixtures: a real dataset, and real multi-process training runs under NVRx ft_launcher."""
+"""Shared fixtures: a real dataset, a one-process gloo group, and real multi-process training runs under NVRx
+ft_launcher."""
 
 from __future__ import annotations
 
 import json
 import os
 import signal
+import socket
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
+import torch
+import torch.distributed as dist
 
 from trainer.data import ensure_default_dataset
 from trainer.events import read_events
 from trainer.launch import LaunchConfig, local_launcher_command
+from trainer.parallel import Dist
 
 # A model small enough that a step takes ~0.1 s on one CPU core.
 TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8",
@@ -22,6 +27,18 @@ TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", 
 
 # The workload every recovery test runs: 14 steps, a checkpoint every 4.
 STEPS = ["--max-steps", "14", "--ckpt-every", "4"]
+
+
+@pytest.fixture
+def process_group(monkeypatch):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for k, v in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
+        monkeypatch.setenv(k, v)
+    dist.init_process_group("gloo")
+    yield Dist(0, 1, 0, torch.device("cpu"))
+    dist.destroy_process_group()
 
 
 @pytest.fixture(scope="session")

@@ -4,30 +4,15 @@ retention, torn directories, in-memory restore. The multi-rank crash cases are i
 from __future__ import annotations
 
 import os
-import socket
 import threading
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
 from trainer.checkpoint import COMMITTED, CheckpointManager, committed_steps, delete_checkpoint, step_dir
 from trainer.config import CheckpointConfig
 from trainer.events import EventLog, read_events
-from trainer.parallel import Dist
-
-
-@pytest.fixture
-def process_group(monkeypatch):
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for k, v in dict(RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)).items():
-        monkeypatch.setenv(k, v)
-    dist.init_process_group("gloo")
-    yield Dist(0, 1, 0, torch.device("cpu"))
-    dist.destroy_process_group()
 
 
 def _state(seed: float) -> dict:

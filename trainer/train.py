@@ -28,8 +28,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_state_dict,
-                                                     set_state_dict)
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_state_dict
 
 from . import warmstart
 from .checkpoint import COMMITTED, CheckpointManager, step_dir
@@ -39,6 +38,7 @@ from .events import EventLog, read_events
 from .faults import FaultInjector
 from .ft import FTManager
 from .goodput import IntervalPolicy
+from .live_state import LiveStateDict
 from .metrics import build_metrics
 from .model import ByteGPT
 from .parallel import Dist, ensure_launcher_env, init_distributed, parallelize
@@ -226,9 +226,11 @@ def train(session: Session, call_wrapper=None) -> dict | None:
         state = TrainState()
         tokens_per_step = cfg.data.batch_size * cfg.data.grad_accum * cfg.model.seq_len * d.world_size
 
+        model_and_optim = LiveStateDict(model, optimizer)
+
         def app_state() -> dict:
             """Everything a checkpoint holds. RNG state is per rank, so its key carries the rank."""
-            model_sd, optim_sd = get_state_dict(model, optimizer)
+            model_sd, optim_sd = model_and_optim()
             return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(),
                     "train": asdict(state), f"rng_rank{d.rank}": rng_state(d.device), "ft": ft.state_json()}
 
