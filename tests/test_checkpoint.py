@@ -18,7 +18,7 @@ from trainer.events import EventLog, read_events
 def _state(seed: float) -> dict:
     g = torch.Generator().manual_seed(int(seed))
     return {"model": {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g)},
-            "train": {"step": int(seed)}, "scalar": torch.tensor(seed)}
+            "train": {"step": int(seed)}, "scalar": torch.tensor(float(seed))}
 
 
 def _zeros() -> dict:
@@ -82,7 +82,8 @@ def test_in_memory_restore_after_an_in_process_restart(tmp_path, process_group):
 
 @pytest.mark.parametrize("sync", [False, True])
 def test_restore_takes_the_newest_of_the_last_save_and_the_memory_copy(tmp_path, process_group, sync):
-    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(sync=sync), process_group, EventLog(tmp_path / "e", 0))
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(sync=sync, memory_dir=str(tmp_path / "shm")),
+                            process_group, EventLog(tmp_path / "e", 0))
     try:
         mgr.save(5, _state(5))
         mgr.finish_snapshot()
@@ -94,12 +95,66 @@ def test_restore_takes_the_newest_of_the_last_save_and_the_memory_copy(tmp_path,
         step, source, restored = mgr.restore(_zeros())
         assert (step, source) == (8, "memory") and restored["train"]["step"] == 8
         assert torch.equal(restored["model"]["w"], _state(8)["model"]["w"])
-        # The replica describes the old process group's state: a restore drops it; the save's copy stays
-        # on disk, and is what a second restore without a newer snapshot finds once it is committed.
+        # A second restart before the next snapshot reads the replica back from its slot on the node
+        # (the first restore dropped this attempt's mappings): the snapshot, not the live state after it.
         mgr.wait()
-        assert mgr.restore(_zeros())[:2] == (5, "checkpoint")
+        step, source, restored = mgr.restore(_zeros())
+        assert (step, source) == (8, "memory") and torch.equal(restored["model"]["w"], _state(8)["model"]["w"])
     finally:
         mgr.close()
+
+
+def test_an_in_job_restart_resumes_from_the_replica_left_in_node_memory(tmp_path, process_group):
+    """A rank killed mid-copy: the restarted process finds the previous replica whole; a newer committed
+    checkpoint wins over it."""
+    root, events = tmp_path / "ckpt", EventLog(tmp_path / "e", 0)
+    cfg = CheckpointConfig(memory_dir=str(tmp_path / "shm"))
+    dead = CheckpointManager(root, cfg, process_group, events, run_id="run")
+    restarted = newer = None
+    try:
+        dead.save(3, _state(3))
+        dead.wait()
+        dead.snapshot_to_memory(5, _state(5))
+        dead.finish_snapshot()
+        dead.snapshot_to_memory(7, _state(7))                   # the rank dies once this copy is under way
+        dead.copying.copy.result()
+        dead.copying = None                                     # ...and never marks it
+        restarted = CheckpointManager(root, cfg, process_group, events, run_id="run")
+        step, source, restored = restarted.restore(_zeros())
+        assert (step, source) == (5, "memory") and restored["train"]["step"] == 5
+        assert torch.equal(restored["model"]["w"], _state(5)["model"]["w"])
+        restarted.save(9, _state(9))
+        restarted.wait()
+        newer = CheckpointManager(root, cfg, process_group, events, run_id="run")
+        assert newer.restore(_zeros())[:2] == (9, "checkpoint")
+    finally:
+        for mgr in (dead, restarted, newer):
+            if mgr is not None:
+                mgr.close()
+
+
+def test_a_replica_is_used_only_by_the_run_that_made_it(tmp_path, process_group):
+    """Killed before its first checkpoint, a run resumes from its replica; the same output directory
+    started afresh (a new run) must not, and deletes it."""
+    root, events = tmp_path / "ckpt", EventLog(tmp_path / "e", 0)
+    cfg = CheckpointConfig(memory_dir=str(tmp_path / "shm"))
+    earlier = CheckpointManager(root, cfg, process_group, events, run_id="run-a")
+    earlier.restore(_zeros())
+    earlier.snapshot_to_memory(4, _state(4))
+    earlier.finish_snapshot()
+    earlier.close()
+    assert sorted(p.name for p in (tmp_path / "shm").rglob("rank0.*")) == ["rank0.marker", "rank0.slot0"]
+    same = CheckpointManager(root, cfg, process_group, events, run_id="run-a")
+    try:
+        assert same.restore(_zeros())[:2] == (4, "memory")
+    finally:
+        same.close()
+    fresh = CheckpointManager(root, cfg, process_group, events, run_id="run-b")
+    try:
+        assert fresh.restore(_zeros())[0] is None
+        assert not list((tmp_path / "shm").rglob("rank0.*"))
+    finally:
+        fresh.close()
 
 
 def test_save_returns_while_the_copy_runs_and_the_write_waits_for_it(tmp_path, process_group):

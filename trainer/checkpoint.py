@@ -60,6 +60,7 @@ from .events import EventLog
 from .layout import COMMITTED, committed_steps, fsync_dir, read_marker, step_dir, step_of, write_atomic
 from .mirror import CheckpointMirror, maybe_fetch_from_mirror
 from .parallel import Dist
+from .replica import NodeReplica, replica_dir
 
 log = logging.getLogger(__name__)
 
@@ -199,6 +200,7 @@ class _Snapshot:
     pending: _Pending | None
     blocked_s: float        # how long the call that started it held the caller
     phases: dict
+    slot: int = 0           # a memory snapshot's replica slot
 
 
 class CheckpointManager:
@@ -211,11 +213,12 @@ class CheckpointManager:
         events: the run's event log (rank 0 records checkpoint phases).
         on_write_started: test and fault-injection hook, called on every rank after a save was handed
             to the writer and before the loop continues.
+        run_id: names the run across its restarts (rank 0's counts; the others learn it in ``restore``).
     """
 
     def __init__(self, root: Path, cfg: CheckpointConfig, d: Dist, events: EventLog,
-                 on_write_started: Callable[[int], None] | None = None):
-        self.root, self.cfg, self.d, self.events = root, cfg, d, events
+                 on_write_started: Callable[[int], None] | None = None, run_id: str | None = None):
+        self.root, self.cfg, self.d, self.events, self.run_id = root, cfg, d, events, run_id
         self.root.mkdir(parents=True, exist_ok=True)
         self.on_write_started = on_write_started
         self.pending: deque[_Pending] = deque()
@@ -223,10 +226,17 @@ class CheckpointManager:
         self.staging: dict | None = None
         self.snapshot: dict | None = None
         self.snapshot_step: int | None = None
-        # The in-memory replica (snapshot_to_memory): private host memory, never written to disk.
-        self.replica: dict | None = None
-        self.replica_snapshot: dict | None = None
-        self.replica_step: int | None = None
+        # The in-memory replica (snapshot_to_memory): two slots in node-local shared memory, which a rank
+        # started by an in-job restart finds again (trainer/replica.py).
+        self.node = NodeReplica(replica_dir(Path(cfg.memory_dir), root), d.rank)
+        self.replicas: list[dict | None] = [None, None]   # the slots' buffers, as mapped by this attempt
+        self.replica_snapshot: dict | None = None         # the newest complete replica, once read
+        marker = self.node.marked()
+        self.replica_step: int | None = marker["step"] if marker else None
+        self.replica_slot: int = marker["slot"] if marker else 1
+        # A replica left by an earlier process may be another run's (the same output directory started
+        # afresh): it is used only by the run that made it.
+        self.replica_run: str | None = marker.get("run") if marker else None
         self.replica_copy_s = 0.0   # how long the last copy into the replica took (the policy spaces them)
         # Planning state of the current staging copy (see _StagingPlanner), replaced with it.
         self.plan_cache = self.planner = None
@@ -270,30 +280,43 @@ class CheckpointManager:
     def restore(self, state: dict) -> tuple[int | None, str, dict]:
         """Restore the newest state into ``state``; return (step or None, source, the restored dict).
 
-        After an in-process restart every rank still holds its last snapshots in memory: the staging copy
-        of its last save and the replica of its last ``snapshot_to_memory``. The newest step that every
-        rank holds is copied back (``memory``: no disk read). Otherwise the newest committed checkpoint is
-        loaded (``checkpoint``). Collective: call on every rank.
+        Every rank may hold snapshots in memory: after an in-process restart, the staging copy of its last
+        save; and the replica of its last ``snapshot_to_memory``, which also survives an in-job restart on
+        the same node. The newest step that every rank holds, if no committed checkpoint is newer, is
+        copied back (``memory``: no disk read). Otherwise the newest committed checkpoint is loaded
+        (``checkpoint``). Collective: call on every rank.
         """
         self.finish_snapshot()   # a fault can come while a snapshot is copied: the copy still completes
+        if self.replica_step is not None and self.replica_snapshot is None:
+            # Left by an earlier process or attempt: read back against the live state's structure.
+            loaded = self.node.load(state)
+            self.replica_step, self.replica_slot, self.replica_snapshot = loaded or (None, self.replica_slot, None)
+        steps = committed_steps(self.root) if self.d.is_main else []
         held = [None] * self.d.world_size
-        # Sync point: which snapshot steps each rank holds in memory.
-        dist.all_gather_object(held, (self.snapshot_step, self.replica_step))
-        everywhere = set.intersection(*({s for s in h if s is not None} for h in held))
-        if everywhere:
-            step, source = max(everywhere), "memory"
+        # Sync point: which snapshot steps each rank holds in memory (the replica's with the run that made
+        # it), and rank 0's run and newest committed step.
+        dist.all_gather_object(held, (self.snapshot_step, self.replica_step, self.replica_run, self.run_id,
+                                      steps[-1] if steps else None))
+        self.run_id, committed = held[0][3], held[0][4]
+        everywhere = set.intersection(*({h[0], h[1] if h[2] == self.run_id else None} - {None} for h in held))
+        usable = {s for s in everywhere if committed is None or s >= committed}
+        if usable:
+            step, source = max(usable), "memory"
             restored = _copy_state_dict(self.snapshot if step == self.snapshot_step else self.replica_snapshot,
                                         state)
             self.events.emit("ckpt_loaded", step=step, source=source)
         else:
             step, source, restored = self._load_committed(state), "checkpoint", state
+            if step is None:   # a fresh start: whatever replica is left belongs to no run
+                self.drop_replica()
         # The new process group gets fresh staging buffers and plans: the old ones describe DTensors of the
         # previous group's device mesh. A write still in flight keeps its own mapping of the old buffers.
         # Allocating them now keeps that cost out of the first save's blocking time. (Not on the copier
         # thread: the caller goes on to load ``restored`` into the model and optimizer, which mutates it.)
+        # The replica's marker still names its newest slot, which the next copy leaves alone.
         self.snapshot = self.snapshot_step = None
         self.staging = None
-        self.replica = self.replica_snapshot = self.replica_step = None
+        self.replicas, self.replica_snapshot = [None, None], None
         if not self.cfg.sync:
             self._allocate_staging(restored)
         return step, source, restored
@@ -480,7 +503,9 @@ class CheckpointManager:
         copy_s = s.copy.result()
         if s.request is None:   # kept in memory only
             waited = time.monotonic() - t0
-            self.replica_snapshot, self.replica_step, self.replica_copy_s = s.state, s.step, copy_s
+            self.node.mark(s.step, s.slot, s.state, self.run_id)
+            self.replica_snapshot, self.replica_step, self.replica_slot = s.state, s.step, s.slot
+            self.replica_copy_s, self.replica_run = copy_s, self.run_id
             if self.d.is_main:
                 self.events.emit("memory_snapshot", step=s.step, block_s=round(s.blocked_s + waited, 4),
                                  copy_s=round(copy_s, 4))
@@ -498,20 +523,26 @@ class CheckpointManager:
         return waited
 
     def snapshot_to_memory(self, step: int, state: StateSource) -> None:
-        """Copy ``state`` into the in-memory replica, for in-process restarts only (nothing is written).
+        """Copy ``state`` into the in-memory replica (node-local shared memory; nothing is written to disk).
 
         Like ``save``: the copy runs on the copier thread, and ``finish_snapshot`` must be called before
         the state changes. It costs no disk, no writer and no collective, so it can be taken far more often
-        than checkpoints: an in-process restart then redoes only the steps since the last one.
+        than checkpoints: a restart in the same process or on the same node then redoes only the steps
+        since the last one.
         """
         t0 = time.monotonic()
         self.finish_snapshot()
         state = state() if callable(state) else state
-        self.replica, snapshot, pairs = _staged_into(
-            state, self.replica, lambda s: _create_cpu_state_dict(s, pin_memory=self.d.device.type == "cuda"))
-        self.replica_snapshot = self.replica_step = None   # overwritten from here on
+        slot = 1 - self.replica_slot    # never the slot of the newest complete replica
+        self.replicas[slot], snapshot, pairs = _staged_into(state, self.replicas[slot],
+                                                            lambda s: self.node.buffer(s, slot))
         copy = self._start_copy(pairs)
-        self.copying = _Snapshot(step, snapshot, copy, None, None, time.monotonic() - t0, {})
+        self.copying = _Snapshot(step, snapshot, copy, None, None, time.monotonic() - t0, {}, slot)
+
+    def drop_replica(self) -> None:
+        """Forget the replica and free its memory on the node (a committed checkpoint supersedes it)."""
+        self.node.discard()
+        self.replicas, self.replica_snapshot, self.replica_step = [None, None], None, None
 
     def _snapshot_taken(self, step: int, block_s: float, *, sync: bool, phases: dict | None = None,
                         interval: bool = True) -> None:

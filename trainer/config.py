@@ -62,11 +62,15 @@ class CheckpointConfig:
     mtbf_s: float = _f(0.0, "with --ckpt-every auto: expected seconds between failures of this job (0 = from "
                             "the faults observed in this run, else 24 h)")
     ckpt_every_s: float = _f(0.0, "also checkpoint when this many seconds passed since the last one (0 = off)")
-    memory_every_s: float = _f(1.0, "with an in-process restart layer: between checkpoints, copy the state to host "
-                                    "memory (no write) this often, so an in-process restart redoes at most this "
-                                    "much work; copies are spaced at least 20x their own duration apart "
-                                    "(0 = off: the last checkpoint's snapshot only)",
+    memory_every_s: float = _f(1.0, "between checkpoints, copy the state to node-local shared memory (no write) "
+                                    "this often, so a restart in the same process or on the same node redoes at "
+                                    "most this much work; copies are spaced at least 20x their own duration "
+                                    "apart (0 = off: restarts go back to the last checkpoint)",
                                flag="--memory-snapshot-every-s")
+    memory_dir: str = _f("/dev/shm", "where memory snapshots live: a memory-backed file system on the node (two "
+                                     "copies of each rank's state; if it is missing or full, they stay in process "
+                                     "memory and only in-process restarts use them)",
+                         flag="--memory-snapshot-dir")
     keep: int = _f(3, "committed checkpoints to keep (older ones are deleted)", flag="--ckpt-keep")
     sync: bool = _f(False, "write checkpoints synchronously (torch DCP) instead of NVRx async",
                     flag="--ckpt-sync")

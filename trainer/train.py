@@ -23,6 +23,7 @@ import logging
 import math
 import os
 import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -155,6 +156,7 @@ class Session:
         self.out.mkdir(parents=True, exist_ok=True)
         self.events_path = self.out / "events.jsonl"
         self.events = EventLog(self.events_path, self.rank)
+        self.run_id: str | None = None    # rank 0's, from _record_start; the others learn it in restore
         self.sigterm = SigtermFlag.install()
         if self.rank == 0:
             self._record_start()
@@ -174,9 +176,12 @@ class Session:
 
     def _record_start(self) -> None:
         restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-        earlier = any(e["event"] == "run_start" for e in read_events(self.events_path))
+        starts = [e for e in read_events(self.events_path) if e["event"] == "run_start"]
+        earlier = bool(starts)
+        # Names the run across its restarts; memory snapshots left on a node are trusted only by their run.
+        self.run_id = starts[0].get("run_id") if starts and starts[0].get("run_id") else uuid.uuid4().hex
         self.cfg.save(self.out / "config.json")
-        self.events.emit("run_start", world_size=self.world_size, restart_count=restart_count)
+        self.events.emit("run_start", world_size=self.world_size, restart_count=restart_count, run_id=self.run_id)
         if restart_count > 0:
             self.events.emit("restart", layer="injob", restart_count=restart_count)
         elif earlier:
@@ -185,7 +190,8 @@ class Session:
     def checkpoints(self, d: Dist) -> CheckpointManager:
         if self.ckpt is None:
             self.ckpt = CheckpointManager(self.out / "checkpoints", self.cfg.checkpoint, d, self.events,
-                                          on_write_started=self.faults.on_checkpoint_write_started)
+                                          on_write_started=self.faults.on_checkpoint_write_started,
+                                          run_id=self.run_id)
         return self.ckpt
 
     def close(self) -> None:
@@ -234,8 +240,8 @@ def train(session: Session, call_wrapper=None) -> dict | None:
             return {"model": model_sd, "optim": optim_sd, "scheduler": scheduler.state_dict(),
                     "train": asdict(state), f"rng_rank{d.rank}": rng_state(d.device), "ft": ft.state_json()}
 
-        # ---- resume: the in-memory snapshot after an in-process restart, else the newest committed
-        # checkpoint, else a fresh start
+        # ---- resume: the newest memory snapshot every rank holds (after an in-process restart, or on the
+        # same nodes after an in-job one), else the newest committed checkpoint, else a fresh start
         resumed_from, source, loaded = ckpt.restore(app_state())
         if resumed_from is not None:
             set_state_dict(model, optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
@@ -295,9 +301,9 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 due = d.is_main and policy.due(state.step, cfg.run.max_steps, writers_busy or ckpt.writing)
                 # A spot interruption notice seen on this rank's node makes a checkpoint due (any rank: SUM below).
                 due = session.spot.maybe_due(state.step, cfg.run.max_steps) or due
-                # Between checkpoints, a copy in memory bounds what an in-process restart redoes.
-                to_memory = (d.is_main and not due and call_wrapper is not None
-                             and policy.memory_due(state.step, cfg.run.max_steps, ckpt.replica_copy_s))
+                # Between checkpoints, a copy in memory bounds what a restart redoes.
+                to_memory = d.is_main and not due and policy.memory_due(state.step, cfg.run.max_steps,
+                                                                        ckpt.replica_copy_s)
                 flags = torch.cat([loss.float().reshape(1),
                                    torch.tensor([session.sigterm.is_set, due, ckpt.writing, to_memory],
                                                 dtype=torch.float32, device=d.device)])
@@ -344,6 +350,7 @@ def train(session: Session, call_wrapper=None) -> dict | None:
             with _atomic(call_wrapper):
                 ckpt.save(state.step, app_state, blocking=True)
         ckpt.wait()
+        ckpt.drop_replica()   # older than the final checkpoint
         val_loss = validation_loss(model, session.split_val, cfg, d)
         sha = params_sha256(model)
         summary = None
@@ -379,6 +386,7 @@ def _stop_on_sigterm(session: Session, ckpt: CheckpointManager, d: Dist, state: 
     t0 = time.monotonic()
     with session.ft.section("checkpoint"), _atomic(call_wrapper):
         ckpt.save(state.step, app_state, blocking=True)
+    ckpt.drop_replica()   # older than the checkpoint just committed
     took = time.monotonic() - t0
     if d.is_main:
         if took > session.cfg.checkpoint.sigterm_grace_s:

@@ -1,0 +1,169 @@
+"""This rank's in-memory replica of the training state, in node-local shared memory, so that it outlives
+the rank.
+
+Between checkpoints the loop copies its state here every ``--memory-snapshot-every-s``. The copy lives
+in files under ``--memory-snapshot-dir`` (``/dev/shm``: memory, not disk), mapped into the process: an
+in-process restart reads it from the same mapping, and an in-job restart, after a rank was killed or a
+hung rank was killed by its monitor, reads it from the files, since the node and its memory are still
+there. Either way a restart redoes about a second of work instead of everything since the last committed
+checkpoint.
+
+Two slots per rank: a copy goes into the slot that does not hold the newest complete snapshot, and the
+marker that names the complete one (its step, its slot, the state's non-tensor values, the tensor layout)
+is replaced atomically once the copy is done. A rank killed mid-copy leaves the previous snapshot whole.
+
+Only the state's local tensors are stored (a DTensor's shard, with its mesh and placements taken from the
+live state when it is read back), so reading a replica needs the live state of the same structure, which
+the restart has just built.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import pickle
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.tensor import DTensor
+
+from .layout import write_atomic
+
+log = logging.getLogger(__name__)
+
+_ALIGN = 64
+
+
+class _Leaf:
+    """Stands for the i-th tensor of a snapshot in the pickled marker."""
+
+    def __init__(self, index: int):
+        self.index = index
+
+
+def replica_dir(root: Path, out: Path) -> Path:
+    """This run's directory under ``root``, named after its output directory (several runs share a node)."""
+    return root / f"goodput-{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}"
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+def _tensors(state: Any, out: list) -> list:
+    """The tensors of ``state`` in traversal order (the order every function here walks it in)."""
+    if isinstance(state, torch.Tensor):
+        out.append(state)
+    elif isinstance(state, dict):
+        for v in state.values():
+            _tensors(v, out)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            _tensors(v, out)
+    return out
+
+
+def _layout(state: Any) -> list[tuple[str, tuple]]:
+    return [(str(_local(t).dtype), tuple(_local(t).shape)) for t in _tensors(state, [])]
+
+
+def _rebuild(template: Any, live: Any, views: list[torch.Tensor], counter: list[int]) -> Any:
+    """``template``'s structure and non-tensor values, with the next view for each tensor; a DTensor view
+    gets the mesh and placements of the tensor at the same place in ``live``."""
+    if isinstance(template, (torch.Tensor, _Leaf)):
+        view = views[counter[0]]
+        counter[0] += 1
+        # A host-memory shard with the live DTensor's spec (as torch's _create_cpu_state_dict makes them;
+        # DTensor.from_local would move it to the mesh's device).
+        return DTensor(view, live._spec, requires_grad=False) if isinstance(live, DTensor) else view
+    if isinstance(template, dict):
+        return {k: _rebuild(v, live[k], views, counter) for k, v in template.items()}
+    if isinstance(template, (list, tuple)):
+        return type(template)(_rebuild(v, lv, views, counter) for v, lv in zip(template, live))
+    return template
+
+
+def _strip(state: Any, counter: list[int]) -> Any:
+    """``state`` with every tensor replaced by a ``_Leaf`` (for the marker)."""
+    if isinstance(state, torch.Tensor):
+        counter[0] += 1
+        return _Leaf(counter[0] - 1)
+    if isinstance(state, dict):
+        return {k: _strip(v, counter) for k, v in state.items()}
+    if isinstance(state, (list, tuple)):
+        return type(state)(_strip(v, counter) for v in state)
+    return state
+
+
+class NodeReplica:
+    """This rank's two replica slots and their marker, in ``directory``."""
+
+    def __init__(self, directory: Path, rank: int):
+        self.dir, self.rank = directory, rank
+        self.marker_path = directory / f"rank{rank}.marker"
+        self.persistent = True    # False once the files could not be created: slots in private memory
+
+    def _slot_path(self, slot: int) -> Path:
+        return self.dir / f"rank{self.rank}.slot{slot}"
+
+    def marked(self) -> dict | None:
+        """The marker of the newest complete snapshot: step, slot, run, layout, values; None if there is none."""
+        try:
+            return pickle.loads(self.marker_path.read_bytes())
+        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+            return None
+
+    def buffer(self, state: dict, slot: int) -> dict:
+        """A buffer shaped like ``state`` (tensors: views of slot ``slot``, sized to ``state``)."""
+        layout = [(_local(t).dtype, _local(t).shape) for t in _tensors(state, [])]
+        offsets, size = [], 0
+        for dtype, shape in layout:
+            offsets.append(size)
+            size += -(-shape.numel() * dtype.itemsize // _ALIGN) * _ALIGN    # aligned for every dtype's view
+        flat = self._map(slot, max(size, _ALIGN))
+        views = [flat[o:].view(dtype)[:shape.numel()].view(shape) for o, (dtype, shape) in zip(offsets, layout)]
+        return _rebuild(state, state, views, [0])
+
+    def _map(self, slot: int, size: int) -> torch.Tensor:
+        if self.persistent:
+            path = self._slot_path(slot)
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+                try:
+                    os.ftruncate(fd, size)
+                    # Reserve the memory now: a full /dev/shm would otherwise surface as SIGBUS mid-copy.
+                    os.posix_fallocate(fd, 0, size)
+                finally:
+                    os.close(fd)
+                return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+            except OSError as e:
+                log.warning("memory snapshots stay in process memory (an in-job restart cannot use them): "
+                            "cannot map %s: %s", path, e)
+                self.persistent = False
+                self.discard()
+        return torch.empty(size, dtype=torch.uint8)
+
+    def mark(self, step: int, slot: int, snapshot: dict, run: str | None) -> None:
+        """Record ``snapshot`` (copied into slot ``slot`` by run ``run``) as the newest complete one."""
+        if self.persistent:
+            write_atomic(self.marker_path, pickle.dumps({"step": step, "slot": slot, "run": run,
+                                                         "layout": _layout(snapshot),
+                                                         "values": _strip(snapshot, [0])}))
+
+    def load(self, state: dict) -> tuple[int, int, dict] | None:
+        """(step, slot, snapshot) of the marked snapshot, read from its slot and arranged like the live
+        ``state``; None if there is none or its layout is not ``state``'s."""
+        marker = self.marked()
+        if marker is None or marker["layout"] != _layout(state):
+            return None
+        slot_view = self.buffer(state, marker["slot"])
+        views = [_local(t) for t in _tensors(slot_view, [])]
+        return marker["step"], marker["slot"], _rebuild(marker["values"], state, views, [0])
+
+    def discard(self) -> None:
+        """Delete this rank's marker (first: the slots are then never read) and slots."""
+        for path in (self.marker_path, self._slot_path(0), self._slot_path(1)):
+            path.unlink(missing_ok=True)
