@@ -65,8 +65,14 @@ def _tensors(state: Any, out: list) -> list:
     return out
 
 
+def _specs(state: Any) -> list[tuple[torch.dtype, torch.Size]]:
+    """(dtype, shape) of the local part of each tensor of ``state``: what a slot stores."""
+    return [(_local(t).dtype, _local(t).shape) for t in _tensors(state, [])]
+
+
 def _layout(state: Any) -> list[tuple[str, tuple]]:
-    return [(str(_local(t).dtype), tuple(_local(t).shape)) for t in _tensors(state, [])]
+    """``_specs`` as the marker records them."""
+    return [(str(dtype), tuple(shape)) for dtype, shape in _specs(state)]
 
 
 def _rebuild(template: Any, live: Any, views: list[torch.Tensor], counter: list[int]) -> Any:
@@ -117,7 +123,7 @@ class NodeReplica:
 
     def buffer(self, state: dict, slot: int) -> dict:
         """A buffer shaped like ``state`` (tensors: views of slot ``slot``, sized to ``state``)."""
-        layout = [(_local(t).dtype, _local(t).shape) for t in _tensors(state, [])]
+        layout = _specs(state)
         offsets, size = [], 0
         for dtype, shape in layout:
             offsets.append(size)
@@ -130,7 +136,7 @@ class NodeReplica:
         if self.persistent:
             path = self._slot_path(slot)
             try:
-                self.dir.mkdir(parents=True, exist_ok=True)
+                self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)   # markers are unpickled: ours only
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
                 try:
                     os.ftruncate(fd, size)
