@@ -26,8 +26,7 @@ def _check_finished_like_clean(run, clean_sha) -> dict:
 @pytest.mark.parametrize("fault,restart,layer", [
     ("exception@6:1", "both", "inprocess"),
     ("exception@6:1", "injob", "injob"),
-    ("kill@6:1", "both", "injob"),
-    ("hang@6:0", "both", "injob"),
+    ("hang@6:0", "both", "injob"),        # kill: test_a_restart_resumes_from_the_newest_memory_snapshot
     ("ckpt-crash@8:0", "both", "injob"),
 ])
 def test_fault_is_recovered_by_the_right_layer(tmp_path, start_run, clean_sha, fault, restart, layer):
@@ -41,9 +40,7 @@ def test_fault_is_recovered_by_the_right_layer(tmp_path, start_run, clean_sha, f
     assert summary["restarts_injob"] == (layer == "injob")
     assert summary["lost_steps"] >= 0 and summary["faults"][0]["recovered_s"] > 0
     if layer == "injob":
-        # The restarted ranks were forked from the warm-start zygote, not started cold.
-        starts = [e for e in run.events() if e["event"] == "worker_start"]
-        assert len(starts) == 4 and all(e["warm"] for e in starts)
+        _assert_restarted_warm(run)
     if layer == "inprocess":
         # Restored from the in-memory snapshot: no disk read.
         assert any(e["event"] == "ckpt_loaded" and e["source"] == "memory" for e in run.events())
@@ -52,6 +49,12 @@ def test_fault_is_recovered_by_the_right_layer(tmp_path, start_run, clean_sha, f
         # the node's memory taken before the crash.
         last = [(e["source"], e["step"]) for e in run.events() if e["event"] == "ckpt_loaded"][-1]
         assert last == ("checkpoint", 4) or (last[0] == "memory" and 4 <= last[1] < 8), last
+
+
+def _assert_restarted_warm(run) -> None:
+    """The restarted ranks were forked from the warm-start zygote, not started cold."""
+    starts = [e for e in run.events() if e["event"] == "worker_start"]
+    assert len(starts) == 4 and all(e["warm"] for e in starts)
 
 
 def test_sigterm_fault_is_recovered_by_a_job_restart(tmp_path, start_run, clean_sha):
@@ -69,7 +72,7 @@ def test_sigterm_fault_is_recovered_by_a_job_restart(tmp_path, start_run, clean_
 
 @pytest.mark.parametrize("fault,restart,layer", [
     ("exception@7:1", "both", "inprocess"),
-    ("kill@7:1", "injob", "injob"),       # new processes on the same node find the copy in its memory
+    ("kill@7:1", "both", "injob"),        # new processes on the same node find the copy in its memory
 ])
 def test_a_restart_resumes_from_the_newest_memory_snapshot(tmp_path, start_run, clean_sha, fault, restart, layer):
     """Between checkpoints the state is copied to node memory; the restart redoes only the steps since the copy."""
@@ -84,3 +87,6 @@ def test_a_restart_resumes_from_the_newest_memory_snapshot(tmp_path, start_run, 
     # at least 20x their duration apart, so not necessarily both): the newest copy is what both ranks loaded.
     assert copies and copies[-1] in (5, 6) and loaded == [("memory", copies[-1])] * 2
     assert summary[f"restarts_{layer}"] == 1 and summary["lost_steps"] == 6 - copies[-1]
+    assert [(f["kind"], f["layer"]) for f in summary["faults"]] == [(fault.split("@")[0], layer)]
+    if layer == "injob":
+        _assert_restarted_warm(run)
