@@ -3,8 +3,8 @@
 Two runs of the same training, side by side in one invocation, on 2 CPU ranks: one writes its
 checkpoints through NVRx's async path (shared-memory snapshot, background writer), the other with
 synchronous ``torch.distributed.checkpoint.save``. The state (model + AdamW moments, all ranks) is
-about 200 MB or more. Blocking = the time ``CheckpointManager.save`` holds the loop (building the state
-dict included: ``get_state_dict`` of the FSDP2 model and optimizer) plus, for the async save, any wait for
+about 200 MB or more. Blocking = the time ``CheckpointManager.save`` holds the loop (getting the state
+dict included: ``trainer.live_state`` builds it once, then refreshes it) plus, for the async save, any wait for
 its background copy before the next optimizer step, from the events of each run's interval checkpoints
 (the final, deliberately blocking one is excluded). The phases of each save are in its ``ckpt_snapshot``
 event (``wait_s`` includes building the state dict).

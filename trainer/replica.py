@@ -110,6 +110,9 @@ class NodeReplica:
         self.dir, self.rank = directory, rank
         self.marker_path = directory / f"rank{rank}.marker"
         self.persistent = True    # False once the files could not be created: slots in private memory
+        # Each slot's layout as the marker records it, computed when the slot is mapped: the structure is
+        # fixed for as long as a buffer is reused, so a copy does not walk the state again for it.
+        self.layouts: list[list | None] = [None, None]
 
     def _slot_path(self, slot: int) -> Path:
         return self.dir / f"rank{self.rank}.slot{slot}"
@@ -123,14 +126,18 @@ class NodeReplica:
 
     def buffer(self, state: dict, slot: int) -> dict:
         """A buffer shaped like ``state`` (tensors: views of slot ``slot``, sized to ``state``)."""
+        return _rebuild(state, state, self._views(state, slot), [0])
+
+    def _views(self, state: dict, slot: int) -> list[torch.Tensor]:
+        """Slot ``slot`` mapped and sized for ``state``'s tensors: one view per tensor, in traversal order."""
         layout = _specs(state)
+        self.layouts[slot] = _layout(state)
         offsets, size = [], 0
         for dtype, shape in layout:
             offsets.append(size)
             size += -(-shape.numel() * dtype.itemsize // _ALIGN) * _ALIGN    # aligned for every dtype's view
         flat = self._map(slot, max(size, _ALIGN))
-        views = [flat[o:].view(dtype)[:shape.numel()].view(shape) for o, (dtype, shape) in zip(offsets, layout)]
-        return _rebuild(state, state, views, [0])
+        return [flat[o:].view(dtype)[:shape.numel()].view(shape) for o, (dtype, shape) in zip(offsets, layout)]
 
     def _map(self, slot: int, size: int) -> torch.Tensor:
         if self.persistent:
@@ -156,7 +163,7 @@ class NodeReplica:
         """Record ``snapshot`` (copied into slot ``slot`` by run ``run``) as the newest complete one."""
         if self.persistent:
             write_atomic(self.marker_path, pickle.dumps({"step": step, "slot": slot, "run": run,
-                                                         "layout": _layout(snapshot),
+                                                         "layout": self.layouts[slot],
                                                          "values": _strip(snapshot, [0])}))
 
     def load(self, state: dict) -> tuple[int, int, dict] | None:
@@ -165,9 +172,8 @@ class NodeReplica:
         marker = self.marked()
         if marker is None or marker["layout"] != _layout(state):
             return None
-        slot_view = self.buffer(state, marker["slot"])
-        views = [_local(t) for t in _tensors(slot_view, [])]
-        return marker["step"], marker["slot"], _rebuild(marker["values"], state, views, [0])
+        return marker["step"], marker["slot"], _rebuild(marker["values"], state, self._views(state, marker["slot"]),
+                                                        [0])
 
     def discard(self) -> None:
         """Delete this rank's marker (first: the slots are then never read) and slots."""

@@ -179,7 +179,7 @@ class Session:
         starts = [e for e in read_events(self.events_path) if e["event"] == "run_start"]
         earlier = bool(starts)
         # Names the run across its restarts; memory snapshots left on a node are trusted only by their run.
-        self.run_id = starts[0].get("run_id") if starts and starts[0].get("run_id") else uuid.uuid4().hex
+        self.run_id = (starts[0].get("run_id") if starts else None) or uuid.uuid4().hex
         self.cfg.save(self.out / "config.json")
         self.events.emit("run_start", world_size=self.world_size, restart_count=restart_count, run_id=self.run_id)
         if restart_count > 0:
