@@ -23,6 +23,11 @@ def _check_finished_like_clean(run, clean_sha) -> dict:
     return summary
 
 
+# The hang is caught by the step timeout the rank monitor learns (from 3 steady steps, raised to a 3 s
+# floor); the launcher's flag stays at its 300 s default, so only the tightened timeout can catch it.
+LEARNED_FT = ["--ft-calc-after-steps", "3", "--ft-min-step-timeout-s", "3"]
+
+
 @pytest.mark.parametrize("fault,restart,layer", [
     ("exception@6:1", "both", "inprocess"),
     ("exception@6:1", "injob", "injob"),
@@ -30,8 +35,10 @@ def _check_finished_like_clean(run, clean_sha) -> dict:
     ("ckpt-crash@8:0", "both", "injob"),
 ])
 def test_fault_is_recovered_by_the_right_layer(tmp_path, start_run, clean_sha, fault, restart, layer):
-    run = start_run(tmp_path / "run", *STEPS, "--inject-fault", fault, "--restart-layers", restart, max_restarts=2,
-                    **FAST_FT)
+    hang = fault.startswith("hang")
+    run = start_run(tmp_path / "run", *STEPS, "--inject-fault", fault, "--restart-layers", restart,
+                    *(LEARNED_FT if hang else []), max_restarts=2,
+                    **(dict(FAST_FT, step_timeout_s=300.0) if hang else FAST_FT))
     assert run.wait() == 0, run.tail()
     summary = _check_finished_like_clean(run, clean_sha)
     kind = fault.split("@")[0]
@@ -44,6 +51,9 @@ def test_fault_is_recovered_by_the_right_layer(tmp_path, start_run, clean_sha, f
     if layer == "inprocess":
         # Restored from the in-memory snapshot: no disk read.
         assert any(e["event"] == "ckpt_loaded" and e["source"] == "memory" for e in run.events())
+    if hang:
+        # Tightened to the floor (5x these ~0.1 s steps is under it), not left at the flag's 300 s.
+        assert [e["timeout_s"] for e in run.events() if e["event"] == "ft_step_timeout"][:1] == [3.0]
     if kind == "ckpt-crash":
         # The torn step-8 checkpoint is never used: the restart loads the step-4 one, or a newer copy in
         # the node's memory taken before the crash.

@@ -6,9 +6,9 @@ pays for lazy initialisation), ``step`` (one steady-state training step) and
 out of every section longer than the out-of-section timeout, is killed by its monitor and ft_launcher
 restarts the worker group. The launcher's flags carry safe upper bounds; after ``calc_after_steps``
 steps the ``step`` timeout is tightened to NVRx's safety factor x the longest step seen, but never
-below ``min_step_timeout_s`` (a timeout learned from a few fast steps would kill a healthy run during a
-slow one). The learned timeouts travel in every checkpoint (``RankMonitorClient.state_dict``), so a
-restarted rank is protected from its first step.
+below ``min_step_timeout_s`` (a timeout learned from a few fast steps would kill a healthy run during
+a slow one) and never above the launcher's flag. The learned timeouts travel in every checkpoint
+(``RankMonitorClient.state_dict``), so a restarted rank is protected from its first step.
 
 Disabled (every call a no-op) when the process was not started by ft_launcher.
 """
@@ -27,7 +27,6 @@ class FTManager:
     def __init__(self, calc_after_steps: int, min_step_timeout_s: float):
         self.calc_after_steps, self.min_step_timeout_s = calc_after_steps, min_step_timeout_s
         self.client = None
-        self.max_step_s = 0.0
         self.steps_seen = 0
         self.calculated = False
         from nvidia_resiliency_ext.fault_tolerance.data import FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR
@@ -61,24 +60,33 @@ class FTManager:
             except Exception as e:  # the monitor may already be gone (the launcher is restarting the group)
                 log.warning("rank monitor unreachable while closing sections: %s", e)
 
-    def observe_step(self, step_s: float) -> None:
-        """Feed a step's duration; tighten the step timeout once enough steps were seen (collective)."""
+    def observe_step(self) -> float | None:
+        """Count a steady step; once enough were seen, tighten the step timeout (collective) and return it.
+
+        NVRx measures the ``step`` sections itself; this decides when to use them and bounds the result.
+        """
         if self.client is None or self.calculated:
-            return
+            return None
         self.steps_seen += 1
-        self.max_step_s = max(self.max_step_s, step_s)
         if self.steps_seen < self.calc_after_steps:
             return
         self.calculated = True
-        # Every rank takes the same branch: the decision uses only the config and the step count, and
-        # NVRx's calculation synchronizes the measured times across ranks.
-        if self.safety_factor * self.max_step_s >= self.min_step_timeout_s:
-            self.client.calculate_and_set_section_timeouts(selected_sections=["step"], calc_out_of_section=False,
-                                                           skip_if_not_ready=True)
-            log.info("rank monitor: step timeout set to %.1fs", self.client.section_timeouts.section["step"])
-        else:
-            log.info("rank monitor: steps are fast (max %.2fs); keeping the configured step timeout, as %.1fx "
-                     "would be under the %.0fs floor", self.max_step_s, self.safety_factor, self.min_step_timeout_s)
+        configured = self.client.section_timeouts.section.get("step") or float("inf")
+        # Collective (NVRx synchronizes the measured times across ranks), so every rank sets the same value.
+        if not self.client.calculate_and_set_section_timeouts(selected_sections=["step"], calc_out_of_section=False,
+                                                              skip_if_not_ready=True):
+            return None
+        learned = self.client.section_timeouts.section["step"]
+        # Tightening: never under the floor, never looser than the launcher's flag.
+        timeout = min(configured, max(learned, self.min_step_timeout_s))
+        if timeout != learned:
+            # Set through the client's public state round trip, the path a restored checkpoint takes.
+            state = self.client.state_dict()
+            state[self.client.CURRENT_TIMEOUTS_STATE_KEY]["section"]["section"]["step"] = timeout
+            self.client.load_state_dict(state)
+        log.info("rank monitor: step timeout set to %.1fs (%.1fx the longest of %d steps is %.1fs; floor %gs)",
+                 timeout, self.safety_factor, self.steps_seen, learned, self.min_step_timeout_s)
+        return timeout
 
     def state_json(self) -> str:
         """The monitor's learned timeouts, saved in every checkpoint (the same on every rank)."""

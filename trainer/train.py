@@ -313,8 +313,9 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 # A wait for the checkpoint copy is the checkpoint's blocking time, not the step's.
                 step_s = time.monotonic() - t0 - snapshot_wait_s
             policy.observe_step(step_s, writing=writers_busy)
-            if steady:
-                ft.observe_step(step_s)
+            step_timeout_s = ft.observe_step() if steady else None
+            if step_timeout_s is not None and d.is_main:
+                events.emit("ft_step_timeout", step=state.step, timeout_s=round(step_timeout_s, 3))
             session.metrics.observe_step(state.step, step_s, tokens_per_step)
             if d.is_main:
                 events.emit("step", step=state.step, loss=round(loss_mean, 6), step_s=round(step_s, 5),
