@@ -22,6 +22,7 @@ Anything that goes wrong on the way (no zygote, a zygote that died) also ends in
 from __future__ import annotations
 
 import atexit
+import contextlib
 import glob
 import json
 import os
@@ -267,7 +268,8 @@ def delegate(argv: list[str]) -> None:
                 os.kill(child[0], s)
             status = _recv(conn)
             if status is None:    # the zygote died: the child cannot report, so it must not outlive us
-                os.kill(child[0], signal.SIGKILL)
+                with contextlib.suppress(ProcessLookupError):   # it may have died first
+                    os.kill(child[0], signal.SIGKILL)
                 return 1
     finally:
         for s, h in previous.items():
