@@ -228,7 +228,7 @@ class CheckpointManager:
         self.snapshot_step: int | None = None
         # The in-memory replica (snapshot_to_memory): two slots in node-local shared memory, which a rank
         # started by an in-job restart finds again (trainer/replica.py).
-        self.node = NodeReplica(replica_dir(Path(cfg.memory_dir), root), d.rank)
+        self.node = NodeReplica(replica_dir(Path(cfg.memory_dir), root), d.rank, pin=d.device.type == "cuda")
         self.replicas: list[dict | None] = [None, None]   # the slots' buffers, as mapped by this attempt
         self.replica_snapshot: dict | None = None         # the newest complete replica, once read
         marker = self.node.marked()

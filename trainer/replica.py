@@ -106,13 +106,15 @@ def _strip(state: Any, counter: list[int]) -> Any:
 class NodeReplica:
     """This rank's two replica slots and their marker, in ``directory``."""
 
-    def __init__(self, directory: Path, rank: int):
-        self.dir, self.rank = directory, rank
+    def __init__(self, directory: Path, rank: int, *, pin: bool = False):
+        """``pin``: page-lock the slots for device-to-host copies (the state lives on a GPU)."""
+        self.dir, self.rank, self.pin = directory, rank, pin
         self.marker_path = directory / f"rank{rank}.marker"
         self.persistent = True    # False once the files could not be created: slots in private memory
         # Each slot's layout as the marker records it, computed when the slot is mapped: the structure is
         # fixed for as long as a buffer is reused, so a copy does not walk the state again for it.
         self.layouts: list[list | None] = [None, None]
+        self.pinned: list[torch.Tensor | None] = [None, None]   # each slot's page-locked mapping, if any
 
     def _slot_path(self, slot: int) -> Path:
         return self.dir / f"rank{self.rank}.slot{slot}"
@@ -140,6 +142,7 @@ class NodeReplica:
         return [flat[o:].view(dtype)[:shape.numel()].view(shape) for o, (dtype, shape) in zip(offsets, layout)]
 
     def _map(self, slot: int, size: int) -> torch.Tensor:
+        self._unpin(slot)
         if self.persistent:
             path = self._slot_path(slot)
             try:
@@ -151,13 +154,29 @@ class NodeReplica:
                     os.posix_fallocate(fd, 0, size)
                 finally:
                     os.close(fd)
-                return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+                return self._pinned(slot, torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8))
             except OSError as e:
                 log.warning("memory snapshots stay in process memory (an in-job restart cannot use them): "
                             "cannot map %s: %s", path, e)
                 self.persistent = False
                 self.discard()
-        return torch.empty(size, dtype=torch.uint8)
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+
+    def _pinned(self, slot: int, flat: torch.Tensor) -> torch.Tensor:
+        """Page-lock a mapped slot (with ``pin``), so the device-to-host copy into it runs by DMA at full
+        speed: into pageable memory the driver copies through a bounce buffer, several times slower."""
+        if self.pin:
+            try:
+                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0))
+                self.pinned[slot] = flat   # kept mapped until unregistered (_unpin)
+            except RuntimeError as e:   # torch.cuda.CudaError: e.g. the locked-memory limit
+                log.warning("memory snapshot slot %d stays pageable (slower copies): %s", slot, e)
+        return flat
+
+    def _unpin(self, slot: int) -> None:
+        flat, self.pinned[slot] = self.pinned[slot], None
+        if flat is not None:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(flat.data_ptr()))
 
     def mark(self, step: int, slot: int, snapshot: dict, run: str | None) -> None:
         """Record ``snapshot`` (copied into slot ``slot`` by run ``run``) as the newest complete one."""
@@ -177,5 +196,7 @@ class NodeReplica:
 
     def discard(self) -> None:
         """Delete this rank's marker (first: the slots are then never read) and slots."""
+        for slot in (0, 1):
+            self._unpin(slot)
         for path in (self.marker_path, self._slot_path(0), self._slot_path(1)):
             path.unlink(missing_ok=True)
