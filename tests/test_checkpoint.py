@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import threading
 
+import psutil
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
@@ -62,6 +63,25 @@ def test_round_trip_commit_retention_and_torn_cleanup(tmp_path, process_group, s
         assert [e["step"] for e in snapshots] == [1, 2, 3] and all(e["block_s"] >= 0 for e in snapshots)
         if not sync:   # the blocking time counts the wait for the background copy
             assert all(e["block_s"] >= e["copy_wait_s"] for e in snapshots)
+    finally:
+        mgr.close()
+
+
+def test_the_writer_is_started_at_the_configured_niceness(tmp_path, process_group):
+    """NVRx's worker runs at --ckpt-writer-nice from its start (its boot imports torch), not once it has
+    booted; the rank itself keeps its priority."""
+    mine = psutil.Process().nice()
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(writer_nice=7), process_group,
+                            EventLog(tmp_path / "e", 0))
+    try:
+        before = {p.pid for p in psutil.Process().children()}
+        mgr.start_writer()
+        writers = [p for p in psutil.Process().children() if p.pid not in before]
+        assert writers and all(p.nice() == max(mine, 7) for p in writers)
+        assert psutil.Process().nice() == mine
+        mgr.save(1, _state(1))
+        mgr.wait()     # and it still writes
+        assert committed_steps(tmp_path / "ckpt") == [1]
     finally:
         mgr.close()
 

@@ -35,7 +35,6 @@ import contextlib
 import importlib
 import json
 import logging
-import os
 import pickle
 import shutil
 import signal
@@ -47,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
+import psutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -89,10 +89,8 @@ def delete_checkpoint(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _prepare_writer(module: str, niceness: int) -> None:
-    """Runs in NVRx's persistent worker, once: lower its CPU priority (inherited by the processes it forks
-    for each write) and import the writer's module."""
-    os.nice(niceness)
+def _prepare_writer(module: str) -> None:
+    """Runs in NVRx's persistent worker, once: import the writer's module before the first write needs it."""
     importlib.import_module(module)
 
 
@@ -272,9 +270,16 @@ class CheckpointManager:
         # SIGTERM. They end when the rank closes the queue, or by SIGKILL to the group.
         with _sigterm_ignored():
             _get_write_results_queue()
+            before = {p.pid for p in psutil.Process().children()}
             self.queue = AsyncCallsQueue(persistent=True)
-            self.queue.schedule_async_request(
-                AsyncRequest(_prepare_writer, (FileSystemWriterAsync.__module__, self.cfg.writer_nice), []))
+            self.queue.schedule_async_request(AsyncRequest(_prepare_writer, (FileSystemWriterAsync.__module__,), []))
+        # The worker's niceness is set as it is born, not once it runs: its boot (importing torch, seconds
+        # of CPU) would otherwise slow the steps after every restart wherever it shares cores with training.
+        # Its write processes inherit it. Never lowered: that needs a privilege pods do not have.
+        for child in psutil.Process().children():
+            if child.pid not in before:
+                with contextlib.suppress(psutil.NoSuchProcess):
+                    child.nice(max(child.nice(), self.cfg.writer_nice))
 
     # ----------------------------------------------------------------------------------------- load
     def restore(self, state: dict) -> tuple[int | None, str, dict]:

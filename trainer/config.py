@@ -75,10 +75,11 @@ class CheckpointConfig:
     sync: bool = _f(False, "write checkpoints synchronously (torch DCP) instead of NVRx async",
                     flag="--ckpt-sync")
     write_threads: int = _f(1, "writer processes per rank for async checkpoints", flag="--ckpt-threads")
-    writer_nice: int = _f(0, "CPU niceness of the async checkpoint writer processes (0-19). Where the writers "
-                             "share cores with training, a higher value favours the loop, but each write "
-                             "takes longer and a save waits if the previous write is still running",
-                          flag="--ckpt-writer-nice")
+    writer_nice: int = _f(19, "CPU niceness of the async checkpoint writer processes (0-19), from their start. "
+                              "Where they share cores with training, a high value keeps them from slowing the "
+                              "steps (their start after every restart imports torch), but writes take longer "
+                              "and a save is postponed while the previous write runs; on idle host cores it "
+                              "changes nothing", flag="--ckpt-writer-nice")
     sigterm_grace_s: float = _f(30.0, "seconds the final checkpoint after SIGTERM may take before the "
                                       "pod's grace period runs out; exceeding it is logged")
     # Mirror of committed checkpoints in S3 (trainer/mirror.py): survives the loss of FSx, its AZ or the cluster.
