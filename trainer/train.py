@@ -18,6 +18,7 @@ in ``Session`` and survives in-process restarts.
 from __future__ import annotations
 
 import contextlib
+import gc
 import hashlib
 import logging
 import math
@@ -405,6 +406,10 @@ def _atomic(call_wrapper):
 
 def run(cfg: TrainConfig) -> dict | None:
     """Entry point: train under the configured recovery layers."""
+    # The modules imported so far (torch: about 300k objects) live as long as the process. Frozen, they
+    # are not scanned by full collections, and the in-process Wrapper runs those until nothing is left
+    # before every restart: 0.4-0.5 s each on these objects here, twice per restart.
+    gc.freeze()
     session = Session(cfg)
     try:
         if cfg.restart.restart in ("inprocess", "both"):

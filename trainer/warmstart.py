@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import glob
 import json
 import os
@@ -88,6 +89,10 @@ def _preload() -> None:
     import torch._dynamo  # noqa: F401  fully_shard imports it on first call (over 1 s here)
 
     from . import restart, train  # noqa: F401
+
+    # What was imported lives as long as every child: out of the collector's sight, a child's collections
+    # neither scan it (see train.run) nor write to its pages, which stay shared with the zygote.
+    gc.freeze()
 
 
 def _fork_unsafe() -> str | None:
