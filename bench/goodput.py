@@ -24,7 +24,7 @@ from trainer.launch import LaunchConfig
 TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8",
         "--log-every", "100", "--ckpt-every", "auto", "--ckpt-keep", "2"]
 FT = LaunchConfig(nproc_per_node=2, max_restarts=100, step_timeout_s=5.0, workload_check_interval_s=0.5,
-                  monitor_interval_s=0.2, workers_stop_timeout_s=1.0)
+                  monitor_interval_s=0.2, workers_stop_timeout_s=0.3)
 
 
 def main() -> None:

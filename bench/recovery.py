@@ -26,9 +26,9 @@ TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", 
         "--max-steps", "20", "--ckpt-every", "5", "--log-every", "5",
         "--ft-calc-after-steps", "5", "--ft-min-step-timeout-s", "0.3"]
 # The rank monitor checks its rank every 0.25 s; the launcher polls its workers every 0.2 s and gives a
-# surviving worker 1 s to exit before SIGKILL when it restarts the group.
+# surviving worker 0.3 s to exit before SIGKILL when it restarts the group.
 FT = LaunchConfig(nproc_per_node=2, max_restarts=3, workload_check_interval_s=0.25, monitor_interval_s=0.2,
-                  workers_stop_timeout_s=1.0)
+                  workers_stop_timeout_s=0.3)
 LAYERS = {
     "in-process": (["--restart-layers", "inprocess", "--inprocess-interval-s", "0.1"], FT, None),
     "in-job": (["--restart-layers", "injob"], FT, None),

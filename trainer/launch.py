@@ -42,7 +42,9 @@ class LaunchConfig:
         "help": "how often the launcher polls its workers (bounds dead-process detection latency)"})
     term_timeout_s: float = field(default=60.0, metadata={
         "help": "SIGTERM to SIGKILL grace when the launcher is stopped (covers the SIGTERM checkpoint)"})
-    workers_stop_timeout_s: float = field(default=5.0, metadata={
+    # Survivors of a restarting group have nothing to finish (the memory snapshot and the commit protocol
+    # survive SIGKILL), and a hung rank cannot honour SIGTERM: the grace only delays the restart.
+    workers_stop_timeout_s: float = field(default=1.0, metadata={
         "help": "SIGTERM to SIGKILL grace for surviving workers when the group is restarted"})
     warm_start: bool = field(default=True, metadata={
         "help": "fork ranks from a process that imported torch once (trainer.warmstart), so a restarted "
