@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -27,9 +29,17 @@ def train(out: Path, args: list[str], launch: LaunchConfig | None = None, launch
            else [*launcher, "-m", "trainer", *args])
     t0 = time.monotonic()
     with open(f"{out}.log", "wb") as log:
-        code = subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, timeout=timeout,
-                              env={**os.environ, "PYTHONWARNINGS": "ignore"}).returncode
-    return code, time.monotonic() - t0
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, "PYTHONWARNINGS": "ignore"})
+        try:
+            code = proc.wait(timeout)
+        finally:
+            wall = time.monotonic() - t0
+            # What a killed rank leaves behind (with torchrun or --no-warm-start, its checkpoint writer
+            # processes outlive it) would take CPU from the runs measured after this one.
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+    return code, wall
 
 
 def summary(out: Path) -> dict:

@@ -3,7 +3,12 @@ retention, torn directories, in-memory restore. The multi-rank crash cases are i
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
+import socket
+import subprocess
+import sys
 import threading
 
 import psutil
@@ -76,14 +81,64 @@ def test_the_writer_is_started_at_the_configured_niceness(tmp_path, process_grou
     try:
         before = {p.pid for p in psutil.Process().children()}
         mgr.start_writer()
-        writers = [p for p in psutil.Process().children() if p.pid not in before]
-        assert writers and all(p.nice() == max(mine, 7) for p in writers)
+        started = [p for p in psutil.Process().children() if p.pid not in before]
+        # The worker at 7; the write-results queue's manager, which only relays results, at the rank's.
+        assert sorted(p.nice() for p in started)[-1] == max(mine, 7)
         assert psutil.Process().nice() == mine
         mgr.save(1, _state(1))
         mgr.wait()     # and it still writes
         assert committed_steps(tmp_path / "ckpt") == [1]
     finally:
         mgr.close()
+
+
+_KILLED_RANK = """
+import os, signal, sys
+from pathlib import Path
+
+import psutil
+import torch
+import torch.distributed as dist
+
+from trainer.checkpoint import CheckpointManager
+from trainer.config import CheckpointConfig
+from trainer.events import EventLog
+from trainer.parallel import Dist
+
+dist.init_process_group("gloo")
+out = Path(sys.argv[1])
+mgr = CheckpointManager(out / "ckpt", CheckpointConfig(), Dist(0, 1, 0, torch.device("cpu")), EventLog(out / "e", 0))
+before = {p.pid for p in psutil.Process().children()}
+mgr.start_writer()
+mgr.queue.maybe_finalize_async_calls(blocking=True, no_dist=True)   # booted: its warm-up request ran
+print(" ".join(str(p.pid) for p in psutil.Process().children() if p.pid not in before), flush=True)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_the_writer_does_not_outlive_a_killed_rank(tmp_path):
+    """A rank killed with SIGKILL takes its checkpoint writer with it (no warm-start zygote to end it)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    # Output to a file: the processes under test would hold a pipe open after the rank died.
+    with open(tmp_path / "out", "w+") as out:
+        code = subprocess.run([sys.executable, "-c", _KILLED_RANK, str(tmp_path)], env=env, stdout=out,
+                              stderr=subprocess.STDOUT, timeout=120).returncode
+        out.seek(0)
+        printed = out.read()
+    assert code == -signal.SIGKILL, printed
+    pids = [int(pid) for pid in printed.splitlines()[-1].split()]
+    assert len(pids) >= 2    # the writer and the results-queue manager
+    left = []
+    for pid in pids:
+        with contextlib.suppress(psutil.NoSuchProcess):
+            left.append(psutil.Process(pid))
+    gone, alive = psutil.wait_procs(left, timeout=10)
+    for p in alive:
+        p.kill()
+    assert not alive, f"writer processes outlived their rank: {alive}"
 
 
 def test_in_memory_restore_after_an_in_process_restart(tmp_path, process_group):

@@ -35,6 +35,7 @@ import contextlib
 import importlib
 import json
 import logging
+import os
 import pickle
 import shutil
 import signal
@@ -89,9 +90,32 @@ def delete_checkpoint(path: Path) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def _prepare_writer(module: str) -> None:
-    """Runs in NVRx's persistent worker, once: import the writer's module before the first write needs it."""
+def _children() -> set[int]:
+    """PIDs of this process's children."""
+    return {p.pid for p in psutil.Process().children()}
+
+
+def _prepare_writer(module: str, rank_pid: int, companions: list[int]) -> None:
+    """Runs in NVRx's persistent worker, once: tie its life to its rank's, and import the writer's module
+    before the first write needs it."""
+    threading.Thread(target=_end_with, args=(rank_pid, companions), name="end-with-rank", daemon=True).start()
     importlib.import_module(module)
+
+
+def _end_with(rank_pid: int, companions: list[int]) -> None:
+    """In the worker: once its rank is gone, end the ``companions`` (the write-results queue's manager) and
+    this process.
+
+    A rank ended by SIGKILL cannot close its queue, and the worker would wait on it forever, holding the
+    staging copy's shared memory. Under the warm start the zygote ends the rank's process group anyway;
+    with ``--no-warm-start`` (or torchrun) every in-job restart would leave them behind.
+    """
+    while os.getppid() == rank_pid:
+        time.sleep(0.5)
+    for pid in companions:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    os._exit(1)
 
 
 class _StructureChanged(Exception):
@@ -267,19 +291,21 @@ class CheckpointManager:
 
         # They ignore SIGTERM (inherited through spawn): the launcher signals the rank's whole process
         # group, and the writers must live on to finish the final checkpoint the rank writes after
-        # SIGTERM. They end when the rank closes the queue, or by SIGKILL to the group.
+        # SIGTERM. They end when the rank closes the queue, or dies (_end_with), or by SIGKILL to the group.
         with _sigterm_ignored():
+            started = _children()
             _get_write_results_queue()
-            before = {p.pid for p in psutil.Process().children()}
+            manager = _children() - started
             self.queue = AsyncCallsQueue(persistent=True)
-            self.queue.schedule_async_request(AsyncRequest(_prepare_writer, (FileSystemWriterAsync.__module__,), []))
+            self.queue.schedule_async_request(
+                AsyncRequest(_prepare_writer, (FileSystemWriterAsync.__module__, os.getpid(), sorted(manager)), []))
         # The worker's niceness is set as it is born, not once it runs: its boot (importing torch, seconds
         # of CPU) would otherwise slow the steps after every restart wherever it shares cores with training.
         # Its write processes inherit it. Never lowered: that needs a privilege pods do not have.
-        for child in psutil.Process().children():
-            if child.pid not in before:
-                with contextlib.suppress(psutil.NoSuchProcess):
-                    child.nice(max(child.nice(), self.cfg.writer_nice))
+        for pid in _children() - started - manager:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child = psutil.Process(pid)
+                child.nice(max(child.nice(), self.cfg.writer_nice))
 
     # ----------------------------------------------------------------------------------------- load
     def restore(self, state: dict) -> tuple[int | None, str, dict]:
