@@ -56,9 +56,10 @@ def test_fault_is_recovered_by_the_right_layer(tmp_path, start_run, clean_sha, f
         assert [e["timeout_s"] for e in run.events() if e["event"] == "ft_step_timeout"][:1] == [3.0]
     if kind == "ckpt-crash":
         # The torn step-8 checkpoint is never used: the restart loads the step-4 one, or a newer copy in
-        # the node's memory taken before the crash.
+        # the node's memory taken before the crash (of step 8 itself when its save had to wait for the
+        # previous write: that copy is whole, only the directory is torn).
         last = [(e["source"], e["step"]) for e in run.events() if e["event"] == "ckpt_loaded"][-1]
-        assert last == ("checkpoint", 4) or (last[0] == "memory" and 4 <= last[1] < 8), last
+        assert last == ("checkpoint", 4) or (last[0] == "memory" and 4 <= last[1] <= 8), last
 
 
 def _assert_restarted_warm(run) -> None:

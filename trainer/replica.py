@@ -128,9 +128,9 @@ class NodeReplica:
 
     def buffer(self, state: dict, slot: int) -> dict:
         """A buffer shaped like ``state`` (tensors: views of slot ``slot``, sized to ``state``)."""
-        return _rebuild(state, state, self._views(state, slot), [0])
+        return _rebuild(state, state, self._views(state, slot, pin=self.pin), [0])
 
-    def _views(self, state: dict, slot: int) -> list[torch.Tensor]:
+    def _views(self, state: dict, slot: int, *, pin: bool) -> list[torch.Tensor]:
         """Slot ``slot`` mapped and sized for ``state``'s tensors: one view per tensor, in traversal order."""
         layout = _specs(state)
         self.layouts[slot] = _layout(state)
@@ -138,10 +138,10 @@ class NodeReplica:
         for dtype, shape in layout:
             offsets.append(size)
             size += -(-shape.numel() * dtype.itemsize // _ALIGN) * _ALIGN    # aligned for every dtype's view
-        flat = self._map(slot, max(size, _ALIGN))
+        flat = self._map(slot, max(size, _ALIGN), pin)
         return [flat[o:].view(dtype)[:shape.numel()].view(shape) for o, (dtype, shape) in zip(offsets, layout)]
 
-    def _map(self, slot: int, size: int) -> torch.Tensor:
+    def _map(self, slot: int, size: int, pin: bool) -> torch.Tensor:
         self._unpin(slot)
         if self.persistent:
             path = self._slot_path(slot)
@@ -154,23 +154,23 @@ class NodeReplica:
                     os.posix_fallocate(fd, 0, size)
                 finally:
                     os.close(fd)
-                return self._pinned(slot, torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8))
+                flat = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+                return self._pinned(slot, flat) if pin else flat
             except OSError as e:
                 log.warning("memory snapshots stay in process memory (an in-job restart cannot use them): "
                             "cannot map %s: %s", path, e)
                 self.persistent = False
                 self.discard()
-        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pin)
+        return torch.empty(size, dtype=torch.uint8, pin_memory=pin)
 
     def _pinned(self, slot: int, flat: torch.Tensor) -> torch.Tensor:
-        """Page-lock a mapped slot (with ``pin``), so the device-to-host copy into it runs by DMA at full
-        speed: into pageable memory the driver copies through a bounce buffer, several times slower."""
-        if self.pin:
-            try:
-                torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0))
-                self.pinned[slot] = flat   # kept mapped until unregistered (_unpin)
-            except RuntimeError as e:   # torch.cuda.CudaError: e.g. the locked-memory limit
-                log.warning("memory snapshot slot %d stays pageable (slower copies): %s", slot, e)
+        """Page-lock a mapped slot, so the device-to-host copy into it runs by DMA at full speed: into
+        pageable memory the driver copies through a bounce buffer, several times slower."""
+        try:
+            torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(flat.data_ptr(), flat.numel(), 0))
+            self.pinned[slot] = flat   # kept mapped until unregistered (_unpin)
+        except RuntimeError as e:   # torch.cuda.CudaError: e.g. the locked-memory limit
+            log.warning("memory snapshot slot %d stays pageable (slower copies): %s", slot, e)
         return flat
 
     def _unpin(self, slot: int) -> None:
@@ -191,8 +191,10 @@ class NodeReplica:
         marker = self.marked()
         if marker is None or marker["layout"] != _layout(state):
             return None
-        return marker["step"], marker["slot"], _rebuild(marker["values"], state, self._views(state, marker["slot"]),
-                                                        [0])
+        # Read once, host to device, on the restart's critical path: page-locking it first would cost more
+        # (about 0.5 s per GB) than the pageable copy saves.
+        views = self._views(state, marker["slot"], pin=False)
+        return marker["step"], marker["slot"], _rebuild(marker["values"], state, views, [0])
 
     def discard(self) -> None:
         """Delete this rank's marker (first: the slots are then never read) and slots."""

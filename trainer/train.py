@@ -284,10 +284,12 @@ def train(session: Session, call_wrapper=None) -> dict | None:
     try:
         while state.step < cfg.run.max_steps:
             # The first step after a (re)start pays for lazy initialisation (FSDP, optimizer state, the
-            # backend's first collectives: NCCL communicators at scale take seconds), so the rank monitor
-            # times it as setup; the step timeout, and what it learns, cover steady-state steps only.
+            # backend's first collectives: NCCL communicators at scale take seconds), so what the step
+            # timeout learns covers steady-state steps only. The rank monitor times that first step as
+            # setup, unless the run already learned its step timeout (restored with the state; it is
+            # never under --ft-min-step-timeout-s): a hang there must not wait for the setup timeout.
             steady = state.step >= first_step
-            with ft.section("step" if steady else "setup"):
+            with ft.section("step" if steady or ft.calculated else "setup"):
                 ckpt.maybe_finalize()
                 t0 = time.monotonic()
                 snapshot_wait_s = 0.0
@@ -328,6 +330,10 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 return _stop_on_sigterm(session, ckpt, d, state, app_state, call_wrapper)
             if due:
                 with ft.section("checkpoint"), _atomic(call_wrapper):
+                    if writers_busy:
+                        # The save will wait for the previous write (on every rank: the flag was all-reduced).
+                        # Copied to node memory first, this step is what a restart meanwhile resumes from.
+                        ckpt.snapshot_to_memory(state.step, app_state)
                     ckpt.save(state.step, app_state)
             elif to_memory:
                 with _atomic(call_wrapper):
