@@ -52,7 +52,7 @@ def events(out: Path) -> list[dict]:
 
 def torchrun(nproc: int, max_restarts: int) -> list[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc),
-            "--max-restarts", str(max_restarts), "--monitor-interval", "0.5"]
+            "--max-restarts", str(max_restarts), "--monitor-interval", "0.1"]
 
 
 def table(rows: list[list[str]], header: list[str]) -> str:
