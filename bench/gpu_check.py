@@ -20,8 +20,10 @@ whether the weights match. Run it on a GPU node (CPU works too, with gloo, as a 
 from __future__ import annotations
 
 import argparse
+import shutil
 import statistics
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -84,7 +86,7 @@ def main() -> None:
         for f in s["faults"]:
             print(f"  {name}: {f['kind']}@{f['step']} rank {f['rank']}: detected {f.get('detected_s')} s, "
                   f"recovered {f.get('recovered_s')} s by {f.get('layer')}")
-    print(f"device: {torch.cuda.get_device_name() if nproc and torch.cuda.is_available() else 'cpu'}, "
+    print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
           f"{nproc} rank(s), torch {torch.__version__}")
     print(table(rows, ["run", "wall s", "step ms p50", "ckpt block ms p50", "max", "val loss", "goodput",
                        "state GB/rank", "replica copy GB/s", "ckpt copy GB/s", "params sha", "loads"]))
@@ -98,25 +100,19 @@ def main() -> None:
 
 def copy_rates(gb: float = 2.0) -> None:
     """Device-to-host copy speed into a replica slot (a /dev/shm mapping) as ``trainer.replica`` leaves it
-    (page-locked with cudaHostRegister), into the same mapping pageable, and into pinned memory."""
-    import time
-
+    (page-locked with cudaHostRegister), into the same kind of mapping left pageable, and into pinned memory."""
     from trainer.replica import NodeReplica
 
     src = torch.randn(int(gb * 1e9) // 4, device="cuda")
-    node = NodeReplica(Path(tempfile.mkdtemp(prefix="goodput-", dir="/dev/shm")), 0, pin=True)
+    shm = Path(tempfile.mkdtemp(prefix="goodput-", dir="/dev/shm"))
+    locked, pageable = NodeReplica(shm / "locked", 0, pin=True), NodeReplica(shm / "pageable", 0)
     t0 = time.monotonic()
-    slot = node.buffer({"x": src}, 0)["x"]
-    map_s = time.monotonic() - t0
-    pinned = torch.empty_like(src, device="cpu").pin_memory()
-    targets = {"replica slot (registered)": slot, "pinned (torch)": pinned,
-               "pageable mapping": torch.from_file(str(node._slot_path(1)), shared=True, size=src.numel(),
-                                                   dtype=src.dtype) if node.persistent else None}
-    print(f"replica slot of {gb:g} GB mapped and registered in {map_s:.2f} s "
-          f"(page-locked: {node.pinned[0] is not None})")
+    slot = locked.buffer({"x": src}, 0)["x"]
+    print(f"replica slot of {gb:g} GB mapped and registered in {time.monotonic() - t0:.2f} s "
+          f"(page-locked: {locked.pinned[0] is not None})")
+    targets = {"replica slot (registered)": slot, "pinned (torch)": torch.empty_like(src, device="cpu").pin_memory(),
+               "pageable mapping": pageable.buffer({"x": src}, 0)["x"]}
     for name, dst in targets.items():
-        if dst is None:
-            continue
         dst.copy_(src)
         torch.cuda.synchronize()
         t0 = time.monotonic()
@@ -124,7 +120,9 @@ def copy_rates(gb: float = 2.0) -> None:
             dst.copy_(src, non_blocking=True)
         torch.cuda.synchronize()
         print(f"  device-to-host into {name}: {3 * gb / (time.monotonic() - t0):.1f} GB/s")
-    node.discard()
+    locked.discard()
+    pageable.discard()
+    shutil.rmtree(shm, ignore_errors=True)
 
 
 def _rate(gb: float, seconds: list[float]) -> str:
