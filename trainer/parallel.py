@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import os
+import socket
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -52,11 +54,28 @@ def init_distributed(timeout_s: float, store: dist.Store) -> Dist:
 
 
 def free_port() -> int:
-    import socket
-
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def wait_until_listening(host: str, port: int, timeout_s: float = 300.0) -> None:
+    """Return once ``host:port`` accepts connections (polled every 5 ms); TimeoutError after ``timeout_s``.
+
+    A rank that joins a store hosted by another rank calls this first: its peers are started in no
+    particular order, and torch's store client backs off for about 0.3 s after a refused connection,
+    which every restart would otherwise pay whenever a client starts before its host.
+    """
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            socket.create_connection((host, port), timeout=1.0).close()
+            return
+        except OSError as e:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f}s: is rank 0 running, "
+                                   f"and is MASTER_ADDR reachable from this node?") from e
+            time.sleep(0.005)
 
 
 def parallelize(model: nn.Module, mode: str, d: Dist) -> nn.Module:

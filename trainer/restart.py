@@ -23,7 +23,7 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from .config import RestartConfig
-from .parallel import free_port
+from .parallel import free_port, wait_until_listening
 
 
 def build_wrapper(cfg: RestartConfig, cuda: bool):
@@ -34,8 +34,18 @@ def build_wrapper(cfg: RestartConfig, cuda: bool):
     if cuda:
         checks.insert(0, inprocess.health_check.CudaHealthCheck())
     interval = timedelta(seconds=cfg.monitor_interval_s)
+
+    class Store(inprocess.store.TCPStore):
+        """NVRx's store, joined only once its host (rank 0) listens: see ``wait_until_listening``."""
+
+        def __init__(self, **kwargs):
+            if int(os.environ["RANK"]) != self.TCP_STORE_HOST_RANK:
+                wait_until_listening(os.environ["MASTER_ADDR"], kwargs["port"], cfg.barrier_timeout_s)
+            super().__init__(**kwargs)
+
     return inprocess.Wrapper(
         # The Wrapper's own store gets its own port: MASTER_PORT is the launcher's rendezvous store.
+        store_factory=Store,
         store_kwargs={"port": _wrapper_store_port()},
         health_check=inprocess.Compose(*checks),
         monitor_thread_interval=interval,
@@ -73,8 +83,11 @@ def abort_process_group() -> None:
 def _launcher_store() -> "dist.TCPStore":
     """The store at MASTER_ADDR:MASTER_PORT: the launcher agent's, or else hosted by rank 0 (once per process)."""
     agent_hosted = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
-    return dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), int(os.environ["WORLD_SIZE"]),
-                         is_master=int(os.environ["RANK"]) == 0 and not agent_hosted, multi_tenant=True,
+    host, port = os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"])
+    hosting = int(os.environ["RANK"]) == 0 and not agent_hosted
+    if not hosting:
+        wait_until_listening(host, port)
+    return dist.TCPStore(host, port, int(os.environ["WORLD_SIZE"]), is_master=hosting, multi_tenant=True,
                          wait_for_workers=False, use_libuv=True)
 
 
