@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
 
 from trainer.config import CheckpointConfig
+from trainer.events import EventLog, read_events
 from trainer.faults import Fault, chaos_schedule
-from trainer.goodput import IntervalPolicy, account, project, young_daly_interval_s
+from trainer.goodput import DEFAULT_MTBF_S, IntervalPolicy, account, project, young_daly_interval_s
 
 
 def test_young_daly():
@@ -108,6 +110,51 @@ def test_auto_interval_counts_what_background_writes_take_from_training(tmp_path
     # step is 0.15 s (20 of the 30 steps seen) -> 571 steps
     assert auto.write_interference_s() == pytest.approx(0.05 * 20 / 3)
     assert auto.every == 571
+
+
+def test_write_interference_is_the_mean_extra_time_so_a_few_slow_steps_count(tmp_path):
+    auto = IntervalPolicy(CheckpointConfig(ckpt_every="auto", mtbf_s=5000.0), tmp_path / "events.jsonl")
+    for _ in range(10):
+        auto.observe_step(0.1)
+    auto.observe_checkpoint(0.4)
+    for i in range(20):                  # two writes; each left 9 of its 10 steps alone and slowed one by 0.5 s
+        auto.observe_step(0.6 if i % 10 == 0 else 0.1, writing=True)
+        if i % 10 == 9:
+            auto.observe_checkpoint(0.4)
+    # the median step alongside a write is 0.1 s, as without one; the mean is 0.15 s: 1 s over 3 checkpoints
+    assert auto.write_interference_s() == pytest.approx(0.05 * 20 / 3)
+
+
+def test_the_interval_is_for_the_failures_that_need_a_checkpoint(tmp_path):
+    """Observed MTBF: only restarts that loaded a committed checkpoint count; one that resumed from a copy
+    in memory lost at most the memory-snapshot interval, whatever the checkpoint interval."""
+    path = tmp_path / "events.jsonl"
+
+    def policy_after(*events):
+        path.write_text("".join(json.dumps(e) + "\n" for e in events))
+        return IntervalPolicy(CheckpointConfig(ckpt_every="auto"), path).mtbf_s()
+
+    start = [_ev(0.0, "run_start"), _ev(1.0, "fresh_start", step=0, source="checkpoint")]
+    from_memory = [_ev(100.0, "restart", layer="injob"), _ev(101.0, "resumed", step=900, source="memory"),
+                   _ev(200.0, "restart", layer="inprocess"), _ev(200.5, "resumed", step=1900, source="memory")]
+    assert policy_after(*start, *from_memory, _ev(300.0, "step", step=2900)) == DEFAULT_MTBF_S
+    from_disk = [_ev(400.0, "run_start"), _ev(401.0, "restart", layer="job"),
+                 _ev(402.0, "resumed", step=2500, source="checkpoint")]
+    assert policy_after(*start, *from_memory, *from_disk, _ev(600.0, "step", step=4500)) == 600.0
+    assert IntervalPolicy(CheckpointConfig(ckpt_every="auto", mtbf_s=50.0), path).mtbf_s() == 50.0
+
+
+def test_after_a_restart_auto_goes_on_with_the_interval_it_chose(tmp_path):
+    path = tmp_path / "events.jsonl"
+    first = IntervalPolicy(CheckpointConfig(ckpt_every="auto", mtbf_s=5000.0), path, events=EventLog(path, rank=0))
+    for _ in range(5):
+        first.observe_step(0.1)
+    first.observe_checkpoint(0.4)                                   # sqrt(2 x 0.4 x 5000) / 0.1 = 632 steps
+    [chosen] = [e for e in read_events(path) if e["event"] == "ckpt_interval"]
+    assert chosen["steps"] == 632 and chosen["block_s"] == 0.4 and chosen["mtbf_s"] == 5000.0
+    # A restarted rank 0 at step 700: no save after 10 steps to measure the cost again.
+    again = IntervalPolicy(CheckpointConfig(ckpt_every="auto", mtbf_s=5000.0), path, start_step=700)
+    assert [s for s in range(701, 1400) if again.due(s, 10_000)] == [1332]
 
 
 def test_fault_specs_and_chaos_schedule():

@@ -59,8 +59,9 @@ class ParallelConfig:
 class CheckpointConfig:
     ckpt_every: str = _f("50", "checkpoint every N optimizer steps (0 = only at the end), or 'auto': the "
                                "Young-Daly interval from measured checkpoint cost and --mtbf-s")
-    mtbf_s: float = _f(0.0, "with --ckpt-every auto: expected seconds between failures of this job (0 = from "
-                            "the faults observed in this run, else 24 h)")
+    mtbf_s: float = _f(0.0, "with --ckpt-every auto: expected seconds between failures that only a committed "
+                            "checkpoint recovers, the ones that lose the nodes' memory copies: node loss, job "
+                            "restart (0 = from the restarts in this run that loaded a checkpoint, else 24 h)")
     ckpt_every_s: float = _f(0.0, "also checkpoint when this many seconds passed since the last one (0 = off)")
     memory_every_s: float = _f(1.0, "between checkpoints, copy the state to node-local shared memory (no write) "
                                     "this often, so a restart in the same process or on the same node redoes at "

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import CheckpointConfig
-from .events import read_events
+from .events import EventLog, read_events
 
 DEFAULT_MTBF_S = 24 * 3600.0
 # Meta, "The Llama 3 Herd of Models" (2024): 419 unexpected interruptions in 54 days on 16,384 H100s.
@@ -35,19 +35,28 @@ class IntervalPolicy:
     """Decides on rank 0 when the next checkpoint is due (the decision is shared by the step all-reduce).
 
     ``auto`` starts with a checkpoint after ``first_auto_step`` steps to measure its cost, then uses the
-    Young-Daly interval from that cost, the median step time and the MTBF (``--mtbf-s``, else the faults
-    observed in this run's event log, else 24 h). A checkpoint's cost is the loop's median blocking time
-    plus what its background write took from training: steps that ran alongside a write were slower
-    than the others (next to nothing where the writers have host cores of their own, as on GPU nodes; on
-    a host whose cores all train, it can be most of the cost).
+    Young-Daly interval from that cost, the median step time and the MTBF of the failures a checkpoint is
+    for: ``--mtbf-s``, else the restarts in this run's event log that had to load a committed checkpoint,
+    else 24 h. A restart that resumed from a copy in memory (in-process, or in-job on the same nodes) lost
+    at most ``--memory-snapshot-every-s`` of work whatever the checkpoint interval, so it does not count.
+    A checkpoint's cost is the loop's median blocking time plus what its background write took from
+    training: the mean extra time of the steps that ran alongside a write (next to nothing where the
+    writers have host cores of their own, as on GPU nodes; on a host whose cores all train, it can be most
+    of the cost; the mean, not the median, because a write slows a few steps a lot more than the rest).
     """
 
     first_auto_step = 10
+    window = 500   # steps kept for the step-time statistics, with and without a write alongside
 
-    def __init__(self, cfg: CheckpointConfig, events_path: Path, start_step: int = 0):
-        self.cfg, self.events_path = cfg, events_path
+    def __init__(self, cfg: CheckpointConfig, events_path: Path, start_step: int = 0, events: EventLog | None = None):
+        """``events``: where a chosen ``auto`` interval is recorded (``ckpt_interval``; rank 0, which decides).
+        After a restart the policy goes on with the last one recorded: measuring the cost again would cost
+        one more checkpoint per restart."""
+        self.cfg, self.events_path, self.events = cfg, events_path, events
         self.auto = cfg.ckpt_every == "auto"
-        self.every = self.first_auto_step if self.auto else int(cfg.ckpt_every)
+        chosen = [e["steps"] for e in read_events(events_path) if e["event"] == "ckpt_interval"] if self.auto else []
+        self.chosen: int | None = chosen[-1] if chosen else None
+        self.every = (self.chosen or self.first_auto_step) if self.auto else int(cfg.ckpt_every)
         self.last_step, self.last_time = start_step, time.monotonic()
         self.last_memory_time = self.last_time
         self.step_s: list[float] = []
@@ -56,16 +65,15 @@ class IntervalPolicy:
         self.writing_step_s: list[float] = []
         self.quiet_step_s: list[float] = []
         self.writing_steps = 0
-        self.chosen: int | None = None
 
     def observe_step(self, step_s: float, writing: bool = False) -> None:
         """A step's duration; ``writing``: a checkpoint write was running when it started."""
-        self.step_s = (self.step_s + [step_s])[-50:]
+        self.step_s = (self.step_s + [step_s])[-self.window:]
         if writing:
-            self.writing_step_s = (self.writing_step_s + [step_s])[-50:]
+            self.writing_step_s = (self.writing_step_s + [step_s])[-self.window:]
             self.writing_steps += 1
         else:
-            self.quiet_step_s = (self.quiet_step_s + [step_s])[-50:]
+            self.quiet_step_s = (self.quiet_step_s + [step_s])[-self.window:]
 
     def observe_checkpoint(self, block_s: float) -> None:
         self.block_s.append(block_s)
@@ -78,16 +86,16 @@ class IntervalPolicy:
             return self.cfg.mtbf_s
         events = read_events(self.events_path)
         starts = [e["t"] for e in events if e["event"] == "run_start"]
-        faults = sum(e["event"] == "restart" for e in events)
-        if faults and starts:
-            return max(1.0, (events[-1]["t"] - starts[0]) / faults)
+        from_disk = sum(e["event"] == "resumed" and e.get("source") == "checkpoint" for e in events)
+        if from_disk and starts:
+            return max(1.0, (events[-1]["t"] - starts[0]) / from_disk)
         return DEFAULT_MTBF_S
 
     def write_interference_s(self) -> float:
         """Training time lost per checkpoint to its background write (slower steps while it ran)."""
         if not (self.writing_step_s and self.quiet_step_s and self.block_s):
             return 0.0
-        slower = max(0.0, statistics.median(self.writing_step_s) - statistics.median(self.quiet_step_s))
+        slower = max(0.0, statistics.fmean(self.writing_step_s) - statistics.fmean(self.quiet_step_s))
         return slower * self.writing_steps / len(self.block_s)
 
     def auto_interval_steps(self) -> int:
@@ -102,6 +110,9 @@ class IntervalPolicy:
             logging.getLogger("trainer").info(
                 "ckpt-every auto: %d steps (Young-Daly: cost %.4fs = blocking %.4fs + write interference %.4fs, "
                 "MTBF %.0fs, step %.3fs)", steps, cost, block, interference, mtbf, step)
+            if self.events is not None:
+                self.events.emit("ckpt_interval", steps=steps, block_s=round(block, 4),
+                                 interference_s=round(interference, 4), mtbf_s=round(mtbf, 1), step_s=round(step, 5))
             self.chosen = steps
         return steps
 

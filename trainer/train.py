@@ -259,7 +259,8 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                      cfg.parallel.parallel, d.world_size, d.device.type, tokens_per_step,
                      f"resumed from step {resumed_from} ({source})" if resumed_from is not None else "fresh start")
             events.emit("resumed" if resumed_from is not None else "fresh_start", step=state.step, source=source)
-        policy = IntervalPolicy(cfg.checkpoint, events_path=session.events_path, start_step=state.step)
+        policy = IntervalPolicy(cfg.checkpoint, events_path=session.events_path, start_step=state.step,
+                                events=events if d.is_main else None)
 
         def observe_checkpoint(block_s: float) -> None:
             policy.observe_checkpoint(block_s)
