@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import tempfile
 from pathlib import Path
@@ -35,9 +36,8 @@ KINDS = ("hang", "kill", "exception")
 
 def schedule(every_s: float, step_s: float, steps: int, world_size: int = 2) -> list[str]:
     """``--inject-fault`` specs: one fault in the middle of every ``every_s`` seconds of fault-free time."""
-    windows = int(steps * step_s / every_s)
-    at = [round((k + 0.5) * every_s / step_s) for k in range(windows)]
-    return [f"{KINDS[k % len(KINDS)]}@{step}:{(k + 1) % world_size}" for k, step in enumerate(at)]
+    at = [round((k + 0.5) * every_s / step_s) for k in range(math.ceil(steps * step_s / every_s))]
+    return [f"{KINDS[k % len(KINDS)]}@{step}:{(k + 1) % world_size}" for k, step in enumerate(at) if step < steps]
 
 
 def main() -> None:
