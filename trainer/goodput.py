@@ -15,6 +15,7 @@ import logging
 import math
 import statistics
 import time
+from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -59,21 +60,21 @@ class IntervalPolicy:
         self.every = (self.chosen or self.first_auto_step) if self.auto else int(cfg.ckpt_every)
         self.last_step, self.last_time = start_step, time.monotonic()
         self.last_memory_time = self.last_time
-        self.step_s: list[float] = []
+        self.step_s: deque[float] = deque(maxlen=self.window)
         self.block_s: list[float] = []
         # Recent step times with and without a checkpoint write running alongside; steps seen with one.
-        self.writing_step_s: list[float] = []
-        self.quiet_step_s: list[float] = []
+        self.writing_step_s: deque[float] = deque(maxlen=self.window)
+        self.quiet_step_s: deque[float] = deque(maxlen=self.window)
         self.writing_steps = 0
 
     def observe_step(self, step_s: float, writing: bool = False) -> None:
         """A step's duration; ``writing``: a checkpoint write was running when it started."""
-        self.step_s = (self.step_s + [step_s])[-self.window:]
+        self.step_s.append(step_s)
         if writing:
-            self.writing_step_s = (self.writing_step_s + [step_s])[-self.window:]
+            self.writing_step_s.append(step_s)
             self.writing_steps += 1
         else:
-            self.quiet_step_s = (self.quiet_step_s + [step_s])[-self.window:]
+            self.quiet_step_s.append(step_s)
 
     def observe_checkpoint(self, block_s: float) -> None:
         self.block_s.append(block_s)
