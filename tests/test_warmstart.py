@@ -134,6 +134,27 @@ def test_a_forked_rank_dies_with_its_proxy(tmp_path, dataset, cleanup):
     assert _until(lambda: not _group(start["pid"]), 5), _group(start["pid"])   # nor did its NVRx helpers
 
 
+def test_the_write_results_manager_is_forked_with_the_rank_and_ignores_sigterm(tmp_path, dataset, cleanup):
+    """NVRx would spawn the manager of its write-results queue: a fresh interpreter that imports torch when
+    the first write result reaches it, seconds of CPU after every in-job restart (and a final save waiting
+    for them). A warm rank forks it, everything imported. Like the writers it ignores SIGTERM, which the
+    launcher sends to the whole group, so a final checkpoint written after SIGTERM can still report."""
+    out = tmp_path / "run"
+    _, start = _training(dataset, out, cleanup)
+    rank = start["pid"]
+
+    def cmdline(pid: int) -> bytes:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+
+    children = [int(c) for c in Path(f"/proc/{rank}/task/{rank}/children").read_text().split()]
+    spawned = [c for c in children if b"spawn_main" in cmdline(c)]
+    (manager,) = [c for c in children if cmdline(c) == cmdline(rank)]
+    assert len(spawned) == 1, [cmdline(c) for c in children]     # the writer only
+    ignored = int(next(line for line in Path(f"/proc/{manager}/status").read_text().splitlines()
+                       if line.startswith("SigIgn:")).split()[1], 16)
+    assert ignored & (1 << (signal.SIGTERM - 1))
+
+
 def test_without_a_zygote_the_rank_starts_cold(tmp_path, dataset):
     out = tmp_path / "run"
     r = subprocess.run(_trainer(dataset, out, "--max-steps", "2", "--ckpt-every", "0"), capture_output=True,

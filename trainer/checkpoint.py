@@ -80,6 +80,25 @@ def _sigterm_ignored():
         signal.signal(signal.SIGTERM, previous)
 
 
+def fork_write_results_queue() -> None:
+    """Create NVRx's write-results queue now, its manager forked from this process. Call only while the
+    process runs a single thread and has imported torch: a rank forked from the warm-start zygote.
+
+    NVRx otherwise spawns the manager when the writer starts: the rank blocks about 0.3 s for it, and the
+    fresh interpreter imports torch (seconds of CPU, on the rank's cores) the first time it unpickles a
+    write result. That is after every in-job restart, and where no save came between the restart and the
+    end of training, the final, blocking save waited those seconds. A fork has torch already.
+    """
+    import multiprocessing
+
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
+
+    # It ignores SIGTERM, as the writers do (see start_writer); the module global is NVRx's own cache of
+    # the queue, in 0.4.1 as in later releases (which take mp_mode="fork" for the same).
+    with _sigterm_ignored():
+        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+
+
 def delete_checkpoint(path: Path) -> None:
     """Un-commit first (marker gone, fsynced), then delete: a half-deleted directory is never valid."""
     try:

@@ -208,6 +208,9 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
     os.environ.update(request["env"])
     sys.argv = request["argv"]
     conn.settimeout(None)
+    from .checkpoint import fork_write_results_queue
+
+    fork_write_results_queue()   # before any thread starts: forking is safe only while there is one
     threading.Thread(target=_die_with_proxy, args=(conn,), name="warmstart-proxy-watch", daemon=True).start()
     import torch
 
