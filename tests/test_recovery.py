@@ -62,6 +62,19 @@ def test_fault_is_recovered_by_the_right_layer(tmp_path, start_run, clean_sha, f
         assert last == ("checkpoint", 4) or (last[0] == "memory" and 4 <= last[1] <= 8), last
 
 
+def test_an_exception_under_ddp_is_recovered_in_process(tmp_path, start_run, clean_sha):
+    """DDP's reducer keeps the failed attempt's gloo group alive past its destruction: the next attempt
+    must not wait for the collective the failed rank never joined (the Wrapper's hard timeout, then an
+    in-job restart, before the fix)."""
+    run = start_run(tmp_path / "run", *STEPS, "--parallel", "ddp", "--inject-fault", "exception@6:1",
+                    max_restarts=2, **FAST_FT)
+    assert run.wait() == 0, run.tail()
+    summary = run.summary()
+    assert summary["params_sha256"] == clean_sha("ddp")
+    assert [(f["kind"], f["layer"]) for f in summary["faults"]] == [("exception", "inprocess")]
+    assert (summary["restarts_inprocess"], summary["restarts_injob"]) == (1, 0)
+
+
 def _assert_restarted_warm(run) -> None:
     """The restarted ranks were forked from the warm-start zygote, not started cold."""
     starts = [e for e in run.events() if e["event"] == "worker_start"]

@@ -43,7 +43,16 @@ def build_wrapper(cfg: RestartConfig, cuda: bool):
                 wait_until_listening(os.environ["MASTER_ADDR"], kwargs["port"], cfg.barrier_timeout_s)
             super().__init__(**kwargs)
 
+    class KeepGlooGroups(inprocess.abort.Abort):
+        """Before NVRx's abort destroys the failed attempt's process groups: see ``_abandon_gloo_groups``."""
+
+        def __call__(self, state):
+            _abandon_gloo_groups()
+            return state
+
     return inprocess.Wrapper(
+        # Composed right to left: the gloo groups are kept before AbortTorchDistributed destroys them.
+        abort=inprocess.Compose(inprocess.abort.AbortTorchDistributed(), KeepGlooGroups()),
         # The Wrapper's own store gets its own port: MASTER_PORT is the launcher's rendezvous store.
         store_factory=Store,
         store_kwargs={"port": _wrapper_store_port()},
@@ -69,6 +78,22 @@ def run_with_inprocess_restart(fn: Callable, cfg: RestartConfig, cuda: bool):
         return fn(call_wrapper)
 
     return build_wrapper(cfg, cuda)(attempt)()
+
+
+# The gloo process groups of failed attempts, kept until the process exits. Destroying a gloo group joins
+# its worker threads, and one may be blocked in a collective with a peer that is restarting too (the step's
+# all-reduce that a failed rank never joined). Under DDP the group outlives destroy_process_group (DDP's
+# reducer holds it), so its last reference went in the Wrapper's garbage collection before the next
+# attempt, which then waited for --collective-timeout-s. Kept, the blocked thread ends when the peer's
+# process exits or at that timeout, in the background. One group per in-process restart; NCCL's are
+# aborted by NVRx instead.
+_abandoned_groups: list = []
+
+
+def _abandon_gloo_groups() -> None:
+    if dist.is_available() and dist.is_initialized():
+        groups = list(dist.distributed_c10d._world.pg_names)   # NVRx's abort reads the same registry
+        _abandoned_groups.extend(g for g in groups if dist.get_backend(g) == "gloo")
 
 
 def abort_process_group() -> None:
