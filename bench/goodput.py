@@ -5,11 +5,24 @@ faulted wall time, side by side in one invocation; the faulted runs' own account
 printed too. Then the projection to a 16,384-GPU job at Llama 3's failure rate, from the costs measured
 here.
 
-The rank monitor's step timeout is the one NVRx learns from the run's own steps (safety factor x the
-longest of the first 20), with a 1 s floor: about 4x the longest step a fault-free run of this workload
-takes here (0.27 s of 6,673 steps).
+On a shared machine the speed of the steps drifts by more than the 1% a fault may cost: 10-15% between
+minutes of one run, and the host's load can halve or double it from one run to the next. So the
+fault-free run is made twice, first and last, to show that spread, and each fault's cost is also measured
+in the faulted run's own timeline, where the speed is that of the same minute: the wall time from the
+last completion of the step it resumed from, before the fault, to the completion of the step WINDOW
+seconds of work later, after recovery, minus that much work at the median pace of the steps just before
+the fault. Detection, restart, redone steps and any slowdown of the steps after a restart count. The same
+measure at the same steps of the fault-free runs, where nothing happened, shows its noise. Goodput
+(local) = 1 - the faults' summed cost / the faulted run's wall time.
 
-    python bench/goodput.py --minutes 10 --fault-every 300,60     # ~35 minutes on 2 cores
+The model is small (0.1M parameters), so it runs under DDP, as the trainer advises for small models
+(``--parallel fsdp`` measures FSDP2, whose DTensor bookkeeping is most of a step this small on CPU and
+whose caches are cold in every process an in-job restart starts). Memory snapshots every 0.25 s: about 7
+steps here (on a GPU, with steps of seconds, the default 1 s is a snapshot every step). The rank monitor's
+step timeout is the one NVRx learns from the run's own steps (safety factor x the longest of the first
+20) with a 1 s floor, far above this workload's longest steps.
+
+    python bench/goodput.py --minutes 10 --fault-every 300,60     # ~50 minutes on 2 cores
     python bench/goodput.py --minutes 4 --fault-every 60          # a quicker look
 """
 
@@ -28,9 +41,10 @@ from trainer.goodput import LLAMA3_FAILURES_PER_GPU_HOUR, project
 from trainer.launch import LaunchConfig
 
 TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8",
-        "--log-every", "100", "--ckpt-every", "auto", "--ckpt-keep", "2", "--ft-min-step-timeout-s", "1"]
+        "--log-every", "500", "--ckpt-every", "auto", "--ckpt-keep", "2", "--ft-min-step-timeout-s", "1"]
+# A hung rank cannot honour SIGTERM and survivors have nothing to finish: a short stop grace.
 FT = LaunchConfig(nproc_per_node=2, max_restarts=100, step_timeout_s=5.0, workload_check_interval_s=0.5,
-                  monitor_interval_s=0.2, workers_stop_timeout_s=0.3)
+                  monitor_interval_s=0.1, workers_stop_timeout_s=0.1)
 KINDS = ("hang", "kill", "exception")
 
 
@@ -40,50 +54,114 @@ def schedule(every_s: float, step_s: float, steps: int, world_size: int = 2) -> 
     return [f"{KINDS[k % len(KINDS)]}@{step}:{(k + 1) % world_size}" for k, step in enumerate(at) if step < steps]
 
 
+WINDOW_S = 10.0
+
+
+def completions(out: Path) -> list[tuple[float, int]]:
+    """(wall clock, step) of every step completed, in order (a step redone after a restart appears twice)."""
+    return [(e["t"], e["step"]) for e in events(out) if e["event"] == "step"]
+
+
+def cost_since(done: list[tuple[float, int]], i: int, steps: int, search_from: int) -> float:
+    """Wall time from completion ``i`` to the next completion of ``steps`` steps later (searched from
+    ``search_from``), minus ``steps`` at the median pace of the ``steps`` completions up to ``i``."""
+    pace = statistics.median(done[k][0] - done[k - 1][0] for k in range(max(1, i - steps + 1), i + 1))
+    end = next(t for t, step in done[search_from:] if step == done[i][1] + steps)
+    return end - done[i][0] - steps * pace
+
+
+def fault_costs(out: Path, step_s: float) -> list[tuple[dict, int, float]]:
+    """(fault event, step resumed from, cost in seconds) of every fault of a run, from its own timeline."""
+    done, steps = completions(out), round(WINDOW_S / step_s)
+    result = []
+    for fault in (e for e in events(out) if e["event"] == "fault_injected"):
+        after = next(k for k, (t, _) in enumerate(done) if t > fault["t"])   # the first step after recovery
+        resumed = done[after][1] - 1
+        before = max(k for k in range(after) if done[k][1] == resumed)       # its completion before the fault
+        result.append((fault, resumed, cost_since(done, before, steps, after)))
+    return result
+
+
+def null_cost(out: Path, resumed: int, step_s: float) -> float:
+    """The same measure at the same step of a run without faults (0 but for the machine's noise)."""
+    done, steps = completions(out), round(WINDOW_S / step_s)
+    i = next(k for k, (_, step) in enumerate(done) if step == resumed)
+    return cost_since(done, i, steps, i)
+
+
+def median_step_s(out: Path) -> float:
+    return statistics.median(e["step_s"] for e in events(out) if e["event"] == "step")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--minutes", type=float, default=10.0, help="length of the fault-free workload")
     p.add_argument("--fault-every", default="300,60", help="comma-separated seconds between faults")
-    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"))
+    p.add_argument("--memory-snapshot-every-s", default="0.25")
+    p.add_argument("--workdir", type=Path, default=None, help="a new directory (an old one would resume runs)")
     a = p.parse_args()
     root = a.workdir or Path(tempfile.mkdtemp(prefix="bench-goodput-"))
     data = dataset(root)
+    model = [*TINY, "--parallel", a.parallel, "--memory-snapshot-every-s", a.memory_snapshot_every_s]
 
     # Size the workload: time a short probe run, then scale the steps to the requested minutes.
     probe = root / "probe"
-    train(probe, ["--data", str(data), *TINY, "--out", str(probe), "--max-steps", "60"], FT)
+    train(probe, ["--data", str(data), *model, "--out", str(probe), "--max-steps", "200"], FT)
     # The median step, not the mean: the probe's first steps share the CPU with NVRx's writer starting up.
-    step_s = statistics.median(e["step_s"] for e in events(probe) if e["event"] == "step")
+    step_s = median_step_s(probe)
     steps = max(100, int(a.minutes * 60 / step_s))
-    base = ["--data", str(data), *TINY, "--max-steps", str(steps)]
+    base = ["--data", str(data), *model, "--max-steps", str(steps)]
 
-    clean = root / "clean"
-    code, clean_wall = train(clean, [*base, "--out", str(clean)], FT)
-    assert code == 0, f"fault-free run failed; see {clean}.log"
-    clean_sha = summary(clean)["params_sha256"]
-    rows, recoveries, blocks = [], [], [summary(clean)["ckpt_block_s_p50"]]
-    rows.append(["none", f"{clean_wall:.0f}", "0", "-", f"{summary(clean)['goodput']:.3f}", "100.0%", "yes"])
+    def run(name: str, faults: list[str]) -> tuple[Path, float] | None:
+        out = root / name
+        code, wall = train(out, [*base, "--out", str(out), *[x for f in faults for x in ("--inject-fault", f)]], FT)
+        if code != 0:
+            print(f"{name}: exit code {code}; see {out}.log", flush=True)
+            return None
+        return out, wall
+
+    clean = run("clean", [])
+    assert clean is not None, "the fault-free run failed"
+    faulted = {}
     for every in [float(x) for x in a.fault_every.split(",")]:
-        out = root / f"faults-every-{every:g}s"
         # Every fault here is recovered from memory, so --ckpt-every auto keeps the fault-free run's interval:
         # disk checkpoints are for the failures that lose the nodes (none in this bench).
-        faults = [arg for spec in schedule(every, step_s, steps) for arg in ("--inject-fault", spec)]
-        code, wall = train(out, [*base, "--out", str(out), *faults], FT)
-        if code != 0:
-            rows.append([f"every {every:g} s", f"{wall:.0f}", "?", "run failed", "-", "-", "-"])
+        faulted[every] = run(f"faults-every-{every:g}s", schedule(every, step_s, steps))
+    again = run("clean-again", [])
+    assert again is not None, "the second fault-free run failed"
+
+    clean_wall, clean_sha = clean[1], summary(clean[0])["params_sha256"]
+    header = ["faults", "wall s", "faults", "recovery p50 s", "accounted goodput", "goodput = clean/faulted",
+              "fault cost s (local)", "same measure, fault-free runs", "goodput (local)", "same weights"]
+    rows, recoveries, blocks = [], [], []
+    for label, out, wall in [("none", *clean), ("none, again", *again)]:
+        s = summary(out)
+        blocks.append(s["ckpt_block_s_p50"])
+        rows.append([label, f"{wall:.0f}", "0", "-", f"{s['goodput']:.3f}", f"{100 * clean_wall / wall:.1f}%",
+                     "-", "-", "-", "yes" if s["params_sha256"] == clean_sha else "NO"])
+    for every, result in faulted.items():
+        if result is None:
+            rows.append([f"every {every:g} s", "-", "?", "run failed", *["-"] * 6])
             continue
+        out, wall = result
         s = summary(out)
         rec = [f["recovered_s"] for f in s["faults"] if f["recovered_s"] is not None]
         recoveries += rec
         blocks.append(s["ckpt_block_s_p50"])
-        layers = ", ".join(f"{f['kind']}@{f['step']}:{f['layer']} {f['recovered_s']} s" for f in s["faults"])
+        costs = fault_costs(out, step_s)
+        nulls = [sum(null_cost(o, resumed, step_s) for _, resumed, _ in costs) for o, _ in (clean, again)]
+        lost = sum(c for _, _, c in costs)
         rows.append([f"every {every:g} s", f"{wall:.0f}", str(len(s["faults"])),
                      f"{statistics.median(rec):.1f}" if rec else "-", f"{s['goodput']:.3f}",
-                     f"{100 * clean_wall / wall:.1f}%", "yes" if s["params_sha256"] == clean_sha else "NO"])
-        print(f"every {every:g}s faults: {layers}", flush=True)
-    print(f"workload: {steps} steps (~{a.minutes:g} min fault-free), 2 CPU ranks, checkpoints every 'auto' steps")
-    print(table(rows, ["faults", "wall s", "faults", "recovery p50 s", "accounted goodput",
-                       "goodput = clean/faulted", "same weights"]))
+                     f"{100 * clean_wall / wall:.1f}%", f"{lost:.1f}", " / ".join(f"{n:+.1f}" for n in nulls),
+                     f"{100 * (1 - lost / wall):.2f}%", "yes" if s["params_sha256"] == clean_sha else "NO"])
+        each = ", ".join(f"{f['kind']}@{f['step']}:{f['rank']} {c:.2f} s (resumed from {r})" for f, r, c in costs)
+        print(f"every {every:g}s, each fault's cost: {each}", flush=True)
+    print(f"workload: {steps} steps (~{a.minutes:g} min fault-free), 2 CPU ranks, {a.parallel}, checkpoints every "
+          f"'auto' steps, memory snapshots every {a.memory_snapshot_every_s} s; step p50 "
+          f"{1e3 * median_step_s(clean[0]):.1f} / {1e3 * median_step_s(again[0]):.1f} ms in the fault-free runs")
+    print(table(rows, header))
     recovery = statistics.median(recoveries) if recoveries else 10.0
     proj = project(16384, LLAMA3_FAILURES_PER_GPU_HOUR, ckpt_block_s=statistics.median(blocks),
                    recovery_s=recovery, job_ckpt_block_s=60.0, job_recovery_s=600.0, job_hours=24.0)
