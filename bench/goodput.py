@@ -9,11 +9,12 @@ On a shared machine the speed of the steps drifts by more than the 1% a fault ma
 minutes of one run, and the host's load can halve or double it from one run to the next. So the
 fault-free run is made twice, first and last, to show that spread, and each fault's cost is also measured
 in the faulted run's own timeline, where the speed is that of the same minute: the wall time from the
-last completion of the step it resumed from, before the fault, to the completion of the step WINDOW
+last completion of the step it resumed from, before the fault, to the completion of the step WINDOW_S
 seconds of work later, after recovery, minus that much work at the median pace of the steps just before
-the fault. Detection, restart, redone steps and any slowdown of the steps after a restart count. The same
-measure at the same steps of the fault-free runs, where nothing happened, shows its noise. Goodput
-(local) = 1 - the faults' summed cost / the faulted run's wall time.
+the fault and just after that window. Detection, restart, redone steps and the slower steps after a
+restart (its checkpoint writer starting up) count. The same measure at the same steps of the fault-free
+runs, where nothing happened, shows its noise. Goodput (local) = 1 - the faults' summed cost / the
+faulted run's wall time.
 
 The model is small (0.1M parameters), so it runs under DDP, as the trainer advises for small models
 (``--parallel fsdp`` measures FSDP2, whose DTensor bookkeeping is most of a step this small on CPU and
@@ -64,10 +65,14 @@ def completions(out: Path) -> list[tuple[float, int]]:
 
 def cost_since(done: list[tuple[float, int]], i: int, steps: int, search_from: int) -> float:
     """Wall time from completion ``i`` to the next completion of ``steps`` steps later (searched from
-    ``search_from``), minus ``steps`` at the median pace of the ``steps`` completions up to ``i``."""
-    pace = statistics.median(done[k][0] - done[k - 1][0] for k in range(max(1, i - steps + 1), i + 1))
-    end = next(t for t, step in done[search_from:] if step == done[i][1] + steps)
-    return end - done[i][0] - steps * pace
+    ``search_from``), minus ``steps`` at the pace around them: the mean of the median step intervals of
+    the ``steps`` completions before ``i`` and after the end (both sides, so that a drift cancels)."""
+    end = next(k for k in range(search_from, len(done)) if done[k][1] == done[i][1] + steps)
+
+    def pace(a: int, b: int) -> float:
+        return statistics.median(done[k][0] - done[k - 1][0] for k in range(max(1, a), min(len(done), b)))
+
+    return done[end][0] - done[i][0] - steps * (pace(i - steps + 1, i + 1) + pace(end + 1, end + 1 + steps)) / 2
 
 
 def fault_costs(out: Path, step_s: float) -> list[tuple[dict, int, float]]:
