@@ -12,7 +12,7 @@ in the faulted run's own timeline, where the speed is that of the same minute: t
 last completion of the step it resumed from, before the fault, to the completion of the step WINDOW_S
 seconds of work later, after recovery, minus that much work at the median pace of the steps just before
 the fault and just after that window. Detection, restart, redone steps and the slower steps after a
-restart (its checkpoint writer starting up) count. The same measure at the same steps of the fault-free
+restart (most likely its checkpoint writers starting up) count. The same measure at the same steps of the fault-free
 runs, where nothing happened, shows its noise. Goodput (local) = 1 - the faults' summed cost / the
 faulted run's wall time.
 
