@@ -67,12 +67,11 @@ def cost_since(done: list[tuple[float, int]], i: int, steps: int, search_from: i
     """Wall time from completion ``i`` to the next completion of ``steps`` steps later (searched from
     ``search_from``), minus ``steps`` at the pace around them: the mean of the median step intervals of
     the ``steps`` completions before ``i`` and after the end (both sides, so that a drift cancels)."""
+    steps = min(steps, done[-1][1] - done[i][1])    # a fault near the end of the run: up to its last step
     end = next(k for k in range(search_from, len(done)) if done[k][1] == done[i][1] + steps)
-
-    def pace(a: int, b: int) -> float:
-        return statistics.median(done[k][0] - done[k - 1][0] for k in range(max(1, a), min(len(done), b)))
-
-    return done[end][0] - done[i][0] - steps * (pace(i - steps + 1, i + 1) + pace(end + 1, end + 1 + steps)) / 2
+    sides = [range(max(1, i - steps + 1), i + 1), range(end + 1, min(len(done), end + 1 + steps))]
+    pace = statistics.mean(statistics.median(done[k][0] - done[k - 1][0] for k in side) for side in sides if side)
+    return done[end][0] - done[i][0] - steps * pace
 
 
 def fault_costs(out: Path, step_s: float) -> list[tuple[dict, int, float]]:

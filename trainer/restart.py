@@ -84,9 +84,9 @@ def run_with_inprocess_restart(fn: Callable, cfg: RestartConfig, cuda: bool):
 # its worker threads, and one may be blocked in a collective with a peer that is restarting too (the step's
 # all-reduce that a failed rank never joined). Under DDP the group outlives destroy_process_group (DDP's
 # reducer holds it), so its last reference went in the Wrapper's garbage collection before the next
-# attempt, which then waited for --collective-timeout-s. Kept, the blocked thread ends when the peer's
-# process exits or at that timeout, in the background. One group per in-process restart; NCCL's are
-# aborted by NVRx instead.
+# attempt, which then waited for that collective until the Wrapper's hard timeout killed the rank. Kept,
+# the blocked thread ends in the background when the peer's process exits or at --collective-timeout-s.
+# One group per in-process restart; NCCL's are aborted by NVRx instead.
 _abandoned_groups: list = []
 
 
