@@ -330,3 +330,48 @@ def export_checkpoint(checkpoint_dir: str | Path, spec: ModelSpec, out_dir: str 
         return state["model"]
 
     return _write_hf_dir(spec, entries, load, out_dir, dtype, max_shard_bytes, tokenizer_dir, overwrite, progress)
+
+
+def _dataset_tokenizer(run_config: dict) -> Path | None:
+    """The tokenizer files staged with the run's dataset (``DATA/tokenizer/`` or ``DATA/``), if any."""
+    data = run_config.get("data", {}).get("data")
+    if not data:
+        return None
+    for candidate in (Path(data) / "tokenizer", Path(data)):
+        if any((candidate / f).is_file() for f in TOKENIZER_FILES):
+            return candidate
+    return None
+
+
+def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None, dtype: str | None = None,
+               max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES, tokenizer_dir: str | Path | None = None,
+               overwrite: bool = False, progress: Callable[[str], None] = log.info) -> Path:
+    """``goodput export``: a committed checkpoint of a run (the newest, or ``step``) as a Hugging Face directory.
+
+    The model is the one the run's ``config.json`` names; the tokenizer files come from ``tokenizer_dir``,
+    else from the run's dataset when it has them.
+    """
+    from ..layout import committed_steps, step_dir
+    from .registry import spec_from_run_config
+
+    run_dir = Path(run_dir)
+    config_path = run_dir / "config.json"
+    if not config_path.is_file():
+        raise HFError(f"{config_path} not found: {run_dir} is not a run directory of `goodput train`")
+    run_config = json.loads(config_path.read_text())
+    spec = spec_from_run_config(run_config)
+    if spec.hf is None:
+        raise HFError(f"the run trained {spec.name!r}, which has no Hugging Face layout (its spec sets no `hf` "
+                      f"adapter); export works with llama")
+    steps = committed_steps(run_dir / "checkpoints")
+    if not steps:
+        raise HFError(f"no committed checkpoint under {run_dir / 'checkpoints'}")
+    if step is not None and step not in steps:
+        raise HFError(f"step {step} has no committed checkpoint in {run_dir}; committed: "
+                      f"{', '.join(map(str, steps[-10:]))}")
+    chosen = step if step is not None else steps[-1]
+    progress(f"exporting step {chosen} of {run_dir} ({spec.name} {spec.flavor}) to {out_dir}")
+    tokenizer = Path(tokenizer_dir) if tokenizer_dir else _dataset_tokenizer(run_config)
+    return export_checkpoint(step_dir(run_dir / "checkpoints", chosen), spec, out_dir, dtype=dtype,
+                             max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer, overwrite=overwrite,
+                             progress=progress)
