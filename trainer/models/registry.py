@@ -35,13 +35,13 @@ class ModelError(ValueError):
 
 
 def load_model_config(value: str | dict | None) -> dict:
-    """``--model-config``: inline JSON (starting with ``{``), a ``.json`` or ``.toml`` file, or a dict."""
+    """``--model-config``: inline JSON (an object), a ``.json`` or ``.toml`` file, or a dict."""
     if value is None or value == "":
         return {}
     if isinstance(value, dict):
         return dict(value)
     text = value.strip()
-    if text.startswith("{"):
+    if text.startswith(("{", "[")):
         try:
             data = json.loads(text)
         except json.JSONDecodeError as e:
