@@ -28,8 +28,8 @@ import torch.nn.functional as F
 def _hf_model(spec):
     import transformers
 
-    config = transformers.LlamaConfig(**{**spec.hf.hf_config(spec.config, torch.float32), "use_cache": False})
-    config._attn_implementation = "sdpa"
+    config = transformers.LlamaConfig(**{**spec.hf.hf_config(spec.config, torch.float32), "use_cache": False},
+                                      attn_implementation="sdpa")
     return transformers.LlamaForCausalLM(config)
 
 

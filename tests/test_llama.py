@@ -116,34 +116,33 @@ def test_activation_checkpointing_recomputes_what_it_says_and_keeps_the_gradient
             torch.testing.assert_close(g, ref, rtol=0, atol=1e-6)
 
 
-def _train_two_steps(d: Dist, mode: str, out: Path) -> None:
-    spec = resolve_model("llama", "debug", {"n_layers": 2})
-    model = build_model(spec, ParallelPlan(mode=mode), d, seed=3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
-    mine = tokens[d.rank::d.world_size]
-    for _ in range(2):
-        spec.loss(model, mine[:, :-1], mine[:, 1:]).backward()
-        opt.step()
-        opt.zero_grad()
+def _train_two_steps(d: Dist, out: Path) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
-    if d.rank == 0:
-        torch.save(full, out / f"{mode}.pt")
+    spec = resolve_model("llama", "debug", {"n_layers": 2})
+    tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
+    mine = tokens[d.rank::d.world_size]
+    for mode in ("fsdp", "ddp"):
+        model = build_model(spec, ParallelPlan(mode=mode), d, seed=3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            spec.loss(model, mine[:, :-1], mine[:, 1:]).backward()
+            opt.step()
+            opt.zero_grad()
+        full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
+        if d.rank == 0:
+            torch.save(full, out / f"{mode}.pt")
 
 
-@pytest.mark.parametrize("mode", ["fsdp", "ddp"])
-def test_two_ranks_train_like_one(tmp_path, mode, process_group):
+def test_two_ranks_train_like_one(tmp_path, process_group):
     """FSDP2 (built on meta, sharded, materialised) and DDP on 2 ranks give the weights that one process
     training on the whole batch gets: the plan shards, and does not change, the model."""
     spec = resolve_model("llama", "debug", {"n_layers": 2})
     dist.destroy_process_group()    # the fixture's 1-rank group: the spawned ranks make their own
     try:
-        spawn_ranks(_train_two_steps, 2, mode, tmp_path)
+        spawn_ranks(_train_two_steps, 2, tmp_path)
     finally:
         dist.init_process_group("gloo")
-    two = torch.load(tmp_path / f"{mode}.pt")
     model = build_model(spec, ParallelPlan(mode="fsdp"), process_group, seed=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
@@ -154,9 +153,11 @@ def test_two_ranks_train_like_one(tmp_path, mode, process_group):
         opt.step()
         opt.zero_grad()
     one = {n: p.full_tensor() for n, p in model.named_parameters()}
-    assert set(one) == set(two)
-    for name in one:
-        torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-5, msg=name)
+    for mode in ("fsdp", "ddp"):
+        two = torch.load(tmp_path / f"{mode}.pt")
+        assert set(one) == set(two)
+        for name in one:
+            torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-5, msg=f"{mode} {name}")
 
 
 def test_mfu_uses_the_named_devices_dense_bf16_peak():

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 CONFIG = "config.json"
 SINGLE_FILE = "model.safetensors"
 INDEX = "model.safetensors.index.json"
-DEFAULT_MAX_SHARD_BYTES = 5 * 1024 ** 3     # Hugging Face's own default shard size
+DEFAULT_MAX_SHARD_BYTES = 5 * 10 ** 9     # Hugging Face's own default shard size ("5GB")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "tokenizer.model",
                    "added_tokens.json", "vocab.json", "merges.txt", "generation_config.json")
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -203,6 +203,7 @@ def load_hf_weights(model: nn.Module, spec: ModelSpec, hf_dir: str | Path) -> No
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")   # no_dist is the intent
         dcp.load(wanted, storage_reader=dcp.HuggingFaceStorageReader(str(hf_dir)),
                  no_dist=not dist.is_initialized())
+    # The state dict's tensors need not be the parameters' own memory (DCP loaded into them): set them.
     set_model_state_dict(model, {n: wanted[spec.hf.to_hf(n)] for n in state})
 
 
@@ -247,9 +248,8 @@ def _write_hf_dir(spec: ModelSpec, entries: list[tuple[str, tuple[int, ...], tor
     out = Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
         raise HFError(f"{out} exists and is not empty; choose another directory or overwrite it")
-    stored = {n: d for n, _, d in entries}
-    target = _DTYPES[dtype] if dtype else next(iter(stored.values()))
-    sized = [(n, int(torch.Size(s).numel()) * target.itemsize) for n, s, _ in entries]
+    cast = _DTYPES[dtype] if dtype else None
+    sized = [(n, int(torch.Size(s).numel()) * (cast or d).itemsize) for n, s, d in entries]
     groups = _shard_groups(sized, max_shard_bytes)
     files = [SINGLE_FILE] if len(groups) == 1 else \
         [f"model-{i + 1:05d}-of-{len(groups):05d}.safetensors" for i in range(len(groups))]
@@ -259,14 +259,14 @@ def _write_hf_dir(spec: ModelSpec, entries: list[tuple[str, tuple[int, ...], tor
     tmp.mkdir()
     weight_map = {}
     for file, names in zip(files, groups):
-        tensors = {spec.hf.to_hf(n): t.to(target).contiguous() for n, t in load(names).items()}
+        tensors = {spec.hf.to_hf(n): (t.to(cast) if cast else t).contiguous() for n, t in load(names).items()}
         save_file(tensors, str(tmp / file), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(tensors, file))
         progress(f"wrote {file} ({len(tensors)} tensors)")
     if len(files) > 1:
         (tmp / INDEX).write_text(json.dumps({"metadata": {"total_size": sum(b for _, b in sized)},
                                              "weight_map": dict(sorted(weight_map.items()))}, indent=2))
-    (tmp / CONFIG).write_text(json.dumps(spec.hf.hf_config(spec.config, target), indent=2))
+    (tmp / CONFIG).write_text(json.dumps(spec.hf.hf_config(spec.config, cast or entries[0][2]), indent=2))
     if tokenizer_dir is not None:
         progress(f"copied {', '.join(_copy_tokenizer(Path(tokenizer_dir), tmp))}")
     for f in tmp.iterdir():
@@ -295,7 +295,7 @@ def export_state_dict(state_dict: dict[str, torch.Tensor], spec: ModelSpec, out_
         state_dict: parameter name -> tensor, as ``model.state_dict()`` of the spec's model.
         spec: the model's spec (its ``hf`` adapter names the tensors and writes ``config.json``).
         out_dir: the directory to create; it must not exist or be empty unless ``overwrite``.
-        dtype: float32, bfloat16 or float16 (None: as stored).
+        dtype: float32, bfloat16 or float16 (None: each tensor as stored).
         max_shard_bytes: above this, tensors go into several files with ``model.safetensors.index.json``.
         tokenizer_dir: a directory whose tokenizer files are copied in.
         overwrite: replace an existing directory (atomically: the old one is removed after the new is in place).
