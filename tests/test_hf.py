@@ -15,9 +15,8 @@ from click.testing import CliRunner
 
 from pipelines.cli.export import export
 from trainer.layout import COMMITTED, step_dir
-from trainer.models import ParallelPlan, build_meta, build_model, resolve_model
+from trainer.models import ParallelPlan, build_local, build_meta, build_model, resolve_model
 from trainer.models.hf import INDEX, HFError, export_state_dict, load_hf_weights, spec_for_hf_dir
-from trainer.models.parallelize import init_materialized
 from trainer.parallel import Dist
 
 from .test_llama import spawn_ranks
@@ -59,10 +58,7 @@ def hf_dir(request, tmp_path) -> tuple[Path, torch.Tensor]:
 
 def ours_from(hf_path: Path, seed: int = 1):
     spec = spec_for_hf_dir("llama", hf_path)
-    model = build_meta(spec)
-    model.to_empty(device="cpu")
-    init_materialized(model, spec, seed)
-    return spec, model
+    return spec, build_local(spec, seed=seed)
 
 
 def test_transformers_llama_loads_into_ours_with_the_same_logits(hf_dir):
@@ -102,9 +98,7 @@ def test_two_fsdp2_ranks_each_load_their_shards_of_a_transformers_llama(tmp_path
 def test_export_round_trips_exactly_and_transformers_gives_our_logits(tmp_path):
     spec = resolve_model("llama", "debug", {"dim": 64, "n_layers": 2, "ffn_dim": 96, "max_seq_len": 128,
                                             "rope_scaling_factor": 8.0, "rope_original_max_seq_len": 16})
-    model = build_meta(spec)
-    model.to_empty(device="cpu")
-    init_materialized(model, spec, seed=0)
+    model = build_local(spec)
     state = model.state_dict()
     (tmp_path / "tok").mkdir()
     (tmp_path / "tok" / "tokenizer.json").write_text("{}")
@@ -141,8 +135,7 @@ def test_export_refuses_to_write_over_a_model_directory(tmp_path):
 def test_init_from_refuses_a_different_architecture(tmp_path):
     hf_model(tied=False).save_pretrained(tmp_path / "hf")
     spec = resolve_model("llama", "debug")
-    model = build_meta(spec)
-    model.to_empty(device="cpu")
+    model = build_local(spec)
     with pytest.raises(HFError, match=r"different architecture.*dim: ours 128.* 64"):
         load_hf_weights(model, spec, tmp_path / "hf")
     with pytest.raises(HFError, match="config.json not found"):
@@ -164,9 +157,7 @@ def _committed_run(tmp_path: Path, spec, state: dict, steps: list[int]) -> Path:
 
 def test_goodput_export_writes_a_committed_checkpoint_that_transformers_loads(tmp_path):
     spec = resolve_model("llama", "debug", {"dim": 64, "n_layers": 2, "ffn_dim": 96})
-    model = build_meta(spec)
-    model.to_empty(device="cpu")
-    init_materialized(model, spec, seed=0)
+    model = build_local(spec)
     state = model.state_dict()
     run = _committed_run(tmp_path, spec, state, [2, 4])
     (tmp_path / "data" / "tokenizer").mkdir(parents=True)

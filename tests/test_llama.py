@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from trainer.models import ParallelPlan, build_meta, build_model, num_params, resolve_model
+from trainer.models import ParallelPlan, build_local, build_meta, build_model, num_params, resolve_model
 from trainer.models.llama import Llama, flops_per_token
-from trainer.models.parallelize import apply_block_options, apply_parallelism, init_materialized
+from trainer.models.parallelize import apply_block_options, apply_parallelism
 from trainer.parallel import Dist
 
 # Parameter counts of Meta's published checkpoints (the sums of their safetensors shapes).
@@ -100,9 +100,7 @@ def test_activation_checkpointing_recomputes_what_it_says_and_keeps_the_gradient
     tokens = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(0))
     results = {}
     for mode in ("none", "selective", "full"):
-        model = build_meta(spec)
-        model.to_empty(device="cpu")
-        init_materialized(model, spec, seed=0)
+        model = build_local(spec)
         apply_block_options(spec.blocks(model), ParallelPlan(activation_checkpointing=mode))
         results[mode] = _backward_cost(model, tokens)
         # The plan changes no parameter name: checkpoints and exports do not depend on it.
@@ -116,13 +114,16 @@ def test_activation_checkpointing_recomputes_what_it_says_and_keeps_the_gradient
             torch.testing.assert_close(g, ref, rtol=0, atol=1e-6)
 
 
+CASES = [("fsdp", False), ("ddp", False), ("fsdp", True)]     # (mode, tied embeddings)
+
+
 def _train_two_steps(d: Dist, out: Path) -> None:
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    spec = resolve_model("llama", "debug", {"n_layers": 2})
     tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
     mine = tokens[d.rank::d.world_size]
-    for mode in ("fsdp", "ddp"):
+    for mode, tied in CASES:
+        spec = resolve_model("llama", "debug", {"n_layers": 2, "tie_embeddings": tied})
         model = build_model(spec, ParallelPlan(mode=mode), d, seed=3)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
         for _ in range(2):
@@ -131,33 +132,35 @@ def _train_two_steps(d: Dist, out: Path) -> None:
             opt.zero_grad()
         full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True))
         if d.rank == 0:
-            torch.save(full, out / f"{mode}.pt")
+            torch.save(full, out / f"{mode}-{tied}.pt")
 
 
 def test_two_ranks_train_like_one(tmp_path, process_group):
     """FSDP2 (built on meta, sharded, materialised) and DDP on 2 ranks give the weights that one process
-    training on the whole batch gets: the plan shards, and does not change, the model."""
-    spec = resolve_model("llama", "debug", {"n_layers": 2})
+    training on the whole batch gets: the plan shards, and does not change, the model (tied embeddings,
+    used by the root's output projection, included)."""
     dist.destroy_process_group()    # the fixture's 1-rank group: the spawned ranks make their own
     try:
         spawn_ranks(_train_two_steps, 2, tmp_path)
     finally:
         dist.init_process_group("gloo")
-    model = build_model(spec, ParallelPlan(mode="fsdp"), process_group, seed=3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     tokens = torch.randint(0, 256, (4, 32), generator=torch.Generator().manual_seed(1))
     halves = [tokens[0::2], tokens[1::2]]
-    for _ in range(2):
-        # The mean of the two ranks' mean losses, as their averaged gradients are.
-        sum(spec.loss(model, h[:, :-1], h[:, 1:]) for h in halves).div(2).backward()
-        opt.step()
-        opt.zero_grad()
-    one = {n: p.full_tensor() for n, p in model.named_parameters()}
-    for mode in ("fsdp", "ddp"):
-        two = torch.load(tmp_path / f"{mode}.pt")
-        assert set(one) == set(two)
-        for name in one:
-            torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-5, msg=f"{mode} {name}")
+    for tied in (False, True):
+        spec = resolve_model("llama", "debug", {"n_layers": 2, "tie_embeddings": tied})
+        model = build_model(spec, ParallelPlan(mode="fsdp"), process_group, seed=3)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        for _ in range(2):
+            # The mean of the two ranks' mean losses, as their averaged gradients are.
+            sum(spec.loss(model, h[:, :-1], h[:, 1:]) for h in halves).div(2).backward()
+            opt.step()
+            opt.zero_grad()
+        one = {n: p.full_tensor() for n, p in model.named_parameters()}
+        for mode, _ in filter(lambda c: c[1] == tied, CASES):
+            two = torch.load(tmp_path / f"{mode}-{tied}.pt")
+            assert set(one) == set(two)
+            for name in one:
+                torch.testing.assert_close(two[name], one[name], rtol=0, atol=1e-5, msg=f"{mode} {name}")
 
 
 def test_mfu_uses_the_named_devices_dense_bf16_peak():

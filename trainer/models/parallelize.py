@@ -104,21 +104,27 @@ def init_materialized(model: nn.Module, spec: ModelSpec, seed: int) -> None:
         spec.init_weights(model)
 
 
+def build_local(spec: ModelSpec, device: torch.device | str = "cpu", seed: int = 0) -> nn.Module:
+    """The spec's model whole on one device, initialised, with no process group (evaluate, export, tests).
+    Load weights into it afterwards: ``dcp.load(..., no_dist=True)`` or ``hf.load_hf_weights``."""
+    model = build_meta(spec)
+    model.to_empty(device=device)
+    init_materialized(model, spec, seed)
+    return model
+
+
 def build_model(spec: ModelSpec, plan: ParallelPlan, dist: Dist, seed: int) -> nn.Module:
     """Build, parallelise, materialise on ``dist.device`` and initialise the spec's model.
 
     Collective when ``plan.mode`` is ddp (DDP broadcasts rank 0's weights). Returns the module to train:
     the FSDP2-sharded model itself, or its DDP wrapper.
     """
-    model = build_meta(spec)
     if dist.device.type == "cuda" and plan.mode == "fsdp":
-        model = apply_parallelism(model, spec, plan, dist)
+        model = apply_parallelism(build_meta(spec), spec, plan, dist)
         model.to_empty(device=dist.device)
         init_materialized(model, spec, seed)
         return model
-    model.to_empty(device=dist.device)
-    init_materialized(model, spec, seed)
-    return apply_parallelism(model, spec, plan, dist)
+    return apply_parallelism(build_local(spec, dist.device, seed), spec, plan, dist)
 
 
 def unwrap(model: nn.Module) -> nn.Module:
