@@ -328,7 +328,6 @@ def _job_failure(rt: dict, exit_code: int | None = None, disrupted: bool = False
     (128, False, "RestartJobSet"),                         # the container could not start on this node
     (1, False, "RestartJobSet (default)"),                 # ft_launcher gave up after its in-job restarts
     (137, False, "RestartJobSet (default)"),
-    (12, False, "RestartJobSet (default)"),                # not "index 1" of "index 12"
 ])
 def test_failures_are_told_apart_by_the_pod_and_jobset_failure_policies(exit_code, disrupted, action):
     rt = runtime_manifest()
