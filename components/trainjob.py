@@ -124,8 +124,13 @@ class RuntimeSpec:
                 **{k: v for k, v in d.items() if k not in own}}
         return cls(pods=JobSpec.from_dict(pods), **_coerced(cls, own))
 
+    def pod_settings(self) -> JobSpec:
+        # The pods' JobSpec builds a PyTorchJob's pod; its job name is no runtime's business (and the runtime
+        # name, a DNS subdomain, need not be a valid job name).
+        return dataclasses.replace(self.pods, name=NODE)
+
     def validate(self) -> "RuntimeSpec":
-        p = _problems(self.pods)
+        p = _problems(self.pod_settings())
         if not _DNS1123_SUBDOMAIN.match(self.name) or len(self.name) > 253:
             p.append(f"runtime name {self.name!r} is not a DNS-1123 subdomain")
         if self.schedule_timeout_s < 0:
@@ -191,8 +196,8 @@ def _trainjob_problems(spec: JobSpec, runtime: RuntimeSpec) -> list[str]:
     for key in ("backoff_limit", "ttl_after_finished_s", "fsx_mount", "image_pull_policy", "metrics_port"):
         if getattr(spec, key) != getattr(rt, key):
             p.append(f"{key}={getattr(spec, key)!r} differs from ClusterTrainingRuntime {runtime.name}'s "
-                     f"{getattr(rt, key)!r}: in Trainer v2 it is the runtime's; use the runtime's value or "
-                     f"a runtime built with {key}={getattr(spec, key)!r} (goodput render-runtime)")
+                     f"{getattr(rt, key)!r}: in Trainer v2 it is the runtime's; use the runtime's value, or "
+                     f"reference a runtime built with {key}={getattr(spec, key)!r} (RuntimeSpec)")
     for key in ("scheduler", "scheduler_name", "priority_class"):
         if getattr(spec, key) not in ("", getattr(rt, key)):
             p.append(f"{key}={getattr(spec, key)!r} differs from ClusterTrainingRuntime {runtime.name}'s "
@@ -240,7 +245,7 @@ def build_runtime(runtime: RuntimeSpec | None = None):
 
     runtime = (runtime or RuntimeSpec()).validate()
     rt = runtime.pods
-    pod = _pod(rt).spec
+    pod = _pod(runtime.pod_settings()).spec
     (c,) = pod.containers
     assert c.name == CONTAINER_NAME
     c.name = NODE

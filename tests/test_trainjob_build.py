@@ -334,6 +334,28 @@ def test_failures_are_told_apart_by_the_pod_and_jobset_failure_policies(exit_cod
     assert _jobset_action(rt, *_job_failure(rt, exit_code, disrupted)) == action
 
 
+def test_the_node_job_passes_kubernetes_job_validation():
+    """What the Job API (batch/v1 validation, not in the CRD schemas) demands of a pod failure policy."""
+    job = runtime_manifest()["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]
+    pod = job["template"]["spec"]
+    assert pod["restartPolicy"] == "Never"                    # a pod failure policy needs it
+    assert len(job["podFailurePolicy"]["rules"]) <= 20
+    names = {c["name"] for c in pod["containers"]}
+    for rule in job["podFailurePolicy"]["rules"]:
+        assert rule["action"] in ("FailJob", "FailIndex", "Ignore", "Count")
+        codes = rule.get("onExitCodes")
+        assert (codes is None) != ("onPodConditions" not in rule)    # exactly one requirement
+        if codes:
+            values = codes["values"]
+            assert values == sorted(set(values)) and all(0 < v <= 255 for v in values) and len(values) <= 255
+            assert codes["containerName"] in names
+
+
+def test_a_runtime_name_need_not_be_a_job_name():
+    assert runtime_manifest(RuntimeSpec(name="goodput-nvrx.v2-" + "x" * 60))["metadata"]["name"].startswith(
+        "goodput-nvrx.v2")
+
+
 def test_backoff_limit_is_the_jobset_restart_budget_and_rules_follow_failure_rules():
     rt = runtime_manifest(RuntimeSpec(pods=JobSpec(image=IMG, scheduler="volcano", backoff_limit=7)))
     policy = rt["spec"]["template"]["spec"]["failurePolicy"]
