@@ -53,7 +53,8 @@ from typing import Any, Iterator, NamedTuple, Protocol
 from components.stage_formats import BadFile, detect_format, read_documents
 from components.stage_tokenize import (BAD_RECORD_POLICIES, PACK_BYTES, BadRecordsError, ReadConfig, dataset_manifest,
                                        plan_packs, tokenize_packs)
-from components.stage_tokenizer import TokenizerInfo, TokenizerSpec, parse_tokenizer, stage_tokenizer
+from components.stage_tokenizer import (TokenizerInfo, TokenizerSpec, check_tokenizer_source, parse_tokenizer,
+                                        stage_tokenizer)
 from trainer.layout import write_atomic
 
 log = logging.getLogger(__name__)
@@ -730,6 +731,7 @@ def stage_dataset(
         raise ValueError(f"retry_mode must be adaptive, standard or legacy, got {retry_mode!r}")
     if max_concurrency < 1 or max_attempts < 1:
         raise ValueError("max_concurrency and max_attempts must be at least 1")
+    check_tokenizer_source(spec, endpoint_url)
     raw = dest / "raw"
     uri = f"s3://{bucket}/{prefix}" if bucket else prefix
     result = StageResult(source=uri, dataset_dir=str(dest))

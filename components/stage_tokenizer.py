@@ -85,15 +85,35 @@ def parse_tokenizer(spec: str) -> TokenizerSpec:
     return TokenizerSpec("file", spec, location=str(path))
 
 
+def _s3_location(uri: str) -> tuple[str, str]:
+    """(bucket, key of tokenizer.json) of an object URI or a model prefix."""
+    bucket, _, key = uri[len("s3://"):].partition("/")
+    return bucket, key if key.endswith(".json") else posixpath.join(key, TOKENIZER_FILE)
+
+
+def check_tokenizer_source(spec: TokenizerSpec, endpoint_url: str | None = None) -> None:
+    """An ``s3://`` tokenizer exists (ValueError if not): checked before any data is staged."""
+    if not spec.location.startswith("s3://"):
+        return
+    from botocore.exceptions import BotoCoreError, ClientError
+
+    from components.stage import s3_client
+
+    bucket, key = _s3_location(spec.location)
+    try:
+        s3_client(endpoint_url, max_attempts=3).head_object(Bucket=bucket, Key=key)
+    except (BotoCoreError, ClientError) as e:
+        raise ValueError(f"tokenizer {spec.spec!r}: cannot fetch s3://{bucket}/{key}: {e}") from e
+
+
 def _fetch_s3(uri: str, dest: Path, endpoint_url: str | None) -> tuple[Path, dict | None]:
     """tokenizer.json (and tokenizer_config.json, if there) from an object or a prefix, into ``dest``."""
     from botocore.exceptions import ClientError
 
     from components.stage import s3_client
 
-    bucket, _, key = uri[len("s3://"):].partition("/")
+    bucket, key = _s3_location(uri)
     client = s3_client(endpoint_url, max_attempts=5)
-    key = key if key.endswith(".json") else posixpath.join(key, TOKENIZER_FILE)
     try:
         client.download_file(bucket, key, str(dest))
     except ClientError as e:
