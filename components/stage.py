@@ -123,7 +123,7 @@ class StageResult:
         return asdict(self)
 
 
-class _Object(NamedTuple):
+class StagedObject(NamedTuple):
     key: str        # the source key (or path relative to a local source)
     rel: str        # path under raw/
     size: int
@@ -180,7 +180,7 @@ def unsafe_reason(rel: str, raw_dir: Path) -> str | None:
     return None
 
 
-def _refuse_collisions(objects: list[_Object]) -> tuple[list[_Object], list[dict]]:
+def _refuse_collisions(objects: list[StagedObject]) -> tuple[list[StagedObject], list[dict]]:
     """A key that is also the directory of another key ("a" and "a/b") cannot exist on a file system."""
     dirs = set()
     for o in objects:
@@ -262,13 +262,13 @@ def _load_known(dest: Path) -> dict[str, dict]:
     return known
 
 
-class _Lock:
+class StageLock:
     """One stage at a time per dataset directory (flock; not every file system supports it)."""
 
     def __init__(self, path: Path):
         self.path, self.fd = path, None
 
-    def __enter__(self) -> "_Lock":
+    def __enter__(self) -> "StageLock":
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -289,7 +289,7 @@ class _Journal:
     def __init__(self, path: Path):
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    def record(self, obj: _Object) -> None:
+    def record(self, obj: StagedObject) -> None:
         os.write(self.fd, (json.dumps({"rel": obj.rel, "key": obj.key, "etag": obj.etag, "size": obj.size})
                            + "\n").encode())
 
@@ -341,13 +341,13 @@ class _Finisher:
         self.verify_etag = verify_etag
         self.lock = threading.Lock()
         self.made_dirs: set[str] = set()
-        self.held: list[tuple[_Object, _Target]] | None = []
+        self.held: list[tuple[StagedObject, _Target]] | None = []
         self.drop: set[str] = set()
 
-    def target(self, obj: _Object, tmp: str) -> _Target:
+    def target(self, obj: StagedObject, tmp: str) -> _Target:
         return _Target(tmp, self.verify_etag and _is_md5_etag(obj.etag))
 
-    def finish(self, obj: _Object, target: _Target, error: BaseException | None) -> None:
+    def finish(self, obj: StagedObject, target: _Target, error: BaseException | None) -> None:
         try:
             if target.f is not False:
                 target.close()
@@ -386,7 +386,7 @@ class _Finisher:
             except OSError as e:
                 self._fail(obj, target, e)
 
-    def _place(self, obj: _Object, target: _Target) -> None:
+    def _place(self, obj: StagedObject, target: _Target) -> None:
         final = os.path.join(self.raw, obj.rel)
         parent = os.path.dirname(final)
         if parent not in self.made_dirs:
@@ -398,7 +398,7 @@ class _Finisher:
             self.result.transferred += 1
             self.result.transferred_bytes += obj.size
 
-    def _fail(self, obj: _Object, target: _Target, e: BaseException) -> None:
+    def _fail(self, obj: StagedObject, target: _Target, e: BaseException) -> None:
         _unlink(target.path)
         with self.lock:
             self.result.failed.append({"key": obj.key, "error": _short_error(e)})
@@ -437,7 +437,7 @@ def _s3_downloads(client, bucket: str, tmp_dir: Path, finisher: _Finisher, progr
     from s3transfer.utils import S3_RETRYABLE_DOWNLOAD_ERRORS
 
     class Subscriber(BaseSubscriber):
-        def __init__(self, obj: _Object, target: _Target):
+        def __init__(self, obj: StagedObject, target: _Target):
             self.obj, self.target = obj, target
 
         def on_queued(self, future, **kwargs):
@@ -458,11 +458,11 @@ def _s3_downloads(client, bucket: str, tmp_dir: Path, finisher: _Finisher, progr
                 error = e
             finisher.finish(self.obj, self.target, error)
 
-    def transfer(obj: _Object, tmp: str) -> None:
+    def transfer(obj: StagedObject, tmp: str) -> None:
         target = finisher.target(obj, tmp)
         manager.download(bucket, obj.key, target, subscribers=[Subscriber(obj, target)])
 
-    def get(obj: _Object, tmp: str) -> None:
+    def get(obj: StagedObject, tmp: str) -> None:
         target = finisher.target(obj, tmp)
         error = None
         try:
@@ -503,7 +503,7 @@ def _s3_downloads(client, bucket: str, tmp_dir: Path, finisher: _Finisher, progr
         for w in workers:
             w.start()
 
-        def submit(obj: _Object) -> None:
+        def submit(obj: StagedObject) -> None:
             path = os.path.join(tmp, f"{next(count):08d}")
             if obj.size < multipart_threshold:
                 todo.put((obj, path))
@@ -526,7 +526,7 @@ def _s3_downloads(client, bucket: str, tmp_dir: Path, finisher: _Finisher, progr
 @contextlib.contextmanager
 def _local_copies(root: str, tmp_dir: Path, finisher: _Finisher, progress: StageProgress | None):
     """Yields ``submit(obj)``; the files are copied when the block is left."""
-    todo: list[_Object] = []
+    todo: list[StagedObject] = []
     yield todo.append
     for i, obj in enumerate(todo):
         target = _Target(os.path.join(tmp_dir, f"{i:08d}"), want_md5=False)
@@ -735,15 +735,15 @@ def stage_dataset(
     raw = dest / "raw"
     uri = f"s3://{bucket}/{prefix}" if bucket else prefix
     result = StageResult(source=uri, dataset_dir=str(dest))
-    build = _Builder(dest, uri, settings, spec, endpoint_url, workers, result)
+    build = DatasetBuilder(dest, uri, settings, spec, endpoint_url, workers, result)
 
     if fsx_dra:
         return _stage_dra(uri, dest, raw, result, build, hsm_batch_size, hsm_poll_s, progress, t_start)
 
     # ---- the first page of the listing before anything is written: a wrong bucket or endpoint, or a
     # missing permission, fails here
-    source_of = _Source(bucket, prefix, endpoint_url, retry_mode, max_attempts, max_concurrency, multipart_threshold,
-                        multipart_chunksize, verify_etag)
+    source_of = Source(bucket, prefix, endpoint_url, retry_mode, max_attempts, max_concurrency,
+                       multipart_threshold, multipart_chunksize, verify_etag)
     pages = source_of.pages(settings, result)
     try:
         first = next(pages, [])
@@ -755,11 +755,11 @@ def stage_dataset(
             listed = [first, *pages]
         except source_of.list_errors as e:
             raise StageError(f"cannot list {uri}: {e}") from e
-        _, refused = _check_keys([o for page in listed for o in page], raw, prefix if bucket else "")
+        _, refused = check_keys([o for page in listed for o in page], raw, prefix if bucket else "")
         refused = source_of.refused + refused
         if refused:
             result.refused = refused
-            raise StageRefused(_refused_message(refused, uri), result)
+            raise StageRefused(refused_message(refused, uri), result)
         first, pages = [], iter(listed)
     if not first and not source_of.refused and not result.excluded:
         peek = next(pages, None)
@@ -770,9 +770,9 @@ def stage_dataset(
     dest.mkdir(parents=True, exist_ok=True)
     state = dest / STAGE_DIR
     state.mkdir(exist_ok=True)
-    with _Lock(state / "lock"):
-        objects = _sync(source_of, itertools.chain([first], pages), raw, state, dest, result, progress,
-                        remove_stale=True, t_start=t_start)
+    with StageLock(state / "lock"):
+        objects = sync_raw(source_of, itertools.chain([first], pages), raw, state, dest, result, progress,
+                           remove_stale=True, t_start=t_start)
         if not objects:
             raise StageError(f"nothing to stage under {uri} ({len(result.refused)} keys refused, "
                              f"{result.excluded} excluded by include/exclude)", result)
@@ -782,7 +782,7 @@ def stage_dataset(
     return result
 
 
-def _refused_message(refused: list[dict], uri: str) -> str:
+def refused_message(refused: list[dict], uri: str) -> str:
     first = refused[0]
     return (f"{len(refused)} keys under {uri} were refused (they would land outside the destination), e.g. "
             f"{first['key']!r}: {first['reason']}; nothing was staged. Rename or remove them at the source, or "
@@ -790,7 +790,7 @@ def _refused_message(refused: list[dict], uri: str) -> str:
             f"way)")
 
 
-def _check_keys(listed: list[tuple[str, int, str]], raw: Path, prefix: str) -> tuple[list[_Object], list[dict]]:
+def check_keys(listed: list[tuple[str, int, str]], raw: Path, prefix: str) -> tuple[list[StagedObject], list[dict]]:
     """Unsafe keys and keys that are also directories of others are refused; the rest become objects."""
     objects, refused = [], []
     for key, size, etag in listed:
@@ -799,12 +799,12 @@ def _check_keys(listed: list[tuple[str, int, str]], raw: Path, prefix: str) -> t
         if reason:
             refused.append({"key": key, "reason": reason})
         else:
-            objects.append(_Object(key, rel, size, etag))
+            objects.append(StagedObject(key, rel, size, etag))
     objects, collisions = _refuse_collisions(objects)
     return objects, refused + collisions
 
 
-class _Source:
+class Source:
     """Listing and fetching of one source (S3 or a directory), with the include/exclude filter."""
 
     def __init__(self, bucket: str | None, prefix: str, endpoint_url: str | None, retry_mode: str, max_attempts: int,
@@ -846,8 +846,9 @@ class _Source:
         return _local_copies(self.prefix, tmp_dir, finisher, progress)
 
 
-def _sync(source: _Source, pages: Iterator[list[tuple[str, int, str]]], raw: Path, state: Path, dest: Path,
-          result: StageResult, progress: StageProgress | None, *, remove_stale: bool, t_start: float) -> list[_Object]:
+def sync_raw(source: Source, pages: Iterator[list[tuple[str, int, str]]], raw: Path, state: Path, dest: Path,
+             result: StageResult, progress: StageProgress | None, *, remove_stale: bool,
+             t_start: float) -> list[StagedObject]:
     """Bring ``raw/`` in line with the listed objects; return the objects staged (refused ones excluded).
 
     ``state`` holds this sync's temp files and journal (a fan-out worker has its own). With
@@ -861,7 +862,7 @@ def _sync(source: _Source, pages: Iterator[list[tuple[str, int, str]]], raw: Pat
     known = _load_known(dest)
     journal = _Journal(state / JOURNAL)
     finisher = _Finisher(raw, journal, result, progress, source.verify_etag)
-    objects: list[_Object] = []
+    objects: list[StagedObject] = []
     submitted: set[str] = set()
     refused: list[dict] = list(source.refused)
     cut = source.key_prefix()
@@ -879,7 +880,7 @@ def _sync(source: _Source, pages: Iterator[list[tuple[str, int, str]]], raw: Pat
                         if reason:
                             refused.append({"key": key, "reason": reason})
                             continue
-                        obj = _Object(key, rel, size, etag)
+                        obj = StagedObject(key, rel, size, etag)
                         objects.append(obj)
                         k = known.get(rel)
                         if not (k and k.get("etag") == etag and k.get("size") == size
@@ -895,7 +896,7 @@ def _sync(source: _Source, pages: Iterator[list[tuple[str, int, str]]], raw: Pat
             for r in result.refused:
                 log.warning("refused %r: %s", r["key"], r["reason"])
             if remove_stale:
-                result.removed = _remove_stale(raw, {o.rel for o in objects})
+                result.removed = remove_stale_files(raw, {o.rel for o in objects})
             finisher.release(drop={c["key"][len(cut):] for c in collisions})
             todo = [o for o in objects if o.rel in submitted]
             result.objects = len(objects)
@@ -924,7 +925,7 @@ def _size_on_disk(path: str) -> int | None:
         return None
 
 
-def _remove_stale(raw: Path, wanted: set[str]) -> int:
+def remove_stale_files(raw: Path, wanted: set[str]) -> int:
     """Delete files under raw/ whose object is no longer in the source (or is now refused), then the
     directories that left empty (a key may now need that path for a file)."""
     removed = 0
@@ -965,13 +966,21 @@ def remove_unlisted_shards(dest: Path, manifest: dict) -> None:
             p.unlink()
 
 
-def splits_of(objects: list[_Object], val_percent: int) -> dict[str, str]:
+def manifest_extra(objects: list[StagedObject], settings: DatasetSettings, refused: list[dict],
+                   mode: str | None = None) -> dict:
+    """The manifest's record of the source objects and the stage's settings (what a rerun compares)."""
+    stage = {"settings": settings.to_dict(), "refused": refused, **({"mode": mode} if mode else {})}
+    return {"objects": {o.rel: {"key": o.key, "etag": o.etag, "size": o.size} for o in sorted(objects)},
+            "stage": stage}
+
+
+def splits_of(objects: list[StagedObject], val_percent: int) -> dict[str, str]:
     from trainer.data import split_of
 
     return {o.rel: split_of(o.rel, val_percent) for o in objects}
 
 
-class _Builder:
+class DatasetBuilder:
     """Tokenizes the staged files into shards and writes the manifest, or keeps the manifest when nothing
     that goes into it changed."""
 
@@ -980,14 +989,7 @@ class _Builder:
         self.dest, self.uri, self.settings, self.spec = dest, uri, settings, spec
         self.endpoint_url, self.workers, self.result = endpoint_url, workers, result
 
-    def extra(self, objects: list[_Object], mode: str | None = None) -> dict:
-        stage = {"settings": self.settings.to_dict(), "refused": self.result.refused}
-        if mode:
-            stage["mode"] = mode
-        return {"objects": {o.rel: {"key": o.key, "etag": o.etag, "size": o.size} for o in sorted(objects)},
-                "stage": stage}
-
-    def bpe_sample(self, objects: list[_Object]) -> list[_Object]:
+    def bpe_sample(self, objects: list[StagedObject]) -> list[StagedObject]:
         """The training files a ``bpe:`` tokenizer learns from: path order, up to bpe_sample_bytes."""
         splits, sample, size = splits_of(objects, self.settings.val_percent), [], 0
         for o in sorted(objects):
@@ -996,7 +998,7 @@ class _Builder:
                 size += o.size
         return sample
 
-    def tokenizer(self, objects: list[_Object]) -> TokenizerInfo:
+    def tokenizer(self, objects: list[StagedObject]) -> TokenizerInfo:
         """Stage the tokenizer next to the dataset (training it first for ``bpe:``)."""
         raw = self.dest / "raw"
         read = self.settings.read
@@ -1015,10 +1017,11 @@ class _Builder:
         except ValueError as e:
             raise StageError(str(e), self.result) from e
 
-    def run(self, objects: list[_Object], state: Path, progress: StageProgress | None, mode: str | None = None) -> None:
+    def run(self, objects: list[StagedObject], state: Path, progress: StageProgress | None,
+            mode: str | None = None) -> None:
         t0 = time.monotonic()
         result = self.result
-        extra = self.extra(objects, mode)
+        extra = manifest_extra(objects, self.settings, result.refused, mode)
         previous = read_previous_manifest(self.dest)
         unchanged = (previous is not None and (self.dest / "manifest.json").exists() and result.transferred == 0
                      and result.removed == 0 and previous.get("source") == self.uri
@@ -1031,24 +1034,22 @@ class _Builder:
         else:
             retire_manifest(self.dest)
             info = self.tokenizer(objects)
-            manifest = build_tokens(self.dest, objects, self.uri, self.settings, info, extra, state / "tok",
-                                    self.workers, result, progress)
+            dtype, entries, shards = tokenize_objects(self.dest, objects, self.settings, info, state / "tok",
+                                                      self.workers, result, progress)
+            manifest = assemble_manifest(self.uri, self.settings, info, dtype, entries, shards, extra, result)
             write_atomic(self.dest / "manifest.json", json.dumps(manifest, indent=1).encode())
             remove_unlisted_shards(self.dest, manifest)
             (self.dest / STAGE_DIR / PREVIOUS_MANIFEST).unlink(missing_ok=True)
             result.rebuilt = True
-        _summarise(manifest, result)
+        summarise(manifest, result)
         result.build_s = round(time.monotonic() - t0, 3)
 
 
-def build_tokens(dest: Path, objects: list[_Object], uri: str, settings: DatasetSettings, info: TokenizerInfo,
-                 extra: dict, tmp_dir: Path, workers: int | None, result: StageResult,
-                 progress: StageProgress | None, packs: list[int] | None = None) -> dict:
-    """Tokenize the staged ``objects`` (all packs, or only ``packs``) and return the manifest (not written).
-
-    A fan-out worker passes its ``packs`` and keeps the file entries and shards of the returned manifest
-    for the merge step; the manifest itself is only complete for all packs.
-    """
+def tokenize_objects(dest: Path, objects: list[StagedObject], settings: DatasetSettings, info: TokenizerInfo,
+                     tmp_dir: Path, workers: int | None, result: StageResult, progress: StageProgress | None = None,
+                     packs: list[int] | None = None) -> tuple[str, list[dict], dict[int, dict]]:
+    """Tokenize the staged ``objects`` (all packs, or a fan-out worker's ``packs``) into shards in ``dest``:
+    (token dtype, file entries, {pack: {split: shard}})."""
     from trainer.data import token_dtype_for
 
     dtype = "uint8" if info.kind == "bytes" else token_dtype_for(info.vocab_size)
@@ -1056,21 +1057,26 @@ def build_tokens(dest: Path, objects: list[_Object], uri: str, settings: Dataset
     chosen = {i: layout[i] for i in (range(len(layout)) if packs is None else packs)}
     try:
         entries, shards = tokenize_packs(dest / "raw", dest, chosen, splits_of(objects, settings.val_percent),
-                                         read=settings.read,
-                                         tokenizer=info, dtype=dtype, bad_record_policy=settings.bad_record_policy,
-                                         tmp_dir=tmp_dir, workers=workers, progress=progress)
+                                         read=settings.read, tokenizer=info, dtype=dtype,
+                                         bad_record_policy=settings.bad_record_policy, tmp_dir=tmp_dir,
+                                         workers=workers, progress=progress)
     except BadRecordsError as e:
         raise StageRefused(str(e), result) from e
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
+    return dtype, entries, shards
+
+
+def assemble_manifest(uri: str, settings: DatasetSettings, info: TokenizerInfo, dtype: str, entries: list[dict],
+                      shards: dict[int, dict], extra: dict, result: StageResult) -> dict:
     try:
         return dataset_manifest(source=uri, tokenizer=info, dtype=dtype, read=settings.read, entries=entries,
-                                shards=shards, val_percent=settings.val_percent if packs is None else 0, extra=extra)
+                                shards=shards, val_percent=settings.val_percent, extra=extra)
     except ValueError as e:
-        raise StageError(f"staged {len(objects)} files, but the dataset cannot be built: {e}", result) from e
+        raise StageError(f"staged {len(entries)} files, but the dataset cannot be built: {e}", result) from e
 
 
-def _summarise(manifest: dict, result: StageResult) -> None:
+def summarise(manifest: dict, result: StageResult) -> None:
     result.files = len(manifest["files"])
     result.train_tokens = manifest["splits"]["train"]["tokens"]
     result.val_tokens = manifest["splits"]["val"]["tokens"]
@@ -1080,7 +1086,7 @@ def _summarise(manifest: dict, result: StageResult) -> None:
     result.bad_records = manifest.get("bad_records") or {"total": 0, "by_kind": {}, "files": 0, "examples": []}
 
 
-def _stage_dra(uri: str, dest: Path, raw: Path, result: StageResult, build: _Builder, batch_size: int,
+def _stage_dra(uri: str, dest: Path, raw: Path, result: StageResult, build: DatasetBuilder, batch_size: int,
                poll_s: float, progress: StageProgress | None, t_start: float) -> StageResult:
     """Data repository association: raw/ is linked to the bucket; preload it, then build."""
     if not raw.is_dir():
@@ -1105,7 +1111,20 @@ def _stage_dra(uri: str, dest: Path, raw: Path, result: StageResult, build: _Bui
     result.transfer_s = round(time.monotonic() - t0, 3)
     state = dest / STAGE_DIR
     state.mkdir(exist_ok=True)
-    with _Lock(state / "lock"):
-        build.run([_Object(rel, rel, size, etag) for rel, size, etag in kept], state, progress, mode="dra")
+    with StageLock(state / "lock"):
+        build.run([StagedObject(rel, rel, size, etag) for rel, size, etag in kept], state, progress, mode="dra")
     result.wall_s = round(time.monotonic() - t_start, 3)
     return result
+
+
+def result_metadata(result: StageResult) -> dict:
+    """The counts of a stage result as flat KFP metadata (lists cut to their first 100 entries)."""
+    d = result.to_dict()
+    bad = d.pop("bad_records") or {}
+    d.pop("failed")
+    d["refused"] = len(result.refused)
+    d["refused_keys"] = [r["key"] for r in result.refused[:100]]
+    d["bad_records"] = bad.get("total", 0)
+    d["bad_records_by_kind"] = bad.get("by_kind", {})
+    d["bad_record_files"] = [e["path"] for e in bad.get("examples", [])[:100]]
+    return d

@@ -57,22 +57,13 @@ def stage_op(
         dataset: output; its URI is the dataset directory, its metadata the counts.
         metrics: output; tokens, refused keys and bad records, as the KFP UI shows them.
     """
-    from components.stage import stage_dataset
+    from components.stage import result_metadata, stage_dataset
 
     result = stage_dataset(source, fsx_root, name, version, endpoint_url or None, max_concurrency=max_concurrency,
                            val_percent=val_percent, fsx_dra=fsx_dra, tokenizer=tokenizer, data_format=data_format,
                            text_field=text_field, text_column=text_column, include=include, exclude=exclude,
                            bad_record_policy=bad_record_policy, refused_key_policy=refused_key_policy)
     dataset.uri = result.dataset_dir
-    summary = result.to_dict()
-    bad = summary.pop("bad_records") or {}
-    dataset.metadata.update({k: v for k, v in summary.items() if k not in ("refused", "failed")})
-    dataset.metadata["refused"] = len(result.refused)
-    dataset.metadata["refused_keys"] = [r["key"] for r in result.refused[:100]]
-    dataset.metadata["bad_records"] = bad.get("total", 0)
-    dataset.metadata["bad_records_by_kind"] = bad.get("by_kind", {})
-    dataset.metadata["bad_record_files"] = [e["path"] for e in bad.get("examples", [])[:100]]
-    for key in ("train_tokens", "val_tokens", "vocab_size", "transferred", "excluded"):
-        metrics.log_metric(key, summary[key])
-    metrics.log_metric("refused_keys", len(result.refused))
-    metrics.log_metric("bad_records", bad.get("total", 0))
+    dataset.metadata.update(result_metadata(result))
+    for key in ("train_tokens", "val_tokens", "vocab_size", "transferred", "excluded", "refused", "bad_records"):
+        metrics.log_metric(key, dataset.metadata[key])
