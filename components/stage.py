@@ -84,7 +84,11 @@ class StageProgress(Protocol):
         """Called with None while the source is being listed, then again with the totals to fetch."""
 
     def advance(self, files: int = 0, nbytes: int = 0) -> None:
-        """Files finished and bytes received since the last call (from several threads)."""
+        """Files finished and bytes received since the last call (from several threads); once ``tokenizing``
+        was called, files tokenized."""
+
+    def tokenizing(self, files: int) -> None:
+        """Called once the transfers are done, before ``files`` files are tokenized."""
 
 
 @dataclass
@@ -1034,6 +1038,8 @@ class DatasetBuilder:
         else:
             retire_manifest(self.dest)
             info = self.tokenizer(objects)
+            if progress is not None:
+                progress.tokenizing(len(objects))
             dtype, entries, shards = tokenize_objects(self.dest, objects, self.settings, info, state / "tok",
                                                       self.workers, result, progress)
             manifest = assemble_manifest(self.uri, self.settings, info, dtype, entries, shards, extra, result)

@@ -323,3 +323,23 @@ def test_tokenizer_from_s3_and_the_vocabulary_check(s3, hf_tokenizer, tmp_path):
         with pytest.raises(ValueError, match=message):
             stage_dataset(f"s3://{bucket}/corpus", tmp_path / "fsx", "s3tok", "2", s3.url, tokenizer=bad)
     assert not (tmp_path / "fsx" / "datasets" / "s3tok" / "2").exists()
+
+
+def test_cli_reports_bad_records_and_fails_under_the_fail_policy(tmp_path):
+    from click.testing import CliRunner
+
+    from pipelines.cli import main as cli
+
+    files = {f"d{i}.jsonl": jsonl_bytes([{"text": doc(i)}, b"{oops"]) for i in range(12)}
+    src = write_dir(tmp_path / "src", files)
+    args = ["stage", str(src), "--fsx-root", str(tmp_path / "fsx"), "--name", "cli", "--val-percent", "20", "-q",
+            "--tokenizer", "bpe:300", "--workers", "1"]
+    res = CliRunner().invoke(cli, [*args, "--version", "1"])
+    assert res.exit_code == 0, res.output
+    assert "12 bad records in 12 files were left out (12 malformed_json)" in res.output
+    assert "uint16 tokens (vocabulary 300)" in res.output
+    res = CliRunner().invoke(cli, [*args, "--version", "2", "--bad-records", "fail"])
+    assert res.exit_code == 1 and "d0.jsonl: 1 malformed_json" in res.output, res.output
+    assert not (tmp_path / "fsx" / "datasets" / "cli" / "2" / "manifest.json").exists()
+    res = CliRunner().invoke(cli, [*args, "--version", "3", "--tokenizer", "bpe:x"])
+    assert res.exit_code == 2 and "expected bpe:VOCAB" in res.output

@@ -25,6 +25,9 @@ class _RichProgress:
             self.progress.update(self.files, total=files)
             self.progress.update(self.bytes, total=nbytes, visible=bool(nbytes))
 
+    def tokenizing(self, files: int) -> None:
+        self.files = self.progress.add_task("tokenize", total=files)   # later file counts are files tokenized
+
     def advance(self, files: int = 0, nbytes: int = 0) -> None:
         if files:
             self.progress.update(self.files, advance=files)
