@@ -888,7 +888,7 @@ def sync_raw(source: Source, pages: Iterator[list[tuple[str, int, str]]], raw: P
                         objects.append(obj)
                         k = known.get(rel)
                         if not (k and k.get("etag") == etag and k.get("size") == size
-                                and _size_on_disk(os.path.join(raw, rel)) == size):
+                                and size_on_disk(os.path.join(raw, rel)) == size):
                             submitted.add(rel)
                             submit(obj)
             except source.list_errors as e:
@@ -922,7 +922,7 @@ def sync_raw(source: Source, pages: Iterator[list[tuple[str, int, str]]], raw: P
     return sorted(objects)
 
 
-def _size_on_disk(path: str) -> int | None:
+def size_on_disk(path: str) -> int | None:
     try:
         return os.stat(path).st_size
     except OSError:

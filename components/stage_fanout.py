@@ -25,11 +25,12 @@ from pathlib import Path
 
 from components.stage import (JOURNAL, PREVIOUS_MANIFEST, STAGE_DIR, DatasetBuilder, DatasetSettings, Source,
                               StagedObject, StageError, StageLock, StageRefused, StageResult, assemble_manifest,
-                              check_keys, dataset_dir, manifest_extra, parse_source, refused_message,
-                              remove_stale_files, remove_unlisted_shards, retire_manifest, split_globs, summarise,
-                              sync_raw, tokenize_objects)
+                              check_keys, dataset_dir, manifest_extra, parse_source, read_previous_manifest,
+                              refused_message, remove_stale_files, remove_unlisted_shards, retire_manifest,
+                              size_on_disk, split_globs, summarise, sync_raw, tokenize_objects)
 from components.stage_tokenize import PACK_BYTES, partitions, plan_packs
 from components.stage_tokenizer import TokenizerInfo, check_tokenizer_source
+from trainer.data import read_manifest
 from trainer.layout import write_atomic
 
 PLAN = "plan.json"
@@ -72,19 +73,24 @@ def plan_stage(
     refused_key_policy: str = "fail",
     bpe_sample_bytes: int = 256 * MB,
     pack_bytes: int = PACK_BYTES,
+    partition_min_bytes: int = 1024 * MB,
     max_concurrency: int = 32,
 ) -> list[int]:
     """List the source and write the plan; return the partition numbers (the ParallelFor items).
 
-    Arguments as ``components.stage.stage_dataset``; ``stage_parallelism`` is the number of workers (fewer
-    when there are fewer packs). Raises ValueError (bad arguments) or StageRefused before anything is written.
+    Arguments as ``components.stage.stage_dataset``; ``stage_parallelism`` is the most workers: a source
+    gets one per ``partition_min_bytes`` (a small one is staged by one worker) and at most one per pack.
+    When nothing that goes into the dataset changed since its manifest was written, the plan says so and
+    the worker and the merge keep the dataset as it is. Raises ValueError (bad arguments) or StageRefused
+    before anything is written.
     """
     t0 = time.monotonic()
     settings = DatasetSettings(tokenizer, data_format, text_field, text_column, split_globs(include),
                                split_globs(exclude), val_percent, bad_record_policy, bpe_sample_bytes, pack_bytes)
     spec = settings.check()
-    if stage_parallelism < 1:
-        raise ValueError(f"stage_parallelism must be at least 1, got {stage_parallelism}")
+    if stage_parallelism < 1 or partition_min_bytes < 1:
+        raise ValueError(f"stage_parallelism and partition_min_bytes must be at least 1, got {stage_parallelism} "
+                         f"and {partition_min_bytes}")
     if refused_key_policy not in ("skip", "fail"):
         raise ValueError(f"refused_key_policy must be skip or fail, got {refused_key_policy!r}")
     check_tokenizer_source(spec, endpoint_url)
@@ -111,11 +117,15 @@ def plan_stage(
     state = dest / STAGE_DIR
     state.mkdir(parents=True, exist_ok=True)
     with StageLock(state / "lock"):
+        build = DatasetBuilder(dest, uri, settings, spec, endpoint_url, None, result)
+        if _unchanged(dest, uri, objects, settings, refused, build):
+            write_atomic(state / PLAN, json.dumps({"source": uri, "unchanged": True, "partitions": [[]]}).encode())
+            shutil.rmtree(state / PARTS, ignore_errors=True)
+            return [0]
         retire_manifest(dest)
         (dest / "raw").mkdir(exist_ok=True)
         result.removed = remove_stale_files(dest / "raw", {o.rel for o in objects})
         shutil.rmtree(state / PARTS, ignore_errors=True)
-        build = DatasetBuilder(dest, uri, settings, spec, endpoint_url, None, result)
         if spec.kind == "bpe":
             # The tokenizer learns from the sample files: fetch those first (the workers will skip them).
             sample = build.bpe_sample(objects)
@@ -123,12 +133,26 @@ def plan_stage(
                      result, None, remove_stale=False, t_start=t0)
         info = build.tokenizer(objects)
         packs = plan_packs([(o.rel, o.size) for o in objects], pack_bytes)
-        parts = partitions(len(packs), stage_parallelism)
+        total = sum(o.size for o in objects)
+        parts = partitions(len(packs), min(stage_parallelism, -(-total // partition_min_bytes)))
         plan = {"source": uri, "settings": settings.to_dict(), "tokenizer": info.to_dict(),
                 "objects": [list(o) for o in objects], "refused": refused, "excluded": result.excluded,
                 "removed": result.removed, "partitions": parts}
         write_atomic(state / PLAN, json.dumps(plan).encode())
     return list(range(len(parts)))
+
+
+def _unchanged(dest: Path, uri: str, objects: list[StagedObject], settings: DatasetSettings, refused: list[dict],
+               build: DatasetBuilder) -> bool:
+    """The dataset's manifest already describes these objects, settings and tokenizer, and raw/ holds them."""
+    previous = read_previous_manifest(dest) if (dest / "manifest.json").exists() else None
+    extra = manifest_extra(objects, settings, refused)
+    if previous is None or previous.get("source") != uri or any(previous.get(k) != v for k, v in extra.items()):
+        return False
+    if any(size_on_disk(str(dest / "raw" / o.rel)) != o.size for o in objects):
+        return False
+    # A tokenizer file may have changed where it came from (for bpe: the data decides, and it is unchanged).
+    return build.spec.kind != "file" or build.tokenizer(objects).sha256 == previous["tokenizer"]["sha256"]
 
 
 def stage_partition(fsx_root: str | Path, name: str, version: str, partition: int, endpoint_url: str | None = None,
@@ -139,6 +163,8 @@ def stage_partition(fsx_root: str | Path, name: str, version: str, partition: in
     plan = _read_plan(dest)
     if not 0 <= partition < len(plan["partitions"]):
         raise ValueError(f"partition {partition} is not in the plan ({len(plan['partitions'])} partitions)")
+    if plan.get("unchanged"):
+        return StageResult(source=plan["source"], dataset_dir=str(dest))
     settings = DatasetSettings(**{**plan["settings"], "include": tuple(plan["settings"]["include"]),
                                   "exclude": tuple(plan["settings"]["exclude"])})
     objects = _objects(plan)
@@ -168,6 +194,11 @@ def merge_stage(fsx_root: str | Path, name: str, version: str) -> StageResult:
     t0 = time.monotonic()
     dest = dataset_dir(fsx_root, name, version)
     plan = _read_plan(dest)
+    if plan.get("unchanged"):
+        result = StageResult(source=plan["source"], dataset_dir=str(dest))
+        summarise(read_manifest(dest), result)
+        result.wall_s = round(time.monotonic() - t0, 3)
+        return result
     result = StageResult(source=plan["source"], dataset_dir=str(dest), refused=plan["refused"],
                          excluded=plan["excluded"], removed=plan["removed"])
     settings = DatasetSettings(**{**plan["settings"], "include": tuple(plan["settings"]["include"]),

@@ -25,6 +25,7 @@ def stage_plan_op(
     max_concurrency: int = 32,
     pack_bytes: int = 256 * 1024 * 1024,
     bpe_sample_bytes: int = 256 * 1024 * 1024,
+    partition_min_bytes: int = 1024 * 1024 * 1024,
 ) -> list:
     """Plan the staging of ``source`` into ``<fsx_root>/datasets/<name>/<version>/`` by parallel workers.
 
@@ -34,7 +35,7 @@ def stage_plan_op(
         name: dataset name.
         version: dataset version.
         endpoint_url: S3-compatible endpoint URL; empty for AWS (credentials from IRSA).
-        stage_parallelism: worker pods (fewer when the source has fewer packs of shards).
+        stage_parallelism: most worker pods: one per ``partition_min_bytes`` of source, at most one per pack.
         tokenizer: ``bytes``, a tokenizer.json / Hugging Face model directory / ``s3://`` one, or ``bpe:VOCAB``
             (trained here, on the sample files, before the workers start).
         data_format: ``auto`` (by file name), ``text``, ``jsonl`` or ``parquet``.
@@ -49,6 +50,7 @@ def stage_plan_op(
         max_concurrency: parallel GETs (for the ``bpe:`` sample).
         pack_bytes: source bytes per pack of shards; the unit of work a partition gets.
         bpe_sample_bytes: a ``bpe:`` tokenizer is trained on the training files up to this many source bytes.
+        partition_min_bytes: source bytes per worker below which fewer workers are used (the size threshold).
 
     Returns:
         The partition numbers, one per worker (the items of the ParallelFor).
@@ -59,4 +61,5 @@ def stage_plan_op(
                       tokenizer=tokenizer, data_format=data_format, text_field=text_field, text_column=text_column,
                       include=include, exclude=exclude, val_percent=val_percent, bad_record_policy=bad_record_policy,
                       refused_key_policy=refused_key_policy, max_concurrency=max_concurrency,
-                      pack_bytes=pack_bytes, bpe_sample_bytes=bpe_sample_bytes)
+                      pack_bytes=pack_bytes, bpe_sample_bytes=bpe_sample_bytes,
+                      partition_min_bytes=partition_min_bytes)

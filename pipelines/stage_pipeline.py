@@ -47,6 +47,7 @@ def stage_pipeline(
     refused_key_policy: str = "fail",
     pack_bytes: int = 256 * 1024 * 1024,
     bpe_sample_bytes: int = 256 * 1024 * 1024,
+    partition_min_bytes: int = 1024 * 1024 * 1024,
     fsx_pvc: str = "fsx-claim",
     s3_secret: str = "goodput-s3",
     step_node_selector: dict = {},
@@ -66,7 +67,7 @@ def stage_pipeline(
         name: dataset name.
         version: dataset version.
         endpoint_url: S3-compatible endpoint; empty for AWS S3.
-        stage_parallelism: partition pods (fewer when the source has fewer packs).
+        stage_parallelism: most partition pods: one per ``partition_min_bytes`` of source, at most one per pack.
         tokenizer: ``bytes``, a tokenizer.json / model directory / ``s3://`` one, or ``bpe:VOCAB``.
         data_format: ``auto`` (by file name), ``text``, ``jsonl`` or ``parquet``.
         text_field: the JSONL field holding a document.
@@ -78,6 +79,7 @@ def stage_pipeline(
         refused_key_policy: ``fail`` (unsafe keys fail the plan step, nothing written) or ``skip``.
         pack_bytes: source bytes per pack of shards (the unit of work of a partition).
         bpe_sample_bytes: a ``bpe:`` tokenizer is trained on the training files up to this many source bytes.
+        partition_min_bytes: source bytes per pod below which fewer pods are used (the fan-out's size threshold).
         fsx_pvc: the FSx for Lustre PersistentVolumeClaim.
         s3_secret: Kubernetes secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, used if it exists.
         step_node_selector: nodeSelector of the step pods.
@@ -89,7 +91,7 @@ def stage_pipeline(
                          text_field=text_field, text_column=text_column, include=include, exclude=exclude,
                          val_percent=val_percent, bad_record_policy=bad_record_policy,
                          refused_key_policy=refused_key_policy, pack_bytes=pack_bytes,
-                         bpe_sample_bytes=bpe_sample_bytes)
+                         bpe_sample_bytes=bpe_sample_bytes, partition_min_bytes=partition_min_bytes)
     # A refusal under the fail policy recurs on every attempt, so the plan is not retried.
     _pod(plan, **pod).set_display_name("stage: plan").set_caching_options(False)
     with dsl.ParallelFor(plan.output, parallelism=MAX_PARALLEL_PODS, name="stage-partitions") as partition:

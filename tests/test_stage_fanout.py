@@ -64,7 +64,7 @@ def test_fan_out_under_kfp_local_builds_the_single_stage_dataset(s3, tmp_path):
                    raise_on_error=True)
     task = stage_pipeline(source=source, fsx_root=str(fsx), name="ds", version="fanout", endpoint_url=s3.url,
                           stage_parallelism=3, tokenizer="bpe:320", val_percent=20, pack_bytes=PACK,
-                          bpe_sample_bytes=8000)
+                          bpe_sample_bytes=8000, partition_min_bytes=1)
     fan = fsx / "datasets" / "ds" / "fanout"
     assert task.output.uri == str(fan)
     assert task.output.metadata["bad_records"] == 1 and task.output.metadata["train_tokens"] == single.train_tokens
@@ -95,7 +95,18 @@ def test_merge_waits_for_every_partition_and_the_old_manifest_is_set_aside(tmp_p
     fsx = tmp_path / "fsx"
     dest = fsx / "datasets" / "ds" / "1"
     stage_dataset(str(src), fsx, "ds", "1", val_percent=20, pack_bytes=PACK)       # an existing dataset
-    parts = plan_stage(str(src), fsx, "ds", "1", stage_parallelism=4, val_percent=20, pack_bytes=PACK)
+    before = (dest / "manifest.json").read_bytes()
+    # Nothing changed: one no-op partition, and the merge keeps the manifest.
+    assert plan_stage(str(src), fsx, "ds", "1", stage_parallelism=4, val_percent=20, pack_bytes=PACK,
+                      partition_min_bytes=1) == [0]
+    assert stage_partition(fsx, "ds", "1", 0).files == 0
+    r = merge_stage(fsx, "ds", "1")
+    assert not r.rebuilt and r.files == 13 and (dest / "manifest.json").read_bytes() == before
+    # A source below the size threshold is one partition whatever the parallelism.
+    assert plan_stage(str(src), fsx, "ds", "small", stage_parallelism=4, val_percent=20, pack_bytes=PACK) == [0]
+    # A setting changed: four partitions, and the dataset is incomplete from the plan until the merge.
+    parts = plan_stage(str(src), fsx, "ds", "1", stage_parallelism=4, val_percent=25, pack_bytes=PACK,
+                       partition_min_bytes=1)
     assert parts == [0, 1, 2, 3]
     assert not (dest / "manifest.json").exists()          # incomplete from the plan until the merge
     for p in parts[:-1]:
@@ -105,6 +116,6 @@ def test_merge_waits_for_every_partition_and_the_old_manifest_is_set_aside(tmp_p
     assert not (dest / "manifest.json").exists()
     stage_partition(fsx, "ds", "1", 3, workers=1)
     r = merge_stage(fsx, "ds", "1")
-    assert r.files == 13 and read_manifest(dest)["files"][0]["path"] == "part/000.jsonl.gz"
+    assert r.rebuilt and r.files == 13 and read_manifest(dest)["stage"]["settings"]["val_percent"] == 25
     with pytest.raises(ValueError, match="stage_parallelism"):
         plan_stage(str(src), fsx, "ds", "2", stage_parallelism=0)
