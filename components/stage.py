@@ -3,9 +3,14 @@
 Layout of a staged dataset, ``<fsx_root>/datasets/<name>/<version>/``::
 
     raw/<key relative to the prefix>   the source objects, byte for byte
+    tokenizer/tokenizer.json           the tokenizer, unless it is ``bytes`` (``components.stage_tokenizer``)
     manifest.json                      the trainer's manifest (written last) + ``objects``: key, ETag, size
-    train_00000.bin, val_00000.bin     token shards (``trainer.data.build_dataset``)
+    train_00000.bin, val_00000.bin     token shards, one per pack and split (``components.stage_tokenize``)
     .stage/                            journal of verified objects, temp files, lock (private to staging)
+
+Documents are read from plain text, JSONL (plain, gzip, zstd) or Parquet files (``components.stage_formats``;
+bad records are counted per file under ``bad_record_policy``) and tokenized on every core. The fan-out
+across pods is ``components.stage_fanout``. ``docs/datasets.md`` describes the parameters and the manifest.
 
 How an object gets into ``raw/``: it is downloaded to ``.stage/tmp/`` while the listing goes on (one GET
 per small object from a pool of threads, s3transfer's parallel ranged GETs for large ones, the SDK's

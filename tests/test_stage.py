@@ -397,3 +397,6 @@ def test_stage_component_runs_in_kfp_local(s3, bucket, tmp_path):
     assert dataset.metadata["transferred"] == 60 and dataset.metadata["refused"] == 0
     manifest = check_dataset(dest, objects)
     assert dataset.metadata["train_tokens"] == manifest["splits"]["train"]["tokens"]
+    metrics = task.outputs["metrics"].metadata                   # what the KFP UI shows of the step
+    assert (metrics["refused"], metrics["bad_records"], metrics["vocab_size"]) == (0, 0, 256)
+    assert metrics["train_tokens"] == manifest["splits"]["train"]["tokens"]
