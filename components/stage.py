@@ -53,6 +53,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from collections import Counter
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Iterator, NamedTuple, Protocol
 
 from components.stage_formats import BadFile, detect_format, read_documents
@@ -1073,6 +1074,9 @@ def tokenize_objects(dest: Path, objects: list[StagedObject], settings: DatasetS
                                          workers=workers, progress=progress)
     except BadRecordsError as e:
         raise StageRefused(str(e), result) from e
+    except (OSError, BrokenProcessPool) as e:
+        raise StageError(f"tokenizing the staged files failed ({_short_error(e)}); no manifest was written - "
+                         f"rerun to resume (the staged files are kept)", result) from e
     finally:
         shutil.rmtree(tmp_dir, ignore_errors=True)
     return dtype, entries, shards

@@ -20,6 +20,7 @@ import logging
 import multiprocessing
 import os
 from collections import Counter
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -179,8 +180,11 @@ def tokenize_packs(raw: Path, out_dir: Path, packs: dict[int, list[str]], splits
         pool, results = None, map(_tokenize_file, jobs)
     else:
         # spawn: a forked child would inherit the parent's tokenizers thread pool (its Rust threads are gone).
-        pool = multiprocessing.get_context("spawn").Pool(workers, initializer=_init_worker, initargs=init)
-        results = pool.imap(_tokenize_file, jobs, chunksize=1)
+        # An executor, not multiprocessing.Pool: a worker that dies (out of memory) fails the map instead of
+        # leaving it waiting forever for that worker's result.
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"),
+                                   initializer=_init_worker, initargs=init)
+        results = pool.map(_tokenize_file, jobs)
     try:
         for res in results:
             entry = res["entry"]
@@ -217,8 +221,7 @@ def tokenize_packs(raw: Path, out_dir: Path, packs: dict[int, list[str]], splits
         raise
     finally:
         if pool is not None:
-            pool.terminate()
-            pool.join()
+            pool.shutdown(wait=True, cancel_futures=True)
     return entries, shards
 
 

@@ -343,3 +343,42 @@ def test_cli_reports_bad_records_and_fails_under_the_fail_policy(tmp_path):
     assert not (tmp_path / "fsx" / "datasets" / "cli" / "2" / "manifest.json").exists()
     res = CliRunner().invoke(cli, [*args, "--version", "3", "--tokenizer", "bpe:x"])
     assert res.exit_code == 2 and "expected bpe:VOCAB" in res.output
+
+
+def test_a_tokenizer_process_that_dies_fails_the_stage_instead_of_hanging(hf_tokenizer, tmp_path):
+    import os
+    import signal
+    import threading
+    import time
+
+    import psutil
+
+    from components.stage import StageError
+
+    files = {f"big-{i:02d}.jsonl": jsonl_bytes([{"text": doc(i * 1000 + j, 200)} for j in range(400)])
+             for i in range(16)}
+    src = write_dir(tmp_path / "src", files)
+    outcome: list = []
+
+    def stage() -> None:
+        try:
+            stage_dataset(str(src), tmp_path / "fsx", "die", "1", tokenizer=str(hf_tokenizer), val_percent=20,
+                          workers=2)
+            outcome.append(None)
+        except StageError as e:
+            outcome.append(e)
+
+    t = threading.Thread(target=stage)
+    t.start()
+    deadline = time.monotonic() + 60
+    victim = None
+    while victim is None and time.monotonic() < deadline and t.is_alive():
+        kids = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+        victim = kids[0] if len(kids) == 2 else None
+        time.sleep(0.05)
+    assert victim is not None, "the tokenizer processes never started"
+    os.kill(victim.pid, signal.SIGKILL)                   # what the kernel's OOM killer does
+    t.join(120)
+    assert not t.is_alive(), "the stage hung after a tokenizer process died"
+    assert isinstance(outcome[0], StageError) and "tokenizing the staged files failed" in str(outcome[0])
+    assert not (tmp_path / "fsx" / "datasets" / "die" / "1" / "manifest.json").exists()
