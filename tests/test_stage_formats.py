@@ -372,13 +372,15 @@ def test_a_tokenizer_process_that_dies_fails_the_stage_instead_of_hanging(hf_tok
     t.start()
     deadline = time.monotonic() + 60
     victim = None
+    tok_dir = tmp_path / "fsx" / "datasets" / "die" / "1" / ".stage" / "tok"
     while victim is None and time.monotonic() < deadline and t.is_alive():
         kids = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
-        victim = kids[0] if len(kids) == 2 else None
-        time.sleep(0.05)
+        busy = tok_dir.is_dir() and any(tok_dir.iterdir())           # the workers are tokenizing files
+        victim = kids[0] if len(kids) == 2 and busy else None
+        time.sleep(0.01)
     assert victim is not None, "the tokenizer processes never started"
-    os.kill(victim.pid, signal.SIGKILL)                   # what the kernel's OOM killer does
-    t.join(120)
+    os.kill(victim.pid, signal.SIGKILL)                   # mid-file, as the kernel's OOM killer would
+    t.join(60)
     assert not t.is_alive(), "the stage hung after a tokenizer process died"
     assert isinstance(outcome[0], StageError) and "tokenizing the staged files failed" in str(outcome[0])
     assert not (tmp_path / "fsx" / "datasets" / "die" / "1" / "manifest.json").exists()
