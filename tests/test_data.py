@@ -107,9 +107,12 @@ def test_wide_token_shards_read_exactly_and_resume_exactly(tmp_path, dtype, voca
     ds = _token_dataset(tmp_path / "ds", dtype, vocab)
     split = Split.open(ds, "train")
     assert split.tokens.dtype == np.dtype(dtype) and len(split) == 10_000
-    raw = b"".join((ds / f"train_{i:05d}.bin").read_bytes() for i in range(2))
-    assert np.array_equal(split.tokens, np.frombuffer(raw, dtype=dtype))
-    assert split.tokens.max() >= 1 << 15                          # ids above uint8 and int16 survive
+    raw = np.frombuffer(b"".join((ds / f"train_{i:05d}.bin").read_bytes() for i in range(2)), dtype=dtype)
+    whole = split.tokens[:]
+    assert whole.dtype == np.dtype(dtype) and np.array_equal(whole, raw)
+    assert whole.max() >= 1 << 15                                 # ids above uint8 and int16 survive
+    for lo, hi in ((0, 7), (4990, 5010), (5000, 5001), (4999, 10_000), (9990, 20_000), (30, 30)):
+        assert np.array_equal(split.tokens[lo:hi], raw[lo:hi]), (lo, hi)   # windows across the shard boundary
     make = lambda: BatchSampler(split, rank=1, world_size=2, batch_size=3, seq_len=16, seed=5)  # noqa: E731
     a = make()
     first = [a.next_batch() for _ in range(4)]

@@ -262,11 +262,44 @@ def ensure_default_dataset(fsx_root: Path) -> Path:
     return out
 
 
+class JoinedShards:
+    """Memory-mapped shards read as one sequence of tokens, by slices (a window may span two shards).
+
+    Nothing is copied but the slices asked for: the pages stay the file system's cache, shared by every rank
+    on a node, however large the split (``np.concatenate`` would read all of it into each rank's memory).
+    """
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays, self.dtype = arrays, arrays[0].dtype
+        self.starts = np.cumsum([0] + [len(a) for a in arrays])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice):
+            raise TypeError(f"shards are read by slices (a window), not by {type(key).__name__}")
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise ValueError("shards are read by contiguous slices")
+        parts = []
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < stop:
+            lo = start - int(self.starts[i])
+            hi = min(len(self.arrays[i]), stop - int(self.starts[i]))
+            parts.append(self.arrays[i][lo:hi])
+            start += hi - lo
+            i += 1
+        if not parts:
+            return np.empty(0, self.dtype)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 @dataclass
 class Split:
-    """One split as a single read-only token array over its memory-mapped shards."""
+    """One split as a single read-only token sequence over its memory-mapped shards (sliced, never copied whole)."""
 
-    tokens: np.ndarray
+    tokens: np.ndarray | JoinedShards
 
     @classmethod
     def open(cls, data_dir: Path, split: str) -> "Split":
@@ -281,8 +314,7 @@ class Split:
                 raise ValueError(f"{data_dir}: shard {s['path']} has {size} bytes, the manifest says {s['tokens']} "
                                  f"{dtype.name} tokens ({s['tokens'] * dtype.itemsize} bytes); stage it again")
         arrays = [np.memmap(Path(data_dir) / s["path"], dtype=dtype, mode="r") for s in shards]
-        # One shard needs no copy; several are joined once (datasets here fit in memory per rank).
-        return cls(arrays[0] if len(arrays) == 1 else np.concatenate(arrays))
+        return cls(arrays[0] if len(arrays) == 1 else JoinedShards(arrays))
 
     def __len__(self) -> int:
         return len(self.tokens)
