@@ -770,12 +770,12 @@ def stage_dataset(
         if refused:
             result.refused = refused
             raise StageRefused(refused_message(refused, uri), result)
+        if not any(listed):
+            raise StageError(f"nothing to stage: {uri} is empty" + (
+                f" ({result.excluded} objects excluded by include/exclude)" if result.excluded else ""), result)
         first, pages = [], iter(listed)
-    if not first and not source_of.refused and not result.excluded:
-        peek = next(pages, None)
-        if peek is None:
-            raise StageError(f"nothing to stage: {uri} is empty", result)
-        pages = itertools.chain([peek], pages)
+    elif not first and not source_of.refused and not result.excluded:
+        raise StageError(f"nothing to stage: {uri} is empty", result)     # an empty first page: nothing listed
 
     dest.mkdir(parents=True, exist_ok=True)
     state = dest / STAGE_DIR

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from components.stage import StageRefused, stage_dataset
+from components.stage import StageError, StageRefused, stage_dataset
 from trainer.data import Split, check_vocab, read_manifest
 
 try:                                  # tests/ is a package when run from the repository root
@@ -206,6 +206,10 @@ def test_include_exclude_find_a_hugging_face_layout(s3, hf_tokenizer, tmp_path):
     assert sorted(p.relative_to(dest / "raw").as_posix() for p in (dest / "raw").rglob("*") if p.is_file()) \
         == sorted(files)                                             # excluded objects were never downloaded
     assert read_manifest(dest)["stage"]["settings"]["include"] == ["data/*.parquet"]
+    # Globs that match nothing: a clear error, and nothing written.
+    with pytest.raises(StageError, match=r"is empty \(9 objects excluded by include/exclude\)"):
+        stage_dataset(f"s3://{bucket}/corpus", tmp_path / "fsx", "hf", "2", s3.url, include="*.jsonl")
+    assert not (tmp_path / "fsx" / "datasets" / "hf" / "2").exists()
 
 
 def bad_corpus() -> tuple[dict[str, bytes], dict[str, dict], dict[str, list[str]]]:
@@ -352,8 +356,6 @@ def test_a_tokenizer_process_that_dies_fails_the_stage_instead_of_hanging(hf_tok
     import time
 
     import psutil
-
-    from components.stage import StageError
 
     files = {f"big-{i:02d}.jsonl": jsonl_bytes([{"text": doc(i * 1000 + j, 200)} for j in range(400)])
              for i in range(16)}
