@@ -6,9 +6,11 @@
 Each committed checkpoint (``<run>/checkpoints/step_<N>/`` with ``COMMITTED``) is loaded into one
 ``ByteGPT`` on the CPU (or one GPU) with ``torch.distributed.checkpoint.load(..., no_dist=True)``: only
 the ``model.*`` entries are read, no process group is needed, and a run trained with FSDP2 or DDP on
-any number of ranks loads the same way. Validation loss is the mean cross entropy (nats per byte) over
+any number of ranks loads the same way. Validation loss is the mean cross entropy (nats per token) over
 the same deterministic windows the trainer uses for ``final_val_loss`` (``trainer.data.eval_windows``);
-bits per byte = loss / ln 2, since a token is a byte. A checkpoint that is torn, misses a shard, cannot
+bits per byte = loss / ln 2 / bytes per token, where bytes per token is the validation split's text bytes
+over its tokens (the manifest's ``splits.val``; 1 for the byte vocabulary, where a token is a byte), so runs
+on datasets of different tokenizers compare. A checkpoint that is torn, misses a shard, cannot
 be read or gives a non-finite loss is reported in ``skipped`` and the others are still evaluated.
 
 Promotion gate: the best checkpoint is promoted when its loss is below ``threshold`` and not worse than
@@ -63,6 +65,7 @@ class EvaluationResult:
     data_dir: str
     out_dir: str
     checkpoints: list[dict] = field(default_factory=list)   # step, val_loss, bpb, windows, tokens, load_s, eval_s
+    bytes_per_token: float = 1.0                             # of the validation split: bpb = val_loss/ln 2/this
     skipped: list[dict] = field(default_factory=list)       # step, path, reason
     best: dict | None = None
     gate: dict = field(default_factory=dict)                 # threshold, tolerance, production, passed, reason
@@ -140,8 +143,13 @@ def load_checkpoint_model(path: Path, model_cfg):
     return model.eval()
 
 
+def bits_per_byte(loss: float, bytes_per_token: float) -> float:
+    """Bits per byte of text from a loss in nats per token: comparable across tokenizers."""
+    return loss / math.log(2) / bytes_per_token
+
+
 def validation_loss(model, windows: list, batch_size: int = 32) -> tuple[float, int]:
-    """(mean cross entropy in nats per byte, tokens) over the given (x, y) windows."""
+    """(mean cross entropy in nats per token, tokens) over the given (x, y) windows."""
     import numpy as np
     import torch
     import torch.nn.functional as F
@@ -221,7 +229,8 @@ class Registry:
         return self.location(rel)
 
 
-def _production_loss(registry: Registry, model_name: str, windows_for, tmp: Path) -> tuple[dict | None, str]:
+def _production_loss(registry: Registry, model_name: str, windows_for, tmp: Path,
+                     bytes_per_token: float) -> tuple[dict | None, str]:
     """(production record with its loss on these windows, or None; a note for the report)."""
     import torch
 
@@ -248,7 +257,7 @@ def _production_loss(registry: Registry, model_name: str, windows_for, tmp: Path
         # Promoting over a production model that cannot be checked would be a blind promotion.
         raise EvaluationError(f"the production model {version!r} named by {pointer} cannot be evaluated "
                               f"({type(e).__name__}: {e}); repair the registry or remove {PRODUCTION_FILE}") from e
-    return {"version": version, "val_loss": loss, "bpb": loss / math.log(2),
+    return {"version": version, "val_loss": loss, "bpb": bits_per_byte(loss, bytes_per_token),
             "source_run": meta.get("source_run"), "step": meta.get("step")}, f"production is {version}"
 
 
@@ -414,7 +423,7 @@ def evaluate_run(
         EvaluationError: no config, no committed checkpoint, or none of them could be evaluated.
     """
     from trainer.checkpoint import committed_steps, step_dir
-    from trainer.data import Split, eval_windows
+    from trainer.data import Split, bytes_per_token, eval_windows, read_manifest
 
     run_dir = Path(run_dir)
     cfg = _model_config(run_dir)
@@ -424,6 +433,7 @@ def evaluate_run(
         raise ValueError(f"tolerance must not be negative, got {tolerance}")
     reg = Registry(registry, endpoint_url) if registry else None
     val = Split.open(data_dir, "val")       # a bad dataset fails here, before any work
+    bpt = bytes_per_token(read_manifest(data_dir), "val")
     n_windows = max_windows or cfg.data.eval_windows
     cache: dict[int, list] = {}
 
@@ -439,7 +449,8 @@ def evaluate_run(
     root = run_dir / "checkpoints"
     committed = committed_steps(root)
     steps = committed[-last_n:] if last_n else committed
-    result = EvaluationResult(run_dir=str(run_dir), data_dir=str(data_dir), out_dir=str(out_dir))
+    result = EvaluationResult(run_dir=str(run_dir), data_dir=str(data_dir), out_dir=str(out_dir),
+                              bytes_per_token=bpt)
     summary_path = run_dir / "summary.json"
     if summary_path.is_file():
         try:
@@ -459,7 +470,7 @@ def evaluate_run(
     try:
         # The production model first: a registry that cannot be read fails before any checkpoint is scored.
         production, note = (None, "no registry given") if reg is None else \
-            _production_loss(reg, model_name, windows_for, tmp)
+            _production_loss(reg, model_name, windows_for, tmp, bpt)
         _score(result, root, steps, cfg, windows, batch_size, step_dir)
         if not result.checkpoints:
             _finish(result, run_dir, out_dir)
@@ -501,7 +512,8 @@ def _score(result: EvaluationResult, root: Path, steps: list[int], cfg, windows:
             log.warning("checkpoint step %d skipped: %s", step, problem)
             result.skipped.append({"step": step, "path": str(path), "reason": problem})
             continue
-        entry = {"step": step, "val_loss": loss, "bpb": loss / math.log(2), "windows": len(windows),
+        entry = {"step": step, "val_loss": loss, "bpb": bits_per_byte(loss, result.bytes_per_token),
+                 "windows": len(windows),
                  "tokens": tokens, "load_s": round(load_s, 3), "eval_s": round(time.monotonic() - t1, 3)}
         result.checkpoints.append(entry)
         # Lowest loss wins; on a tie the later step (more training for the same loss).

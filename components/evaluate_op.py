@@ -43,7 +43,8 @@ def evaluate_op(
         registry: model registry, a directory or ``s3://bucket/prefix``; empty: decide, write nothing.
         endpoint_url: S3-compatible endpoint for an ``s3://`` registry; empty for AWS (IRSA credentials).
         dataset: optional, the stage component's output; its URI is the dataset directory.
-        metrics: output; validation loss and bits per byte of each checkpoint and of the best.
+        metrics: output; validation loss (nats per token) and bits per byte of each checkpoint and of the best,
+            and the dataset's bytes per token (bits per byte compare across tokenizers).
         report: output; the HTML report (loss against step, the run's goodput and faults, the gate).
 
     Returns:
@@ -64,6 +65,7 @@ def evaluate_op(
     metrics.log_metric("best_step", result.best["step"])
     metrics.log_metric("best_val_loss", result.best["val_loss"])
     metrics.log_metric("best_bpb", result.best["bpb"])
+    metrics.log_metric("bytes_per_token", result.bytes_per_token)
     metrics.log_metric("checkpoints_skipped", len(result.skipped))
     metrics.log_metric("promoted", 1.0 if result.promoted else 0.0)
     shutil.copyfile(result.report_path, report.path)

@@ -3,9 +3,14 @@
 Layout of a staged dataset, ``<fsx_root>/datasets/<name>/<version>/``::
 
     raw/<key relative to the prefix>   the source objects, byte for byte
+    tokenizer/tokenizer.json           the tokenizer, unless it is ``bytes`` (``components.stage_tokenizer``)
     manifest.json                      the trainer's manifest (written last) + ``objects``: key, ETag, size
-    train_00000.bin, val_00000.bin     token shards (``trainer.data.build_dataset``)
+    train_00000.bin, val_00000.bin     token shards, one per pack and split (``components.stage_tokenize``)
     .stage/                            journal of verified objects, temp files, lock (private to staging)
+
+Documents are read from plain text, JSONL (plain, gzip, zstd) or Parquet files (``components.stage_formats``;
+bad records are counted per file under ``bad_record_policy``) and tokenized on every core. The fan-out
+across pods is ``components.stage_fanout``. ``docs/datasets.md`` describes the parameters and the manifest.
 
 How an object gets into ``raw/``: it is downloaded to ``.stage/tmp/`` while the listing goes on (one GET
 per small object from a pool of threads, s3transfer's parallel ranged GETs for large ones, the SDK's
@@ -47,12 +52,22 @@ import threading
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from collections import Counter
+from concurrent.futures.process import BrokenProcessPool
 from typing import Any, Iterator, NamedTuple, Protocol
+
+from components.stage_formats import BadFile, detect_format, read_documents
+from components.stage_tokenize import (BAD_RECORD_POLICIES, PACK_BYTES, BadRecordsError, ReadConfig, dataset_manifest,
+                                       plan_packs, tokenize_packs)
+from components.stage_tokenizer import (TokenizerInfo, TokenizerSpec, check_tokenizer_source, parse_tokenizer,
+                                        stage_tokenizer)
+from trainer.layout import write_atomic
 
 log = logging.getLogger(__name__)
 
 STAGE_DIR = ".stage"
 JOURNAL = "journal.jsonl"
+PREVIOUS_MANIFEST = "previous-manifest.json"
 NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 NAME_MAX = 255        # bytes in one path component (Linux, Lustre)
 PATH_MAX = 4096       # bytes in a whole path
@@ -75,7 +90,11 @@ class StageProgress(Protocol):
         """Called with None while the source is being listed, then again with the totals to fetch."""
 
     def advance(self, files: int = 0, nbytes: int = 0) -> None:
-        """Files finished and bytes received since the last call (from several threads)."""
+        """Files finished and bytes received since the last call (from several threads); once ``tokenizing``
+        was called, files tokenized."""
+
+    def tokenizing(self, files: int) -> None:
+        """Called once the transfers are done, before ``files`` files are tokenized."""
 
 
 @dataclass
@@ -90,11 +109,16 @@ class StageResult:
     skipped_unchanged: int = 0     # objects already in place with the same ETag and size
     removed: int = 0               # files in raw/ whose object left the source
     restored: int = 0              # files preloaded with lfs hsm_restore (data repository association)
+    excluded: int = 0              # objects left out by the include/exclude globs (never downloaded)
     refused: list[dict] = field(default_factory=list)   # {"key", "reason"}: never written
     failed: list[dict] = field(default_factory=list)    # {"key", "error"}
-    files: int = 0                 # text files in the dataset
+    files: int = 0                 # files in the dataset (those refused whole by a bad record included)
     train_tokens: int = 0
     val_tokens: int = 0
+    token_dtype: str = ""
+    vocab_size: int = 0
+    tokenizer: dict = field(default_factory=dict)       # the manifest's tokenizer entry
+    bad_records: dict = field(default_factory=dict)     # the manifest's bad_records: total, by_kind, files
     rebuilt: bool = False          # False: nothing changed, the existing manifest was kept
     list_s: float = 0.0
     transfer_s: float = 0.0
@@ -103,13 +127,13 @@ class StageResult:
 
     @property
     def ok(self) -> bool:
-        return not self.refused and not self.failed
+        return not self.refused and not self.failed and not (self.bad_records or {}).get("total")
 
     def to_dict(self) -> dict:
         return asdict(self)
 
 
-class _Object(NamedTuple):
+class StagedObject(NamedTuple):
     key: str        # the source key (or path relative to a local source)
     rel: str        # path under raw/
     size: int
@@ -166,7 +190,7 @@ def unsafe_reason(rel: str, raw_dir: Path) -> str | None:
     return None
 
 
-def _refuse_collisions(objects: list[_Object]) -> tuple[list[_Object], list[dict]]:
+def _refuse_collisions(objects: list[StagedObject]) -> tuple[list[StagedObject], list[dict]]:
     """A key that is also the directory of another key ("a" and "a/b") cannot exist on a file system."""
     dirs = set()
     for o in objects:
@@ -232,14 +256,13 @@ def _list_local(root: str) -> tuple[list[tuple[str, int, str]], list[dict]]:
 
 
 def _load_known(dest: Path) -> dict[str, dict]:
-    """rel -> {key, etag, size} of objects already verified in place: previous manifest, then the journal."""
-    known: dict[str, dict] = {}
-    try:
-        known.update(json.loads((dest / "manifest.json").read_text()).get("objects", {}))
-    except (FileNotFoundError, json.JSONDecodeError):
-        pass
-    journal = dest / STAGE_DIR / JOURNAL
-    if journal.exists():
+    """rel -> {key, etag, size} of objects already verified in place: previous manifest, then the journals
+    (the stage's own and those of fan-out workers)."""
+    known: dict[str, dict] = dict((read_previous_manifest(dest) or {}).get("objects", {}))
+    state = dest / STAGE_DIR
+    for journal in sorted([state / JOURNAL, *state.glob(f"*/{JOURNAL}")]):
+        if not journal.exists():
+            continue
         for line in journal.read_text().splitlines():
             try:
                 rec = json.loads(line)
@@ -249,13 +272,13 @@ def _load_known(dest: Path) -> dict[str, dict]:
     return known
 
 
-class _Lock:
+class StageLock:
     """One stage at a time per dataset directory (flock; not every file system supports it)."""
 
     def __init__(self, path: Path):
         self.path, self.fd = path, None
 
-    def __enter__(self) -> "_Lock":
+    def __enter__(self) -> "StageLock":
         self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
             fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -276,7 +299,7 @@ class _Journal:
     def __init__(self, path: Path):
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
 
-    def record(self, obj: _Object) -> None:
+    def record(self, obj: StagedObject) -> None:
         os.write(self.fd, (json.dumps({"rel": obj.rel, "key": obj.key, "etag": obj.etag, "size": obj.size})
                            + "\n").encode())
 
@@ -328,13 +351,13 @@ class _Finisher:
         self.verify_etag = verify_etag
         self.lock = threading.Lock()
         self.made_dirs: set[str] = set()
-        self.held: list[tuple[_Object, _Target]] | None = []
+        self.held: list[tuple[StagedObject, _Target]] | None = []
         self.drop: set[str] = set()
 
-    def target(self, obj: _Object, tmp: str) -> _Target:
+    def target(self, obj: StagedObject, tmp: str) -> _Target:
         return _Target(tmp, self.verify_etag and _is_md5_etag(obj.etag))
 
-    def finish(self, obj: _Object, target: _Target, error: BaseException | None) -> None:
+    def finish(self, obj: StagedObject, target: _Target, error: BaseException | None) -> None:
         try:
             if target.f is not False:
                 target.close()
@@ -373,7 +396,7 @@ class _Finisher:
             except OSError as e:
                 self._fail(obj, target, e)
 
-    def _place(self, obj: _Object, target: _Target) -> None:
+    def _place(self, obj: StagedObject, target: _Target) -> None:
         final = os.path.join(self.raw, obj.rel)
         parent = os.path.dirname(final)
         if parent not in self.made_dirs:
@@ -385,7 +408,7 @@ class _Finisher:
             self.result.transferred += 1
             self.result.transferred_bytes += obj.size
 
-    def _fail(self, obj: _Object, target: _Target, e: BaseException) -> None:
+    def _fail(self, obj: StagedObject, target: _Target, e: BaseException) -> None:
         _unlink(target.path)
         with self.lock:
             self.result.failed.append({"key": obj.key, "error": _short_error(e)})
@@ -424,7 +447,7 @@ def _s3_downloads(client, bucket: str, tmp_dir: Path, finisher: _Finisher, progr
     from s3transfer.utils import S3_RETRYABLE_DOWNLOAD_ERRORS
 
     class Subscriber(BaseSubscriber):
-        def __init__(self, obj: _Object, target: _Target):
+        def __init__(self, obj: StagedObject, target: _Target):
             self.obj, self.target = obj, target
 
         def on_queued(self, future, **kwargs):
@@ -445,11 +468,11 @@ def _s3_downloads(client, bucket: str, tmp_dir: Path, finisher: _Finisher, progr
                 error = e
             finisher.finish(self.obj, self.target, error)
 
-    def transfer(obj: _Object, tmp: str) -> None:
+    def transfer(obj: StagedObject, tmp: str) -> None:
         target = finisher.target(obj, tmp)
         manager.download(bucket, obj.key, target, subscribers=[Subscriber(obj, target)])
 
-    def get(obj: _Object, tmp: str) -> None:
+    def get(obj: StagedObject, tmp: str) -> None:
         target = finisher.target(obj, tmp)
         error = None
         try:
@@ -490,7 +513,7 @@ def _s3_downloads(client, bucket: str, tmp_dir: Path, finisher: _Finisher, progr
         for w in workers:
             w.start()
 
-        def submit(obj: _Object) -> None:
+        def submit(obj: StagedObject) -> None:
             path = os.path.join(tmp, f"{next(count):08d}")
             if obj.size < multipart_threshold:
                 todo.put((obj, path))
@@ -513,7 +536,7 @@ def _s3_downloads(client, bucket: str, tmp_dir: Path, finisher: _Finisher, progr
 @contextlib.contextmanager
 def _local_copies(root: str, tmp_dir: Path, finisher: _Finisher, progress: StageProgress | None):
     """Yields ``submit(obj)``; the files are copied when the block is left."""
-    todo: list[_Object] = []
+    todo: list[StagedObject] = []
     yield todo.append
     for i, obj in enumerate(todo):
         target = _Target(os.path.join(tmp_dir, f"{i:08d}"), want_md5=False)
@@ -579,6 +602,56 @@ def hsm_restore(paths: list[str], *, batch_size: int = 500, poll_s: float = 2.0,
 
 
 # ------------------------------------------------------------------------------------------- core
+@dataclass(frozen=True)
+class DatasetSettings:
+    """What turns staged files into the dataset's tokens; recorded in the manifest (``stage.settings``), so
+    changing any of them rebuilds the dataset."""
+
+    tokenizer: str = "bytes"             # see components.stage_tokenizer
+    data_format: str = "auto"            # auto (by file name) | text | jsonl | parquet
+    text_field: str = "text"             # JSONL field holding a document
+    text_column: str = "text"            # Parquet column holding a document
+    include: tuple[str, ...] = ()        # globs of paths under the source to stage (none: all)
+    exclude: tuple[str, ...] = ()        # globs of paths to leave out
+    val_percent: int = 5                 # share of files, by path hash, in the validation split
+    bad_record_policy: str = "skip"      # skip (leave out, count, report) | fail (stop the stage)
+    bpe_sample_bytes: int = 256 * MB     # source bytes of training files a bpe: tokenizer is trained on
+    pack_bytes: int = PACK_BYTES         # source bytes per pack of shards (see components.stage_tokenize)
+
+    def check(self) -> TokenizerSpec:
+        """ValueError for a bad setting (before anything is written); the parsed tokenizer."""
+        detect_format("x", self.data_format)
+        if self.bad_record_policy not in BAD_RECORD_POLICIES:
+            raise ValueError(f"bad_record_policy must be skip or fail, got {self.bad_record_policy!r}")
+        if not 0 <= self.val_percent <= 50:
+            raise ValueError(f"val_percent must be between 0 and 50, got {self.val_percent}")
+        if self.pack_bytes < 1 or self.bpe_sample_bytes < 1:
+            raise ValueError("pack_bytes and bpe_sample_bytes must be positive")
+        return parse_tokenizer(self.tokenizer)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["include"], d["exclude"] = list(self.include), list(self.exclude)
+        return d
+
+    @property
+    def read(self) -> ReadConfig:
+        return ReadConfig(self.data_format, self.text_field, self.text_column)
+
+
+class StageRefused(StageError):
+    """A policy refused the source (unsafe keys, bad records): a rerun fails the same way until the source
+    or the policy changes, so it is not worth retrying."""
+
+
+def split_globs(value: str | list[str] | tuple[str, ...] | None) -> tuple[str, ...]:
+    """``"a,b"`` or ``["a", "b"]`` -> ``("a", "b")`` (the CLI and KFP pass comma-separated strings)."""
+    if not value:
+        return ()
+    items = value.split(",") if isinstance(value, str) else value
+    return tuple(p.strip() for p in items if p.strip())
+
+
 def stage_dataset(
     source: str,
     fsx_root: str | Path,
@@ -586,6 +659,17 @@ def stage_dataset(
     version: str,
     endpoint_url: str | None = None,
     *,
+    tokenizer: str = "bytes",
+    data_format: str = "auto",
+    text_field: str = "text",
+    text_column: str = "text",
+    include: str | list[str] | tuple[str, ...] = (),
+    exclude: str | list[str] | tuple[str, ...] = (),
+    bad_record_policy: str = "skip",
+    refused_key_policy: str = "fail",
+    bpe_sample_bytes: int = 256 * MB,
+    pack_bytes: int = PACK_BYTES,
+    workers: int | None = None,
     max_concurrency: int = 32,
     multipart_threshold: int = 16 * MB,
     multipart_chunksize: int = 16 * MB,
@@ -606,6 +690,22 @@ def stage_dataset(
         name: dataset name (one path component).
         version: dataset version (one path component).
         endpoint_url: S3-compatible endpoint; None for AWS. Credentials come from the standard chain.
+        tokenizer: ``bytes``, a tokenizer.json / Hugging Face model directory / ``s3://`` location of one, or
+            ``bpe:VOCAB`` (see ``components.stage_tokenizer``).
+        data_format: ``auto`` (by file name: .jsonl[.gz|.zst], .parquet, else text), ``text``, ``jsonl``,
+            ``parquet``.
+        text_field: the JSONL field that holds a document's text.
+        text_column: the Parquet column that holds it.
+        include: globs (or one comma-separated string) of paths under the source to stage; empty: all.
+        exclude: globs of paths to leave out (never downloaded).
+        bad_record_policy: ``skip``: bad records are left out, counted per file and reported in the manifest
+            and the result; ``fail``: the first file with one stops the stage (``StageRefused``, no manifest).
+        refused_key_policy: ``fail``: a key that would land outside the destination stops the stage before
+            anything is written (``StageRefused``); ``skip``: such keys are reported and left out.
+        bpe_sample_bytes: a ``bpe:`` tokenizer is trained on the training files, in path order, up to this
+            many source bytes.
+        pack_bytes: source bytes per pack of shards.
+        workers: tokenizer processes (default: one per core).
         max_concurrency: parallel GETs of small objects, and as many again of parts of large objects.
         multipart_threshold: objects at least this large (bytes) are fetched with parallel ranged GETs.
         multipart_chunksize: size of one ranged GET (bytes).
@@ -621,133 +721,221 @@ def stage_dataset(
         progress: receives file and byte counts as the stage advances.
 
     Returns:
-        What was staged, skipped, refused and built. Refused keys are reported, not raised.
+        What was staged, skipped, excluded, refused and built.
 
     Raises:
         ValueError: bad arguments (nothing was written).
+        StageRefused: a policy refused the source (see ``refused_key_policy``, ``bad_record_policy``).
         StageError: the source could not be listed, or objects failed (no manifest was written; rerun to
             resume), or the dataset could not be built.
     """
     t_start = time.monotonic()
+    settings = DatasetSettings(tokenizer, data_format, text_field, text_column, split_globs(include),
+                               split_globs(exclude), val_percent, bad_record_policy, bpe_sample_bytes, pack_bytes)
+    spec = settings.check()
+    if refused_key_policy not in ("skip", "fail"):
+        raise ValueError(f"refused_key_policy must be skip or fail, got {refused_key_policy!r}")
     bucket, prefix = parse_source(source)
     dest = dataset_dir(fsx_root, name, version)
     if retry_mode not in ("adaptive", "standard", "legacy"):
         raise ValueError(f"retry_mode must be adaptive, standard or legacy, got {retry_mode!r}")
     if max_concurrency < 1 or max_attempts < 1:
         raise ValueError("max_concurrency and max_attempts must be at least 1")
+    check_tokenizer_source(spec, endpoint_url)
     raw = dest / "raw"
     uri = f"s3://{bucket}/{prefix}" if bucket else prefix
     result = StageResult(source=uri, dataset_dir=str(dest))
+    build = DatasetBuilder(dest, uri, settings, spec, endpoint_url, workers, result)
 
     if fsx_dra:
-        return _stage_dra(uri, dest, raw, result, val_percent, hsm_batch_size, hsm_poll_s, progress, t_start)
+        return _stage_dra(uri, dest, raw, result, build, hsm_batch_size, hsm_poll_s, progress, t_start)
 
     # ---- the first page of the listing before anything is written: a wrong bucket or endpoint, or a
     # missing permission, fails here
-    if bucket:
-        from botocore.exceptions import BotoCoreError, ClientError
-
-        list_errors: tuple = (BotoCoreError, ClientError)
-        client = s3_client(endpoint_url, retry_mode=retry_mode, max_attempts=max_attempts,
-                           max_pool_connections=2 * max_concurrency + 4)
-        pages = _pages_s3(client, bucket, prefix)
-        refused: list[dict] = []
-    else:
-        list_errors = ()
-        listed, refused = _list_local(prefix)
-        pages = iter([listed])
+    source_of = Source(bucket, prefix, endpoint_url, retry_mode, max_attempts, max_concurrency,
+                       multipart_threshold, multipart_chunksize, verify_etag)
+    pages = source_of.pages(settings, result)
     try:
         first = next(pages, [])
-    except list_errors as e:
+    except source_of.list_errors as e:
         raise StageError(f"cannot list {uri}: {e}") from e
-    if not first and not refused:
-        raise StageError(f"nothing to stage: {uri} is empty", result)
+    if refused_key_policy == "fail":
+        # The whole listing first: a refused key stops the stage before anything is written.
+        try:
+            listed = [first, *pages]
+        except source_of.list_errors as e:
+            raise StageError(f"cannot list {uri}: {e}") from e
+        _, refused = check_keys([o for page in listed for o in page], raw, prefix if bucket else "")
+        refused = source_of.refused + refused
+        if refused:
+            result.refused = refused
+            raise StageRefused(refused_message(refused, uri), result)
+        if not any(listed):
+            raise StageError(f"nothing to stage: {uri} is empty" + (
+                f" ({result.excluded} objects excluded by include/exclude)" if result.excluded else ""), result)
+        first, pages = [], iter(listed)
+    elif not first and not source_of.refused and not result.excluded:
+        raise StageError(f"nothing to stage: {uri} is empty", result)     # an empty first page: nothing listed
 
     dest.mkdir(parents=True, exist_ok=True)
     state = dest / STAGE_DIR
     state.mkdir(exist_ok=True)
-    with _Lock(state / "lock"):
-        tmp_dir = state / "tmp"
-        shutil.rmtree(tmp_dir, ignore_errors=True)    # temp files of an interrupted run
-        tmp_dir.mkdir()
-        raw.mkdir(exist_ok=True)
-        known = _load_known(dest)
-        journal = _Journal(state / JOURNAL)
-        finisher = _Finisher(raw, journal, result, progress, verify_etag)
-        objects: list[_Object] = []
-        submitted: set[str] = set()
-        if progress is not None:
-            progress.start(None, None)
-        downloads = (_s3_downloads(client, bucket, tmp_dir, finisher, progress, max_concurrency=max_concurrency,
-                                   multipart_threshold=multipart_threshold, multipart_chunksize=multipart_chunksize)
-                     if bucket else _local_copies(prefix, tmp_dir, finisher, progress))
-        try:
-            # ---- list, check each key, and start fetching what is missing or changed while listing goes on
-            # (aws s3 sync overlaps the two the same way); a page of 1000 keys takes a while on big prefixes.
-            with downloads as submit:
-                try:
-                    for page in itertools.chain([first], pages):
-                        for key, size, etag in page:
-                            rel = key[len(prefix):] if bucket else key
-                            reason = unsafe_reason(rel, raw)
-                            if reason:
-                                refused.append({"key": key, "reason": reason})
-                                continue
-                            obj = _Object(key, rel, size, etag)
-                            objects.append(obj)
-                            k = known.get(rel)
-                            if not (k and k.get("etag") == etag and k.get("size") == size
-                                    and _size_on_disk(os.path.join(raw, rel)) == size):
-                                submitted.add(rel)
-                                submit(obj)
-                except list_errors as e:
-                    raise StageError(f"cannot list {uri}: {e}") from e
-                result.list_s = round(time.monotonic() - t_start, 3)
-                # Every key is known: refuse collisions, remove what left the source, then let files into raw/.
-                objects, collisions = _refuse_collisions(objects)
-                result.refused = refused + collisions
-                for r in result.refused:
-                    log.warning("refused %r: %s", r["key"], r["reason"])
-                wanted = {o.rel for o in objects}
-                result.removed = _remove_stale(raw, wanted)
-                finisher.release(drop={c["key"][len(prefix):] if bucket else c["key"] for c in collisions})
-                todo = [o for o in objects if o.rel in submitted]
-                result.objects = len(objects)
-                result.skipped_unchanged = len(objects) - len(todo)
-                if progress is not None:
-                    progress.start(len(todo), sum(o.size for o in todo))
-            # Leaving the block waited for every transfer.
-        finally:
-            journal.close()
-            shutil.rmtree(tmp_dir, ignore_errors=True)
-        result.transfer_s = round(time.monotonic() - t_start - result.list_s, 3)
-        refused_keys = {r["key"] for r in result.refused}
-        result.failed = [f for f in result.failed if f["key"] not in refused_keys]
+    with StageLock(state / "lock"):
+        objects = sync_raw(source_of, itertools.chain([first], pages), raw, state, dest, result, progress,
+                           remove_stale=True, t_start=t_start)
         if not objects:
-            raise StageError(f"nothing to stage under {uri} ({len(result.refused)} keys refused)", result)
-        if result.failed:
-            result.wall_s = round(time.monotonic() - t_start, 3)
-            first_errors = "; ".join(f"{f['key']}: {f['error']}" for f in result.failed[:3])
-            raise StageError(f"{len(result.failed)} of {len(todo)} objects failed ({first_errors}); no manifest "
-                             f"was written - rerun to resume (verified objects are kept)", result)
-
-        # ---- build the dataset (skipped when nothing changed since the manifest was written)
-        objects_map = {o.rel: {"key": o.key, "etag": o.etag, "size": o.size} for o in sorted(objects)}
-        extra = {"objects": objects_map, "stage": {"val_percent": val_percent, "refused": result.refused}}
-        _build(dest, raw, [o.rel for o in objects], uri, val_percent, extra, result)
+            raise StageError(f"nothing to stage under {uri} ({len(result.refused)} keys refused, "
+                             f"{result.excluded} excluded by include/exclude)", result)
+        build.run(objects, state, progress)
         (state / JOURNAL).unlink(missing_ok=True)     # the manifest now records every object
     result.wall_s = round(time.monotonic() - t_start, 3)
     return result
 
 
-def _size_on_disk(path: str) -> int | None:
+def refused_message(refused: list[dict], uri: str) -> str:
+    first = refused[0]
+    return (f"{len(refused)} keys under {uri} were refused (they would land outside the destination), e.g. "
+            f"{first['key']!r}: {first['reason']}; nothing was staged. Rename or remove them at the source, or "
+            f"stage with refused_key_policy=skip to leave them out (not retryable: the same source fails the same "
+            f"way)")
+
+
+def check_keys(listed: list[tuple[str, int, str]], raw: Path, prefix: str) -> tuple[list[StagedObject], list[dict]]:
+    """Unsafe keys and keys that are also directories of others are refused; the rest become objects."""
+    objects, refused = [], []
+    for key, size, etag in listed:
+        rel = key[len(prefix):]
+        reason = unsafe_reason(rel, raw)
+        if reason:
+            refused.append({"key": key, "reason": reason})
+        else:
+            objects.append(StagedObject(key, rel, size, etag))
+    objects, collisions = _refuse_collisions(objects)
+    return objects, refused + collisions
+
+
+class Source:
+    """Listing and fetching of one source (S3 or a directory), with the include/exclude filter."""
+
+    def __init__(self, bucket: str | None, prefix: str, endpoint_url: str | None, retry_mode: str, max_attempts: int,
+                 max_concurrency: int, multipart_threshold: int, multipart_chunksize: int, verify_etag: bool):
+        self.bucket, self.prefix, self.verify_etag = bucket, prefix, verify_etag
+        self.transfer = dict(max_concurrency=max_concurrency, multipart_threshold=multipart_threshold,
+                             multipart_chunksize=multipart_chunksize)
+        self.refused: list[dict] = []
+        self.list_errors: tuple = ()
+        self.client = None
+        if bucket:
+            from botocore.exceptions import BotoCoreError, ClientError
+
+            self.list_errors = (BotoCoreError, ClientError)
+            self.client = s3_client(endpoint_url, retry_mode=retry_mode, max_attempts=max_attempts,
+                                    max_pool_connections=2 * max_concurrency + 4)
+
+    def key_prefix(self) -> str:
+        return self.prefix if self.bucket else ""
+
+    def pages(self, settings: DatasetSettings, result: StageResult) -> Iterator[list[tuple[str, int, str]]]:
+        """Listed (key, size, ETag) per page, include/exclude applied (``result.excluded`` counts the rest)."""
+        from components.stage_formats import matches
+
+        if self.bucket:
+            raw_pages = _pages_s3(self.client, self.bucket, self.prefix)
+        else:
+            listed, self.refused = _list_local(self.prefix)
+            raw_pages = iter([listed])
+        cut = len(self.key_prefix())
+        for page in raw_pages:
+            kept = [o for o in page if matches(o[0][cut:], settings.include, settings.exclude)]
+            result.excluded += len(page) - len(kept)
+            yield kept
+
+    def downloads(self, tmp_dir: Path, finisher: "_Finisher", progress: StageProgress | None):
+        if self.bucket:
+            return _s3_downloads(self.client, self.bucket, tmp_dir, finisher, progress, **self.transfer)
+        return _local_copies(self.prefix, tmp_dir, finisher, progress)
+
+
+def sync_raw(source: Source, pages: Iterator[list[tuple[str, int, str]]], raw: Path, state: Path, dest: Path,
+             result: StageResult, progress: StageProgress | None, *, remove_stale: bool,
+             t_start: float) -> list[StagedObject]:
+    """Bring ``raw/`` in line with the listed objects; return the objects staged (refused ones excluded).
+
+    ``state`` holds this sync's temp files and journal (a fan-out worker has its own). With
+    ``remove_stale`` (a whole-source sync) files whose object left the source are removed from ``raw/``.
+    Raises StageError when objects failed (verified ones are kept for the rerun).
+    """
+    tmp_dir = state / "tmp"
+    shutil.rmtree(tmp_dir, ignore_errors=True)    # temp files of an interrupted run
+    tmp_dir.mkdir(parents=True)
+    raw.mkdir(exist_ok=True)
+    known = _load_known(dest)
+    journal = _Journal(state / JOURNAL)
+    finisher = _Finisher(raw, journal, result, progress, source.verify_etag)
+    objects: list[StagedObject] = []
+    submitted: set[str] = set()
+    refused: list[dict] = list(source.refused)
+    cut = source.key_prefix()
+    if progress is not None:
+        progress.start(None, None)
+    try:
+        # ---- list, check each key, and start fetching what is missing or changed while listing goes on
+        # (aws s3 sync overlaps the two the same way); a page of 1000 keys takes a while on big prefixes.
+        with source.downloads(tmp_dir, finisher, progress) as submit:
+            try:
+                for page in pages:
+                    for key, size, etag in page:
+                        rel = key[len(cut):]
+                        reason = unsafe_reason(rel, raw)
+                        if reason:
+                            refused.append({"key": key, "reason": reason})
+                            continue
+                        obj = StagedObject(key, rel, size, etag)
+                        objects.append(obj)
+                        k = known.get(rel)
+                        if not (k and k.get("etag") == etag and k.get("size") == size
+                                and size_on_disk(os.path.join(raw, rel)) == size):
+                            submitted.add(rel)
+                            submit(obj)
+            except source.list_errors as e:
+                raise StageError(f"cannot list the source: {e}") from e
+            result.list_s = round(time.monotonic() - t_start, 3)
+            # Every key is known: refuse collisions, remove what left the source, then let files into raw/.
+            objects, collisions = _refuse_collisions(objects)
+            result.refused = refused + collisions
+            for r in result.refused:
+                log.warning("refused %r: %s", r["key"], r["reason"])
+            if remove_stale:
+                result.removed = remove_stale_files(raw, {o.rel for o in objects})
+            finisher.release(drop={c["key"][len(cut):] for c in collisions})
+            todo = [o for o in objects if o.rel in submitted]
+            result.objects = len(objects)
+            result.skipped_unchanged = len(objects) - len(todo)
+            if progress is not None:
+                progress.start(len(todo), sum(o.size for o in todo))
+        # Leaving the block waited for every transfer.
+    finally:
+        journal.close()
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    result.transfer_s = round(time.monotonic() - t_start - result.list_s, 3)
+    refused_keys = {r["key"] for r in result.refused}
+    result.failed = [f for f in result.failed if f["key"] not in refused_keys]
+    if result.failed:
+        result.wall_s = round(time.monotonic() - t_start, 3)
+        first_errors = "; ".join(f"{f['key']}: {f['error']}" for f in result.failed[:3])
+        raise StageError(f"{len(result.failed)} of {len(todo)} objects failed ({first_errors}); no manifest "
+                         f"was written - rerun to resume (verified objects are kept)", result)
+    return sorted(objects)
+
+
+def size_on_disk(path: str) -> int | None:
     try:
         return os.stat(path).st_size
     except OSError:
         return None
 
 
-def _remove_stale(raw: Path, wanted: set[str]) -> int:
+def remove_stale_files(raw: Path, wanted: set[str]) -> int:
     """Delete files under raw/ whose object is no longer in the source (or is now refused), then the
     directories that left empty (a key may now need that path for a file)."""
     removed = 0
@@ -762,55 +950,196 @@ def _remove_stale(raw: Path, wanted: set[str]) -> int:
     return removed
 
 
-def _build(dest: Path, raw: Path, rels: list[str], uri: str, val_percent: int, extra: dict,
-           result: StageResult) -> None:
-    """Build the dataset from ``raw/<rel>`` files, or keep the manifest when none of its inputs changed."""
-    t0 = time.monotonic()
-    previous = None
-    try:
-        previous = json.loads((dest / "manifest.json").read_text())
-    except (FileNotFoundError, json.JSONDecodeError):
-        pass
-    unchanged = (previous is not None and result.transferred == 0 and result.removed == 0
-                 and previous.get("source") == uri
-                 and all(previous.get(k) == v for k, v in extra.items()))
-    if unchanged:
-        manifest = previous
-    else:
-        from trainer.data import build_dataset     # numpy: not needed when nothing changed
-
-        files = [raw / rel for rel in rels]
+def read_previous_manifest(dest: Path) -> dict | None:
+    """The dataset's manifest, or the one a rebuild in progress set aside (``.stage/previous-manifest.json``)."""
+    for path in (dest / "manifest.json", dest / STAGE_DIR / PREVIOUS_MANIFEST):
         try:
-            manifest = build_dataset(raw, dest, files=files, source=uri, val_percent=val_percent, extra=extra)
+            return json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+    return None
+
+
+def retire_manifest(dest: Path) -> None:
+    """Before any shard is rewritten: the old manifest leaves (a directory with a manifest is complete), kept
+    aside so that its object records still let a rerun skip unchanged objects."""
+    if (dest / "manifest.json").exists():
+        (dest / STAGE_DIR).mkdir(exist_ok=True)
+        os.replace(dest / "manifest.json", dest / STAGE_DIR / PREVIOUS_MANIFEST)
+
+
+def remove_unlisted_shards(dest: Path, manifest: dict) -> None:
+    """Shards an earlier build left that the new manifest does not list (another pack layout)."""
+    keep = {s["path"] for split in manifest["splits"].values() for s in split["shards"]}
+    for p in dest.glob("*.bin"):
+        if p.name not in keep and p.name.startswith(("train_", "val_")):
+            p.unlink()
+
+
+def manifest_extra(objects: list[StagedObject], settings: DatasetSettings, refused: list[dict],
+                   mode: str | None = None) -> dict:
+    """The manifest's record of the source objects and the stage's settings (what a rerun compares)."""
+    stage = {"settings": settings.to_dict(), "refused": refused, **({"mode": mode} if mode else {})}
+    return {"objects": {o.rel: {"key": o.key, "etag": o.etag, "size": o.size} for o in sorted(objects)},
+            "stage": stage}
+
+
+def splits_of(objects: list[StagedObject], val_percent: int) -> dict[str, str]:
+    from trainer.data import split_of
+
+    return {o.rel: split_of(o.rel, val_percent) for o in objects}
+
+
+class DatasetBuilder:
+    """Tokenizes the staged files into shards and writes the manifest, or keeps the manifest when nothing
+    that goes into it changed."""
+
+    def __init__(self, dest: Path, uri: str, settings: DatasetSettings, spec: TokenizerSpec,
+                 endpoint_url: str | None, workers: int | None, result: StageResult):
+        self.dest, self.uri, self.settings, self.spec = dest, uri, settings, spec
+        self.endpoint_url, self.workers, self.result = endpoint_url, workers, result
+
+    def bpe_sample(self, objects: list[StagedObject]) -> list[StagedObject]:
+        """The training files a ``bpe:`` tokenizer learns from: path order, up to bpe_sample_bytes."""
+        splits, sample, size = splits_of(objects, self.settings.val_percent), [], 0
+        for o in sorted(objects):
+            if splits[o.rel] == "train" and (not sample or size + o.size <= self.settings.bpe_sample_bytes):
+                sample.append(o)
+                size += o.size
+        return sample
+
+    def tokenizer(self, objects: list[StagedObject]) -> TokenizerInfo:
+        """Stage the tokenizer next to the dataset (training it first for ``bpe:``)."""
+        raw = self.dest / "raw"
+        read = self.settings.read
+
+        def documents() -> Iterator[str]:
+            for o in self.bpe_sample(objects):
+                try:
+                    yield from read_documents(raw / o.rel, detect_format(o.rel, read.data_format),
+                                              text_field=read.text_field, text_column=read.text_column,
+                                              bad=Counter())
+                except BadFile:
+                    continue         # counted when the file is tokenized
+
+        try:
+            return stage_tokenizer(self.spec, self.dest, endpoint_url=self.endpoint_url, documents=documents())
         except ValueError as e:
-            raise StageError(f"staged {len(files)} files, but the dataset cannot be built: {e}", result) from e
-        result.rebuilt = True
+            raise StageError(str(e), self.result) from e
+
+    def run(self, objects: list[StagedObject], state: Path, progress: StageProgress | None,
+            mode: str | None = None) -> None:
+        t0 = time.monotonic()
+        result = self.result
+        extra = manifest_extra(objects, self.settings, result.refused, mode)
+        previous = read_previous_manifest(self.dest)
+        unchanged = (previous is not None and (self.dest / "manifest.json").exists() and result.transferred == 0
+                     and result.removed == 0 and previous.get("source") == self.uri
+                     and all(previous.get(k) == v for k, v in extra.items()))
+        if unchanged and self.spec.kind == "file":
+            # The file may have changed where it came from: fetch it again, and compare.
+            unchanged = self.tokenizer(objects).sha256 == (previous.get("tokenizer") or {}).get("sha256")
+        if unchanged:
+            manifest = previous
+        else:
+            retire_manifest(self.dest)
+            info = self.tokenizer(objects)
+            if progress is not None:
+                progress.tokenizing(len(objects))
+            dtype, entries, shards = tokenize_objects(self.dest, objects, self.settings, info, state / "tok",
+                                                      self.workers, result, progress)
+            manifest = assemble_manifest(self.uri, self.settings, info, dtype, entries, shards, extra, result)
+            write_atomic(self.dest / "manifest.json", json.dumps(manifest, indent=1).encode())
+            remove_unlisted_shards(self.dest, manifest)
+            (self.dest / STAGE_DIR / PREVIOUS_MANIFEST).unlink(missing_ok=True)
+            result.rebuilt = True
+        summarise(manifest, result)
+        result.build_s = round(time.monotonic() - t0, 3)
+
+
+def tokenize_objects(dest: Path, objects: list[StagedObject], settings: DatasetSettings, info: TokenizerInfo,
+                     tmp_dir: Path, workers: int | None, result: StageResult, progress: StageProgress | None = None,
+                     packs: list[int] | None = None) -> tuple[str, list[dict], dict[int, dict]]:
+    """Tokenize the staged ``objects`` (all packs, or a fan-out worker's ``packs``) into shards in ``dest``:
+    (token dtype, file entries, {pack: {split: shard}})."""
+    from trainer.data import token_dtype_for
+
+    dtype = "uint8" if info.kind == "bytes" else token_dtype_for(info.vocab_size)
+    layout = plan_packs([(o.rel, o.size) for o in objects], settings.pack_bytes)
+    chosen = {i: layout[i] for i in (range(len(layout)) if packs is None else packs)}
+    try:
+        entries, shards = tokenize_packs(dest / "raw", dest, chosen, splits_of(objects, settings.val_percent),
+                                         read=settings.read, tokenizer=info, dtype=dtype,
+                                         bad_record_policy=settings.bad_record_policy, tmp_dir=tmp_dir,
+                                         workers=workers, progress=progress)
+    except BadRecordsError as e:
+        raise StageRefused(str(e), result) from e
+    except (OSError, BrokenProcessPool) as e:
+        raise StageError(f"tokenizing the staged files failed ({_short_error(e)}); no manifest was written - "
+                         f"rerun to resume (the staged files are kept)", result) from e
+    finally:
+        shutil.rmtree(tmp_dir, ignore_errors=True)
+    return dtype, entries, shards
+
+
+def assemble_manifest(uri: str, settings: DatasetSettings, info: TokenizerInfo, dtype: str, entries: list[dict],
+                      shards: dict[int, dict], extra: dict, result: StageResult) -> dict:
+    try:
+        return dataset_manifest(source=uri, tokenizer=info, dtype=dtype, read=settings.read, entries=entries,
+                                shards=shards, val_percent=settings.val_percent, extra=extra)
+    except ValueError as e:
+        raise StageError(f"staged {len(entries)} files, but the dataset cannot be built: {e}", result) from e
+
+
+def summarise(manifest: dict, result: StageResult) -> None:
     result.files = len(manifest["files"])
     result.train_tokens = manifest["splits"]["train"]["tokens"]
     result.val_tokens = manifest["splits"]["val"]["tokens"]
-    result.build_s = round(time.monotonic() - t0, 3)
+    result.token_dtype = manifest["token_dtype"]
+    result.vocab_size = manifest["vocab_size"]
+    result.tokenizer = manifest.get("tokenizer") or {"kind": "bytes"}
+    result.bad_records = manifest.get("bad_records") or {"total": 0, "by_kind": {}, "files": 0, "examples": []}
 
 
-def _stage_dra(uri: str, dest: Path, raw: Path, result: StageResult, val_percent: int, batch_size: int,
+def _stage_dra(uri: str, dest: Path, raw: Path, result: StageResult, build: DatasetBuilder, batch_size: int,
                poll_s: float, progress: StageProgress | None, t_start: float) -> StageResult:
     """Data repository association: raw/ is linked to the bucket; preload it, then build."""
     if not raw.is_dir():
         raise StageError(f"--fsx-dra: {raw} does not exist; create a data repository association that links "
                          f"it to {uri} first")
+    from components.stage_formats import matches
+
     listed, refused = _list_local(str(raw))
+    settings = build.settings
+    kept = [x for x in listed if matches(x[0], settings.include, settings.exclude)]
+    result.excluded = len(listed) - len(kept)
     result.refused = refused
-    result.objects = len(listed)
+    result.objects = len(kept)
     result.list_s = round(time.monotonic() - t_start, 3)
-    if not listed:
-        raise StageError(f"--fsx-dra: {raw} holds no files; is the association's import done?", result)
+    if not kept:
+        raise StageError(f"--fsx-dra: {raw} holds no files to stage; is the association's import done?", result)
     if progress is not None:
-        progress.start(len(listed), 0)
+        progress.start(len(kept), 0)
     t0 = time.monotonic()
-    result.restored = hsm_restore([str(raw / rel) for rel, _, _ in listed], batch_size=batch_size,
+    result.restored = hsm_restore([str(raw / rel) for rel, _, _ in kept], batch_size=batch_size,
                                   poll_s=poll_s, progress=progress)
     result.transfer_s = round(time.monotonic() - t0, 3)
-    objects_map = {rel: {"key": rel, "etag": etag, "size": size} for rel, size, etag in listed}
-    extra = {"objects": objects_map, "stage": {"val_percent": val_percent, "refused": refused, "mode": "dra"}}
-    _build(dest, raw, [rel for rel, _, _ in listed], uri, val_percent, extra, result)
+    state = dest / STAGE_DIR
+    state.mkdir(exist_ok=True)
+    with StageLock(state / "lock"):
+        build.run([StagedObject(rel, rel, size, etag) for rel, size, etag in kept], state, progress, mode="dra")
     result.wall_s = round(time.monotonic() - t_start, 3)
     return result
+
+
+def result_metadata(result: StageResult) -> dict:
+    """The counts of a stage result as flat KFP metadata (lists cut to their first 100 entries)."""
+    d = result.to_dict()
+    bad = d.pop("bad_records") or {}
+    d.pop("failed")
+    d["refused"] = len(result.refused)
+    d["refused_keys"] = [r["key"] for r in result.refused[:100]]
+    d["bad_records"] = bad.get("total", 0)
+    d["bad_records_by_kind"] = bad.get("by_kind", {})
+    d["bad_record_files"] = [e["path"] for e in bad.get("examples", [])[:100]]
+    return d

@@ -3,7 +3,7 @@
 import os
 
 from kfp import dsl
-from kfp.dsl import Dataset, Output
+from kfp.dsl import Dataset, Metrics, Output
 
 # The image the component runs in: it has this package (and so kfp) installed. Override both at
 # compile time through the environment, e.g. a python base image plus a wheel in PACKAGES.
@@ -21,9 +21,17 @@ def stage_op(
     max_concurrency: int = 32,
     val_percent: int = 5,
     fsx_dra: bool = False,
-    allow_refused: bool = False,
+    tokenizer: str = "bytes",
+    data_format: str = "auto",
+    text_field: str = "text",
+    text_column: str = "text",
+    include: str = "",
+    exclude: str = "",
+    bad_record_policy: str = "skip",
+    refused_key_policy: str = "fail",
     *,
     dataset: Output[Dataset],
+    metrics: Output[Metrics],
 ):
     """Stage an S3 prefix (or a directory) onto FSx and build the training dataset there.
 
@@ -37,17 +45,25 @@ def stage_op(
         val_percent: share of files in the validation split.
         fsx_dra: the dataset's ``raw/`` is linked to the bucket by an FSx data repository association;
             preload it with ``lfs hsm_restore`` instead of copying.
-        allow_refused: succeed even when unsafe keys were refused (they are reported in the metadata).
+        tokenizer: ``bytes``, a tokenizer.json / Hugging Face model directory / ``s3://`` one, or ``bpe:VOCAB``.
+        data_format: ``auto`` (by file name), ``text``, ``jsonl`` or ``parquet``.
+        text_field: the JSONL field holding a document.
+        text_column: the Parquet column holding a document.
+        include: comma-separated globs of paths to stage (empty: all).
+        exclude: comma-separated globs of paths to leave out.
+        bad_record_policy: ``skip`` (leave bad records out, report them) or ``fail`` (the step fails).
+        refused_key_policy: ``fail``: unsafe keys fail the step before anything is written; ``skip``: they
+            are left out and reported, and the step succeeds.
         dataset: output; its URI is the dataset directory, its metadata the counts.
+        metrics: output; tokens, refused keys and bad records, as the KFP UI shows them.
     """
-    from components.stage import stage_dataset
+    from components.stage import result_metadata, stage_dataset
 
-    result = stage_dataset(source, fsx_root, name, version, endpoint_url or None,
-                           max_concurrency=max_concurrency, val_percent=val_percent, fsx_dra=fsx_dra)
+    result = stage_dataset(source, fsx_root, name, version, endpoint_url or None, max_concurrency=max_concurrency,
+                           val_percent=val_percent, fsx_dra=fsx_dra, tokenizer=tokenizer, data_format=data_format,
+                           text_field=text_field, text_column=text_column, include=include, exclude=exclude,
+                           bad_record_policy=bad_record_policy, refused_key_policy=refused_key_policy)
     dataset.uri = result.dataset_dir
-    dataset.metadata.update({k: v for k, v in result.to_dict().items() if k not in ("refused", "failed")})
-    dataset.metadata["refused"] = len(result.refused)
-    dataset.metadata["refused_keys"] = [r["key"] for r in result.refused[:100]]
-    if result.refused and not allow_refused:
-        raise RuntimeError(f"{len(result.refused)} keys were refused (unsafe paths), e.g. "
-                           f"{result.refused[0]['key']!r}: {result.refused[0]['reason']}")
+    dataset.metadata.update(result_metadata(result))
+    for key in ("train_tokens", "val_tokens", "vocab_size", "transferred", "excluded", "refused", "bad_records"):
+        metrics.log_metric(key, dataset.metadata[key])

@@ -79,3 +79,65 @@ def test_eval_windows_are_fixed(tmp_path):
     split = Split.open(tmp_path / "ds", "val")
     w1, w2 = list(eval_windows(split, 16, 5)), list(eval_windows(split, 16, 5))
     assert len(w1) == 5 and all(np.array_equal(a[0], b[0]) for a, b in zip(w1, w2))
+
+
+def _token_dataset(out, dtype: str, vocab: int, n: int = 5000, fmt: str = "goodput-dataset/2"):
+    """A dataset of random ids below ``vocab`` in ``dtype`` shards, written the way the stage writes them."""
+    from trainer.data import ShardFile
+
+    out.mkdir(parents=True)
+    rng = np.random.default_rng(0)
+    splits = {}
+    for split, k in (("train", 2), ("val", 1)):
+        shards = []
+        for i in range(k):
+            w = ShardFile(out, f"{split}_{i:05d}.bin", dtype)
+            w.write(rng.integers(0, vocab, size=n, dtype=np.int64).astype(dtype).tobytes())
+            shards.append(w.close())
+        splits[split] = {"tokens": n * k, "bytes": 3 * n * k, "shards": shards}
+    (out / "manifest.json").write_text(json.dumps({"format": fmt, "token_dtype": dtype, "vocab_size": vocab,
+                                                   "splits": splits, "bytes_per_token": 3.0}))
+    return out
+
+
+@pytest.mark.parametrize("dtype,vocab", [("uint16", 50_000), ("uint32", 100_000)])
+def test_wide_token_shards_read_exactly_and_resume_exactly(tmp_path, dtype, vocab):
+    from trainer.data import bytes_per_token
+
+    ds = _token_dataset(tmp_path / "ds", dtype, vocab)
+    split = Split.open(ds, "train")
+    assert split.tokens.dtype == np.dtype(dtype) and len(split) == 10_000
+    raw = np.frombuffer(b"".join((ds / f"train_{i:05d}.bin").read_bytes() for i in range(2)), dtype=dtype)
+    whole = split.tokens[:]
+    assert whole.dtype == np.dtype(dtype) and np.array_equal(whole, raw)
+    assert whole.max() >= 1 << 15                                 # ids above uint8 and int16 survive
+    for lo, hi in ((0, 7), (4990, 5010), (5000, 5001), (4999, 10_000), (9990, 20_000), (30, 30)):
+        assert np.array_equal(split.tokens[lo:hi], raw[lo:hi]), (lo, hi)   # windows across the shard boundary
+    make = lambda: BatchSampler(split, rank=1, world_size=2, batch_size=3, seq_len=16, seed=5)  # noqa: E731
+    a = make()
+    first = [a.next_batch() for _ in range(4)]
+    resumed = make()
+    resumed.batches_read = 2
+    x, y = resumed.next_batch()
+    assert np.array_equal(x, first[2][0]) and x.dtype == np.int64 and x.max() < vocab
+    assert bytes_per_token(read_manifest(ds)) == 3.0
+
+
+def test_vocabulary_check_and_torn_shards_fail_clearly(tmp_path):
+    from trainer.data import check_vocab
+
+    ds = _token_dataset(tmp_path / "ds", "uint16", 8000)
+    check_vocab(ds, 8000)
+    with pytest.raises(ValueError, match="vocabulary of 8000 tokens but the model's vocab_size is 256"):
+        check_vocab(ds, 256)
+    byte_ds = build_dataset(_texts(tmp_path / "raw"), tmp_path / "bytes", val_percent=10)
+    assert byte_ds["token_dtype"] == "uint8" and check_vocab(tmp_path / "bytes", 256)["vocab_size"] == 256
+    with open(ds / "train_00001.bin", "ab") as f:                   # a shard longer than its manifest entry
+        f.write(b"\x00\x00")
+    with pytest.raises(ValueError, match="train_00001.bin has 10002 bytes, the manifest says 5000 uint16"):
+        Split.open(ds, "train")
+    # A dataset of the first format (no token_dtype) still reads, as bytes.
+    old = build_dataset(_texts(tmp_path / "raw"), tmp_path / "old", val_percent=10)
+    old = {k: v for k, v in old.items() if k not in ("token_dtype", "vocab_size")}
+    (tmp_path / "old" / "manifest.json").write_text(json.dumps({**old, "format": "goodput-dataset/1"}))
+    assert Split.open(tmp_path / "old", "train").tokens.dtype == np.uint8

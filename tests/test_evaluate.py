@@ -227,3 +227,21 @@ def test_evaluate_component_runs_in_kfp_local(trained, tmp_path):
     assert metrics["best_val_loss"] == pytest.approx(task.outputs["best_val_loss"])
     report = Path(task.outputs["report"].path).read_text()
     assert "<svg" in report and "PROMOTED" in report
+
+
+def test_bits_per_byte_follow_the_datasets_bytes_per_token(trained, tmp_path):
+    # The same tokens, as a subword tokenizer's dataset would describe them (3 bytes of text per token):
+    # the loss per token is unchanged, bits per byte are a third, so runs of different tokenizers compare.
+    run, data = trained
+    copy = tmp_path / "data"
+    shutil.copytree(data, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["splits"]["val"]["bytes"] = 3 * manifest["splits"]["val"]["tokens"]
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    plain = evaluate_run(run, data, tmp_path / "plain", last_n=1)
+    wide = evaluate_run(run, copy, tmp_path / "wide", last_n=1)
+    assert plain.bytes_per_token == 1.0 and wide.bytes_per_token == 3.0
+    (p,), (w,) = plain.checkpoints, wide.checkpoints
+    assert w["val_loss"] == p["val_loss"] and p["bpb"] == pytest.approx(p["val_loss"] / math.log(2))
+    assert w["bpb"] == pytest.approx(p["bpb"] / 3)
+    assert json.loads((tmp_path / "wide" / "evaluation.json").read_text())["bytes_per_token"] == 3.0

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from components.stage import StageError, stage_dataset
+from components.stage import StageError, StageRefused, stage_dataset
 from pipelines.cli import main as cli
 from trainer.data import Split, read_manifest
 
@@ -259,14 +259,22 @@ def test_adversarial_keys_are_refused_and_nothing_escapes(s3, bucket, tmp_path):
     good["data/col/inner.txt"] = text(1000)
     seed(bucket, {**good, **{k: b"pwned\n" for k in ADVERSARIAL}})
     fsx = tmp_path / "fsx"
-    before = set(tmp_path.rglob("*"))
-    res = CliRunner().invoke(cli, ["stage", f"s3://{bucket}/data", "--fsx-root", str(fsx), "--name", "adv",
-                                   "--version", "1", "--endpoint-url", s3.url, "--val-percent", "20", "-q"])
+    args = ["stage", f"s3://{bucket}/data", "--fsx-root", str(fsx), "--name", "adv", "--version", "1",
+            "--endpoint-url", s3.url, "--val-percent", "20", "-q"]
+    # The default policy (fail): every refused key is named, and nothing at all is written.
+    res = CliRunner().invoke(cli, args)
     assert res.exit_code == 1, res.output
-    dest = fsx / "datasets" / "adv" / "1"
     for key, reason in ADVERSARIAL.items():
         assert f"refused {key!r}" in res.output and reason in res.output.split(f"refused {key!r}")[1].split("\n")[0]
-    assert "keys were refused" in res.output
+    assert f"{len(ADVERSARIAL)} keys under" in res.output and "not retryable" in res.output
+    assert not fsx.exists()
+
+    # skip: the stage succeeds without them and says so.
+    before = set(tmp_path.rglob("*"))
+    res = CliRunner().invoke(cli, [*args, "--on-refused", "skip"])
+    assert res.exit_code == 0, res.output
+    assert f"{len(ADVERSARIAL)} keys were refused and not staged" in res.output
+    dest = fsx / "datasets" / "adv" / "1"
     # Everything written is inside the dataset directory, and no refused object was written anywhere.
     new = set(tmp_path.rglob("*")) - before
     assert new and all(p == fsx or dest.is_relative_to(p) or p.is_relative_to(dest) for p in new), new
@@ -283,15 +291,18 @@ def test_local_directory_source(tmp_path):
         (src / rel).write_bytes(data)
     (tmp_path / "secret.txt").write_bytes(b"outside the source\n")
     (src / "a" / "link.txt").symlink_to(tmp_path / "secret.txt")
-    r = stage_dataset(str(src), tmp_path / "fsx", "loc", "1", val_percent=20)
+    with pytest.raises(StageRefused, match="a/link.txt"):
+        stage_dataset(str(src), tmp_path / "fsx", "loc", "1", val_percent=20)
+    assert not (tmp_path / "fsx").exists()
+    r = stage_dataset(str(src), tmp_path / "fsx", "loc", "1", val_percent=20, refused_key_policy="skip")
     assert r.transferred == 30 and [x["key"] for x in r.refused] == ["a/link.txt"]
     dest = tmp_path / "fsx" / "datasets" / "loc" / "1"
     assert sorted(f["path"] for f in read_manifest(dest)["files"]) == sorted(files)
-    r = stage_dataset(str(src), tmp_path / "fsx", "loc", "1", val_percent=20)
+    r = stage_dataset(str(src), tmp_path / "fsx", "loc", "1", val_percent=20, refused_key_policy="skip")
     assert (r.transferred, r.skipped_unchanged, r.rebuilt) == (0, 30, False)
     (src / "a" / "f3.txt").write_bytes(b"edited\n" * 10)
     os.utime(src / "a" / "f3.txt", ns=(1, 1))
-    r = stage_dataset(str(src), tmp_path / "fsx", "loc", "1", val_percent=20)
+    r = stage_dataset(str(src), tmp_path / "fsx", "loc", "1", val_percent=20, refused_key_policy="skip")
     assert (r.transferred, r.rebuilt) == (1, True)
     assert (dest / "raw" / "a" / "f3.txt").read_bytes() == b"edited\n" * 10
 
@@ -386,3 +397,6 @@ def test_stage_component_runs_in_kfp_local(s3, bucket, tmp_path):
     assert dataset.metadata["transferred"] == 60 and dataset.metadata["refused"] == 0
     manifest = check_dataset(dest, objects)
     assert dataset.metadata["train_tokens"] == manifest["splits"]["train"]["tokens"]
+    metrics = task.outputs["metrics"].metadata                   # what the KFP UI shows of the step
+    assert (metrics["refused"], metrics["bad_records"], metrics["vocab_size"]) == (0, 0, 256)
+    assert metrics["train_tokens"] == manifest["splits"]["train"]["tokens"]

@@ -1,14 +1,16 @@
-"""Byte-level token datasets: build them from text files, read them during training.
+"""Token datasets: build byte-level ones from text files, read any of them during training.
 
-A dataset directory holds ``manifest.json`` and uint8 token shards (one token per byte, vocab 256):
+A dataset directory holds ``manifest.json`` and token shards of ``token_dtype`` (uint8 for the byte-level
+vocabulary of 256, uint16 or uint32 for a subword tokenizer's; ``components.stage`` builds those):
 
-    manifest.json          format, source, files (path, bytes, sha256, split), splits (shards, tokens)
-    train_00000.bin ...    concatenated bytes of the training files
-    val_00000.bin ...      concatenated bytes of the validation files
+    manifest.json          format, source, token_dtype, vocab_size, eos_id, tokenizer, bytes_per_token,
+                           files (path, bytes, sha256, split), splits (shards, tokens, bytes)
+    train_00000.bin ...    the training files' tokens, in path order
+    val_00000.bin ...      the validation files' tokens
 
 The manifest is written last, through a rename, so a directory with a manifest is always complete.
 Files are split between train and validation by a hash of their path, so adding files never moves an
-existing file to the other split.
+existing file to the other split. ``docs/datasets.md`` lists every manifest field.
 
 Build the default dataset (the Python standard library's top-level sources, present on every machine):
 
@@ -20,6 +22,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import os
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -31,7 +34,11 @@ import numpy as np
 from .layout import write_atomic
 
 MANIFEST = "manifest.json"
-FORMAT = "goodput-dataset/1"
+FORMAT = "goodput-dataset/2"
+# /1 had no token_dtype other than uint8 and no tokenizer fields; it reads as a byte-level dataset.
+READABLE_FORMATS = ("goodput-dataset/1", FORMAT)
+TOKEN_DTYPES = {"uint8": np.uint8, "uint16": np.uint16, "uint32": np.uint32}
+BYTE_VOCAB = 256
 SHARD_BYTES = 64 * 1024 * 1024
 DEFAULT_DATASET_NAME = "pystdlib"
 
@@ -63,6 +70,13 @@ def split_of(rel_path: str, val_percent: int) -> str:
     """Deterministic split by path: stable when files are added or removed."""
     bucket = int.from_bytes(hashlib.sha256(rel_path.encode()).digest()[:4], "big") % 100
     return "val" if bucket < val_percent else "train"
+
+
+def token_dtype_for(vocab_size: int) -> str:
+    """The narrowest shard dtype that holds every id of a vocabulary (uint8 only for the byte vocabulary)."""
+    if vocab_size <= BYTE_VOCAB:
+        return "uint8"
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
 def _is_text(path: Path) -> bool:
@@ -119,13 +133,19 @@ def build_dataset(
         last = entries[-1]
         raise ValueError(f"the validation split is empty ({len(entries)} files); add files or raise "
                          f"val_percent (file {last['path']!r} went to train)")
+    splits = {s: w.close() for s, w in writers.items()}
+    for split in splits.values():
+        split["bytes"] = split["tokens"]
     manifest = {
         "format": FORMAT,
         "source": source or str(raw_dir),
         "token_dtype": "uint8",
-        "vocab_size": 256,
+        "vocab_size": BYTE_VOCAB,
+        "eos_id": None,
+        "tokenizer": {"kind": "bytes"},
+        "bytes_per_token": 1.0,
         "files": entries,
-        "splits": {s: w.close() for s, w in writers.items()},
+        "splits": splits,
         **(extra or {}),
     }
     write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
@@ -157,15 +177,77 @@ class _ShardWriter:
         return {"tokens": self.tokens, "shards": self.shards}
 
 
+class ShardFile:
+    """One token shard written as it streams in: a temporary name, fsync, then the rename (a crash never
+    leaves a shard that looks whole). ``close`` returns its manifest entry (path, tokens, sha256)."""
+
+    def __init__(self, out_dir: Path, name: str, dtype: str):
+        self.path, self.dtype = Path(out_dir) / name, np.dtype(TOKEN_DTYPES[dtype])
+        self.tmp = self.path.with_name(f".{name}.tmp")
+        self.f = open(self.tmp, "wb")
+        self.sha = hashlib.sha256()
+        self.tokens = 0
+
+    def write(self, data: bytes) -> None:
+        """Append tokens already in this shard's dtype (bytes of a native-endian array)."""
+        if len(data) % self.dtype.itemsize:
+            raise ValueError(f"{len(data)} bytes is not a whole number of {self.dtype.name} tokens")
+        self.f.write(data)
+        self.sha.update(data)
+        self.tokens += len(data) // self.dtype.itemsize
+
+    def close(self) -> dict:
+        self.f.flush()
+        os.fsync(self.f.fileno())
+        self.f.close()
+        os.replace(self.tmp, self.path)
+        return {"path": self.path.name, "tokens": self.tokens, "sha256": self.sha.hexdigest()}
+
+    def abort(self) -> None:
+        self.f.close()
+        self.tmp.unlink(missing_ok=True)
+
+
 def read_manifest(data_dir: Path) -> dict:
     path = Path(data_dir) / MANIFEST
     if not path.is_file():
         raise FileNotFoundError(f"{path} not found: {data_dir} is not a dataset directory "
                                 f"(build one with `python -m trainer.data` or `goodput stage`)")
     manifest = json.loads(path.read_text())
-    if manifest.get("format") != FORMAT:
-        raise ValueError(f"{path}: unsupported dataset format {manifest.get('format')!r}, expected {FORMAT}")
+    if manifest.get("format") not in READABLE_FORMATS:
+        raise ValueError(f"{path}: unsupported dataset format {manifest.get('format')!r}, expected one of "
+                         f"{', '.join(READABLE_FORMATS)}")
+    dtype = manifest.setdefault("token_dtype", "uint8")
+    if dtype not in TOKEN_DTYPES:
+        raise ValueError(f"{path}: unsupported token_dtype {dtype!r}, expected one of {', '.join(TOKEN_DTYPES)}")
+    manifest.setdefault("vocab_size", BYTE_VOCAB)
     return manifest
+
+
+def check_vocab(data_dir: Path, model_vocab_size: int) -> dict:
+    """Refuse a model whose vocabulary cannot represent every token id of the dataset; return the manifest.
+
+    Call it before any rank starts: an id past the embedding table is an index error deep in the first
+    forward pass on every rank (or, on a GPU, a device-side assert).
+    """
+    manifest = read_manifest(data_dir)
+    need = int(manifest["vocab_size"])
+    if model_vocab_size < need:
+        tok = manifest.get("tokenizer") or {"kind": "bytes"}
+        raise ValueError(f"{Path(data_dir) / MANIFEST}: the dataset's tokenizer ({tok.get('spec') or tok['kind']}) "
+                         f"has a vocabulary of {need} tokens but the model's vocab_size is {model_vocab_size}; "
+                         f"build the model with vocab_size >= {need}, or stage the data with a tokenizer whose "
+                         f"vocabulary fits the model")
+    return manifest
+
+
+def bytes_per_token(manifest: dict, split: str = "val") -> float:
+    """Text bytes one token stands for in ``split`` (1.0 for the byte vocabulary): bits per byte =
+    loss in nats per token / ln 2 / bytes_per_token."""
+    s = manifest["splits"].get(split) or {}
+    if s.get("tokens") and s.get("bytes"):
+        return s["bytes"] / s["tokens"]
+    return float(manifest.get("bytes_per_token") or 1.0)
 
 
 def default_dataset_dir(fsx_root: Path) -> Path:
@@ -180,11 +262,44 @@ def ensure_default_dataset(fsx_root: Path) -> Path:
     return out
 
 
+class JoinedShards:
+    """Memory-mapped shards read as one sequence of tokens, by slices (a window may span two shards).
+
+    Nothing is copied but the slices asked for: the pages stay the file system's cache, shared by every rank
+    on a node, however large the split (``np.concatenate`` would read all of it into each rank's memory).
+    """
+
+    def __init__(self, arrays: list[np.ndarray]):
+        self.arrays, self.dtype = arrays, arrays[0].dtype
+        self.starts = np.cumsum([0] + [len(a) for a in arrays])
+
+    def __len__(self) -> int:
+        return int(self.starts[-1])
+
+    def __getitem__(self, key: slice) -> np.ndarray:
+        if not isinstance(key, slice):
+            raise TypeError(f"shards are read by slices (a window), not by {type(key).__name__}")
+        start, stop, step = key.indices(len(self))
+        if step != 1:
+            raise ValueError("shards are read by contiguous slices")
+        parts = []
+        i = int(np.searchsorted(self.starts, start, side="right")) - 1
+        while start < stop:
+            lo = start - int(self.starts[i])
+            hi = min(len(self.arrays[i]), stop - int(self.starts[i]))
+            parts.append(self.arrays[i][lo:hi])
+            start += hi - lo
+            i += 1
+        if not parts:
+            return np.empty(0, self.dtype)
+        return parts[0] if len(parts) == 1 else np.concatenate(parts)
+
+
 @dataclass
 class Split:
-    """One split as a single read-only token array over its memory-mapped shards."""
+    """One split as a single read-only token sequence over its memory-mapped shards (sliced, never copied whole)."""
 
-    tokens: np.ndarray
+    tokens: np.ndarray | JoinedShards
 
     @classmethod
     def open(cls, data_dir: Path, split: str) -> "Split":
@@ -192,9 +307,14 @@ class Split:
         shards = manifest["splits"][split]["shards"]
         if not shards:
             raise ValueError(f"{data_dir}: split {split!r} has no tokens")
-        arrays = [np.memmap(Path(data_dir) / s["path"], dtype=np.uint8, mode="r") for s in shards]
-        # One shard needs no copy; several are joined once (datasets here fit in memory per rank).
-        return cls(arrays[0] if len(arrays) == 1 else np.concatenate(arrays))
+        dtype = np.dtype(TOKEN_DTYPES[manifest["token_dtype"]])
+        for s in shards:
+            size = (Path(data_dir) / s["path"]).stat().st_size
+            if size != s["tokens"] * dtype.itemsize:
+                raise ValueError(f"{data_dir}: shard {s['path']} has {size} bytes, the manifest says {s['tokens']} "
+                                 f"{dtype.name} tokens ({s['tokens'] * dtype.itemsize} bytes); stage it again")
+        arrays = [np.memmap(Path(data_dir) / s["path"], dtype=dtype, mode="r") for s in shards]
+        return cls(arrays[0] if len(arrays) == 1 else JoinedShards(arrays))
 
     def __len__(self) -> int:
         return len(self.tokens)

@@ -25,6 +25,9 @@ class _RichProgress:
             self.progress.update(self.files, total=files)
             self.progress.update(self.bytes, total=nbytes, visible=bool(nbytes))
 
+    def tokenizing(self, files: int) -> None:
+        self.files = self.progress.add_task("tokenize", total=files)   # later file counts are files tokenized
+
     def advance(self, files: int = 0, nbytes: int = 0) -> None:
         if files:
             self.progress.update(self.files, advance=files)
@@ -46,24 +49,43 @@ class _RichProgress:
 @click.option("--max-attempts", default=10, show_default=True, help="Attempts per request, the first included.")
 @click.option("--val-percent", default=5, show_default=True, help="Share of files in the validation split.")
 @click.option("--no-verify-etag", is_flag=True, help="Skip the MD5/ETag check (needed for SSE-KMS buckets).")
+@click.option("--tokenizer", default="bytes", show_default=True,
+              help="bytes (one token per byte), a tokenizer.json or Hugging Face model directory (or s3:// one), "
+                   "or bpe:VOCAB to train a byte-level BPE on the staged text.")
+@click.option("--format", "data_format", type=click.Choice(["auto", "text", "jsonl", "parquet"]), default="auto",
+              show_default=True, help="File format; auto goes by name: .jsonl[.gz|.zst], .parquet, else text.")
+@click.option("--text-field", default="text", show_default=True, help="JSONL field holding a document.")
+@click.option("--text-column", default="text", show_default=True, help="Parquet column holding a document.")
+@click.option("--include", default="", help="Comma-separated globs of paths to stage, e.g. 'data/*.parquet'.")
+@click.option("--exclude", default="", help="Comma-separated globs of paths to leave out.")
+@click.option("--bad-records", "bad_record_policy", type=click.Choice(["skip", "fail"]), default="skip",
+              show_default=True, help="skip: leave bad records out and report them; fail: stop at the first.")
+@click.option("--on-refused", "refused_key_policy", type=click.Choice(["fail", "skip"]), default="fail",
+              show_default=True, help="Keys that would land outside the destination: fail before anything is "
+                                      "written, or skip them (reported).")
+@click.option("--workers", type=int, default=None, help="Tokenizer processes (default: one per core).")
 @click.option("--fsx-dra", is_flag=True,
               help="The dataset's raw/ is linked to the bucket (FSx data repository association): preload it "
                    "with `lfs hsm_restore` instead of copying.")
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (for scripts).")
 def stage(source: str, fsx_root: Path, name: str, version: str, endpoint_url: str | None, concurrency: int,
-          retry_mode: str, max_attempts: int, val_percent: int, no_verify_etag: bool, fsx_dra: bool,
+          retry_mode: str, max_attempts: int, val_percent: int, no_verify_etag: bool, tokenizer: str,
+          data_format: str, text_field: str, text_column: str, include: str, exclude: str,
+          bad_record_policy: str, refused_key_policy: str, workers: int | None, fsx_dra: bool,
           quiet: bool, as_json: bool) -> None:
     """Stage SOURCE (s3://BUCKET/PREFIX or a directory) into FSX_ROOT/datasets/NAME/VERSION/.
 
     Objects are fetched in parallel, verified (size, and MD5 where the ETag is one) and renamed into
     place; a rerun skips unchanged objects and resumes an interrupted stage. Keys that would land
-    outside the destination are refused and reported (exit status 1). Then the token shards and
-    manifest.json are built there.
+    outside the destination are refused (--on-refused). Then the documents are read (text, JSONL,
+    Parquet), tokenized on every core, and the token shards and manifest.json are written there.
+    Bad records are counted per file and reported (--bad-records). See docs/datasets.md.
 
     \b
-    Example:
+    Examples:
       goodput stage s3://my-bucket/corpus/ --fsx-root /fsx --name corpus --version 1
+      goodput stage s3://hf/ds/ --include 'data/*.parquet' --tokenizer bpe:8192 --name ds --version 1
     """
     from rich.console import Console
     from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
@@ -78,7 +100,11 @@ def stage(source: str, fsx_root: Path, name: str, version: str, endpoint_url: st
         with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
             result = stage_dataset(source, fsx_root, name, version, endpoint_url, max_concurrency=concurrency,
                                    retry_mode=retry_mode, max_attempts=max_attempts, val_percent=val_percent,
-                                   verify_etag=not no_verify_etag, fsx_dra=fsx_dra, progress=_RichProgress(bar))
+                                   verify_etag=not no_verify_etag, fsx_dra=fsx_dra, tokenizer=tokenizer,
+                                   data_format=data_format, text_field=text_field, text_column=text_column,
+                                   include=include, exclude=exclude, bad_record_policy=bad_record_policy,
+                                   refused_key_policy=refused_key_policy, workers=workers,
+                                   progress=_RichProgress(bar))
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     except StageError as e:
@@ -91,14 +117,19 @@ def stage(source: str, fsx_root: Path, name: str, version: str, endpoint_url: st
         click.echo(json.dumps(result.to_dict()))
     click.echo(f"{result.dataset_dir}: {result.objects} objects ({result.transferred} transferred, "
                f"{result.transferred_bytes:,} bytes in {result.transfer_s:.1f}s; {result.skipped_unchanged} "
-               f"unchanged; {result.removed} removed; {result.restored} restored), {result.files} files in the "
-               f"dataset, train {result.train_tokens:,} / val {result.val_tokens:,} tokens"
+               f"unchanged; {result.removed} removed; {result.excluded} excluded; {result.restored} restored), "
+               f"{result.files} files in the dataset, train {result.train_tokens:,} / val {result.val_tokens:,} "
+               f"{result.token_dtype} tokens (vocabulary {result.vocab_size:,})"
                + ("" if result.rebuilt else " (unchanged, manifest kept)"), err=as_json)
     if result.refused:
         _report_refused(result.refused)
-        click.echo(f"error: {len(result.refused)} keys were refused and not staged; the dataset was built "
+        click.echo(f"warning: {len(result.refused)} keys were refused and not staged; the dataset was built "
                    f"without them", err=True)
-        sys.exit(1)
+    bad = result.bad_records or {}
+    if bad.get("total"):
+        kinds = ", ".join(f"{n} {k}" for k, n in bad["by_kind"].items())
+        click.echo(f"warning: {bad['total']} bad records in {bad['files']} files were left out ({kinds}); "
+                   f"see bad_records in manifest.json", err=True)
 
 
 def _report_refused(refused: list[dict]) -> None:
