@@ -286,7 +286,7 @@ def test_runs_list_and_get(api, package):
     assert json.loads(res.output)["run_id"] == rid
 
     res = goodput(api, "runs", "list", "--experiment", "no-such")
-    assert res.exit_code == 1 and "no experiment called 'no-such'" in res.output
+    assert res.exit_code == 2 and "no experiment called 'no-such'" in res.output
 
 
 # --- rejected before any request -------------------------------------------------------------------------
@@ -312,6 +312,25 @@ def test_bad_arguments_are_rejected_before_any_request(api, package, args, messa
     res = goodput(api, *args, *(["--package", str(package)] if "--pipeline" not in args else []))
     assert res.exit_code == 2, res.output
     assert message in " ".join(res.output.split()), res.output
+    assert api.requests == []
+
+
+@pytest.fixture(scope="module")
+def goodput_package(tmp_path_factory):
+    return compile_pipeline(tmp_path_factory.mktemp("goodput") / "goodput.yaml")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "-p", "max_steps=-5"], "--max-steps must be at least 1, got -5"),
+    (["run", "--inject-fault", "boom@3"], "bad fault 'boom@3'"),
+    (["run", "-p", "parallel=tp"], "the trainer rejects argument --parallel: invalid choice: 'tp'"),
+    (["run", "-p", "nodes=0"], "nodes"),
+    (["schedule", "--name", "w", "--every", "1d", "-p", "n_embd=100", "-p", "n_head=3"], "divisible"),
+])
+def test_settings_the_check_settings_step_rejects_fail_here_in_one_line(api, goodput_package, args, message):
+    res = goodput(api, *args, "-p", "dataset_source=s3://b/p/", "--package", str(goodput_package))
+    assert res.exit_code == 2 and message in res.output, res.output
+    assert res.output.strip().startswith("Error: ") and len(res.output.strip().splitlines()) == 1, res.output
     assert api.requests == []
 
 
