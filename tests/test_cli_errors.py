@@ -82,8 +82,8 @@ def test_compile_into_an_unwritable_place_names_the_option(cli, tmp_path):
     blocker.write_text("")
     res = cli("compile", "-o", str(blocker / "sub" / "p.yaml"))
     assert res.exit_code == 2
-    line = one_error_line(res.output)
-    assert line == f"Error: -o {blocker}/sub/p.yaml: {blocker}: is a file, not a directory; give a path you can write to"
+    assert one_error_line(res.output) == (f"Error: -o {blocker}/sub/p.yaml: {blocker}: is a file, not a directory; "
+                                          "give a path you can write to")
     assert blocker.read_text() == ""
 
 
