@@ -216,7 +216,7 @@ def timeline_svg(events: list[dict], t0: float, width: int = 960, height: int = 
                   f'{e.get("step")}: training blocked {fmt_s(block)}{wait}</title></rect>')
             if x1 - x0 > 60:                       # a stall this long gets a label, not only a tooltip
                 p.add(f'<text x="{(x0 + x1) / 2:.1f}" y="{bottom - 40}" text-anchor="middle" class="stall">'
-                      f'{what} {e.get("step")}: {fmt_s(block)}</text>')
+                      f'{what} of step {e.get("step")} blocked {fmt_s(block)}</text>')
     for line in lines:
         start = 0
         for i in range(1, len(line) + 1):
@@ -383,12 +383,11 @@ _SUMMARY_ROWS = (  # key, label, how to show it
     ("ckpt_block_s_p50", "training blocked per checkpoint (median)", fmt_s),
     ("ckpt_block_s_max", "training blocked per checkpoint (max)", fmt_s),
     ("ckpt_block_s_total", "training blocked by saves in all", fmt_s),
-    ("restarts", "restarts", fmt_num), ("restarts_inprocess", "… in-process", fmt_num),
-    ("restarts_injob", "… in-job", fmt_num), ("restarts_job", "… job", fmt_num),
+    ("restarts", "restarts", fmt_num),
     ("lost_steps", "steps redone", fmt_num),
     ("params_sha256", "final weights (sha256)", lambda v: f'<code title="{_E(str(v))}">{_E(str(v)[:16])}…</code>'),
 )
-_SHOWN_ELSEWHERE = {"faults", "goodput_breakdown"}
+_SHOWN_ELSEWHERE = {"faults", "goodput_breakdown", "restarts_inprocess", "restarts_injob", "restarts_job"}
 
 
 def summary_table(summary: dict) -> str:
@@ -402,6 +401,9 @@ def summary_table(summary: dict) -> str:
                 value = show(summary[key])
             except (TypeError, ValueError):
                 value = _E(fmt_num(summary[key]))
+            if key == "restarts":
+                by = [f"{summary[f'restarts_{k}']} {SHORT[k]}" for k in LAYERS if f"restarts_{k}" in summary]
+                value += f" ({', '.join(by)})" if by else ""
             rows.append(f"<tr><th>{_E(label)}</th><td>{value if key == 'params_sha256' else _E(value)}</td></tr>")
     for key, value in summary.items():
         if key in known or key in _SHOWN_ELSEWHERE:
@@ -475,11 +477,12 @@ border-bottom:10px solid var(--c);border-top:0}
 table{border-collapse:collapse;width:100%;font-size:13px}th,td{padding:6px 10px;text-align:right;
 border-bottom:1px solid var(--line);font-variant-numeric:tabular-nums}thead th{color:var(--muted);font-weight:600}
 .left{text-align:left}tr.best td{background:#f0f8f3;font-weight:600}
-table.kv th{text-align:left;font-weight:500;color:var(--muted);width:45%}table.kv td{text-align:left}
+table.kv{display:grid;grid-template-columns:1fr 1fr;column-gap:28px}table.kv tbody{display:contents}
+table.kv tr{display:flex;border-bottom:1px solid var(--line)}table.kv th,table.kv td{border:0;text-align:left}
+table.kv th{font-weight:500;color:var(--muted);flex:0 0 50%}
 .good{color:#1e6b3f}.bad{color:#9b2a22}.muted,.note{color:var(--muted)}.note{font-size:13px;margin:4px 0}
-.cols{display:grid;grid-template-columns:1fr 1fr;gap:14px}.cols section{margin:0}
 code{font-family:ui-monospace,SFMono-Regular,Menlo,monospace}
-@media (max-width:820px){.cards{grid-template-columns:repeat(2,1fr)}.cols{grid-template-columns:1fr}}
+@media (max-width:820px){.cards{grid-template-columns:repeat(2,1fr)}table.kv{grid-template-columns:1fr}}
 """
 
 
@@ -520,6 +523,7 @@ run <code>{_E(str(evaluation.get("run_dir") or run_dir))}</code>
 {timeline_svg(events, t0) if t0 is not None else '<p class="note">No events.jsonl in the run directory: '
                                                   'nothing to plot.</p>'}
 {timeline_legend() if t0 is not None else ""}</section>
+<section><h2>Faults and recovery</h2>{faults_table(summary, events)}</section>
 <section><h2>Where the wall time went <small>goodput = productive steps / wall time</small></h2>
 {breakdown_bar(summary)}</section>
 <section><h2>Checkpoints</h2>{checkpoints_table(evaluation, events, t0)}
@@ -527,8 +531,7 @@ run <code>{_E(str(evaluation.get("run_dir") or run_dir))}</code>
 <section><h2>Loss <small>training loss per step; validation loss of each evaluated checkpoint</small></h2>
 {loss_svg(train_curve(events), [(c["step"], c["val_loss"]) for c in evaluation.get("checkpoints") or []],
           best.get("step"))}</section>
-<div class="cols"><section><h2>Faults and recovery</h2>{faults_table(summary, events)}</section>
-<section><h2>Summary</h2>{summary_table(summary)}</section></div>"""
+<section><h2>Summary <small>summary.json</small></h2>{summary_table(summary)}</section>"""
     return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width,initial-scale=1">'
             f'<title>Run {_E(name)}: {"promoted" if promoted else "not promoted"}</title><style>{_CSS}</style>'
