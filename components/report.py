@@ -513,7 +513,7 @@ def render_report(evaluation: dict, run_dir: Path) -> str:
     data = evaluation.get("data_dir")
     body = f"""
 <header><h1>Run {_E(name)}</h1><span class="badge {"yes" if promoted else "no"}">
-{"promoted" if promoted else "not promoted"}</span></header>
+{"PROMOTED" if promoted else "not promoted"}</span></header>
 <p class="where">{f"started {_utc(t0)} · " if t0 is not None else ""}
 run <code>{_E(str(evaluation.get("run_dir") or run_dir))}</code>
 {f' · validation data <code>{_E(str(data))}</code>' if data else ""}</p>
