@@ -173,7 +173,7 @@ def test_the_summary_reads_as_text_not_json(case):
     for shown in (f"{summary['tokens']:,}", f"{summary['final_val_loss']:.4f} nats/byte", fmt_s(summary["wall_s"]),
                   f"{summary['goodput']:.1%}", "in-job restart (ft_launcher)", summary["params_sha256"][:16]):
         assert shown in text, shown
-    assert "promoted" in text and evaluation["gate"]["reason"] in text
+    assert ("PROMOTED" if evaluation["promoted"] else "not promoted") in text and evaluation["gate"]["reason"] in text
 
 
 def test_the_page_is_self_contained(case):
