@@ -23,11 +23,14 @@ ROOT = Path(__file__).resolve().parent.parent
 @click.option("--kind", required=True)
 def boom(kind: str) -> None:
     """A command that raises what it is told to, as a command in a file of another engineer might."""
+    from botocore.exceptions import NoCredentialsError
+
     from components.evaluate import EvaluationError
 
     raise {"value": ValueError("invalid PyTorchJob settings:\n  --cpu -4 must be positive\n  --nodes 0 too"),
            "project": EvaluationError("no committed checkpoint under run/checkpoints"),
            "refused": ConnectionRefusedError(111, "Connection refused"),
+           "aws": NoCredentialsError(),
            "bug": KeyError("oops")}[kind]
 
 
@@ -64,6 +67,7 @@ def test_debug_shows_the_traceback_and_keeps_the_exit_status(cli):
 @pytest.mark.parametrize("kind, code, text", [
     ("project", 1, "Error: no committed checkpoint under run/checkpoints"),     # a failure the project reports
     ("refused", 1, "Error: Connection refused"),                                # the world did not answer
+    ("aws", 1, "Error: Unable to locate credentials"),                          # a service said no
 ])
 def test_reported_failures_are_one_line_exit_1(cli, kind, code, text):
     res = cli("boom", "--kind", kind)

@@ -4,10 +4,10 @@ Commands are imported only when invoked, so ``goodput train`` never pays for imp
 ``goodput compile`` never imports torch.
 
 Errors are reported here, once for every command: an error the user can fix (a bad value, a path that
-cannot be written) is one line saying what to fix and exit status 2; a failure of the operation that
-the project reports on purpose (its own exception types) is one line and exit status 1; anything else
-is a bug and keeps its traceback. ``goodput --debug`` (or ``GOODPUT_DEBUG=1``) shows the traceback of
-every error.
+cannot be written) is one line saying what to fix and exit status 2; a failure that the project reports
+on purpose (its own exception types), or that a service reports (AWS, KFP, Kubernetes), or a connection
+that fails, is one line and exit status 1; anything else is a bug and keeps its traceback.
+``goodput --debug`` (or ``GOODPUT_DEBUG=1``) shows the traceback of every error.
 """
 
 from __future__ import annotations
@@ -35,6 +35,7 @@ COMMANDS = {
 }
 
 _PACKAGES = ("trainer", "components", "pipelines")
+_SERVICES = ("botocore", "boto3", "s3transfer", "kfp_server_api", "kubernetes", "urllib3")
 _ARGV = "goodput.argv"          # ctx.meta key: the arguments after `goodput`, to name the option a path came from
 # Errors of a path the user chose: the fix is another path (or its permissions).
 _PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EISDIR, errno.EEXIST, errno.ENOENT,
@@ -57,8 +58,11 @@ def exit_code_for(e: BaseException) -> int | None:
         return 1                                 # nothing wrong with the command; the world did not answer
     if isinstance(e, OSError):
         return 2 if e.errno in _PATH_ERRNOS or e.errno is None else 1
-    if type(e).__module__.split(".")[0] in _PACKAGES:
+    package = type(e).__module__.split(".")[0]
+    if package in _PACKAGES:
         return 1                                 # StageError, EvaluationError, JobFailed, ...: raised on purpose
+    if package in _SERVICES:
+        return 1                                 # AWS, KFP or Kubernetes said no (credentials, access, not found)
     return None
 
 
