@@ -214,9 +214,10 @@ def timeline_svg(events: list[dict], t0: float, width: int = 960, height: int = 
             p.add(f'<rect x="{x0:.1f}" y="{p.t}" width="{max(1.5, x1 - x0):.1f}" height="{bottom - p.t}" '
                   f'fill="{COLORS["memory" if memory else "stall"]}" opacity="0.55"><title>{what} of step '
                   f'{e.get("step")}: training blocked {fmt_s(block)}{wait}</title></rect>')
-            if x1 - x0 > 60:                       # a stall this long gets a label, not only a tooltip
+            label = f'{"final save" if e.get("sync") else "save"} {e.get("step")}: {fmt_s(block)}'
+            if x1 - x0 > 7.5 * len(label):       # a stall this long gets a label inside it, not only a tooltip
                 p.add(f'<text x="{(x0 + x1) / 2:.1f}" y="{bottom - 40}" text-anchor="middle" class="stall">'
-                      f'{what} of step {e.get("step")} blocked {fmt_s(block)}</text>')
+                      f'{_E(label)}</text>')
     for line in lines:
         start = 0
         for i in range(1, len(line) + 1):
