@@ -230,6 +230,7 @@ def test_schedule_weekly_cron(api, package):
     assert str(body["max_concurrency"]) == "2"
     assert body["no_catchup"] is True and body["mode"] == "ENABLE"
     assert body["runtime_config"]["parameters"] == {"steps": 1000}
+    assert "first run 2026-01-05 03:00:00 UTC" in res.output
     assert body["experiment_id"] == next(iter(api.experiments))
     assert body["pipeline_spec"]["pipelineInfo"]["name"] == "tiny"
     rid = next(iter(api.recurring))
@@ -306,6 +307,10 @@ def test_runs_list_and_get(api, package):
     (["schedule", "--name", "w", "--every", "7 days"], "interval '7 days'"),
     (["schedule", "--name", "w", "--every", "1d", "--start", "2026-02-01", "--end", "2026-01-01"], "is not after"),
     (["schedule", "--name", "w", "--every", "1d", "--max-concurrency", "11"], "1<=x<=10"),
+    (["schedule", "--name", "w", "--cron", "0 0 0 30 2 *"], "never fires"),
+    (["schedule", "--name", "w", "--cron", "@every 0h"], "would run every 1 s"),
+    (["schedule", "--name", "w", "--cron", "0 0 3 * * MON", "--start", "2026-01-06", "--end", "2026-01-10"],
+     "first fires at 2026-01-12 03:00:00 UTC, after --end 2026-01-10: the schedule would never run"),
     (["schedule", "--name", "w", "--every", "1d", "-p", "steps=x"], "expects integer"),
 ])
 def test_bad_arguments_are_rejected_before_any_request(api, package, args, message):
