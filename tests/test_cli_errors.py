@@ -100,6 +100,14 @@ def test_an_unwritable_fsx_root_is_one_line_and_creates_nothing(cli, tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
+def test_a_corrupt_summary_names_the_file(cli, tmp_path):
+    bad = tmp_path / "summary.json"
+    bad.write_text('{"steps": 3,')
+    res = cli("advise", "--gpus", "8", "--hours", "1", "--summary", str(bad), "--interruption-rate", "0.1",
+              "--on-demand-price", "2", "--spot-price", "1")
+    assert res.exit_code == 2 and f"{bad} is not a run's summary.json" in res.output and "Traceback" not in res.output
+
+
 def _goodput() -> list[str]:
     exe = shutil.which("goodput", path=str(Path(sys.executable).parent)) or shutil.which("goodput")
     assert exe, "the goodput console script is not installed (pip install -e .)"

@@ -47,7 +47,10 @@ def advise(hours, gpu_hours, gpus, instance_type, gpus_per_instance, ckpt_block_
     if (hours is None) == (gpu_hours is None):
         raise click.UsageError("give exactly one of --hours and --gpu-hours")
     if summary_path is not None:
-        s = json.loads(summary_path.read_text())
+        try:
+            s = json.loads(summary_path.read_text())
+        except ValueError as e:
+            raise click.BadParameter(f"{summary_path} is not a run's summary.json ({e})", param_hint="--summary")
         recovered = [f["recovered_s"] for f in s.get("faults", []) if f.get("recovered_s") is not None]
         ckpt_block_s = s.get("ckpt_block_s_p50") if ckpt_block_s is None else ckpt_block_s
         if recovery_s is None and recovered:
