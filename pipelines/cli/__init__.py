@@ -42,7 +42,7 @@ _PATH_ERRNOS = {errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOTDIR, errno.EIS
                 errno.ENOSPC, errno.EDQUOT, errno.ENAMETOOLONG, errno.ELOOP}
 
 
-class ExpectedError(click.ClickException):
+class OneLineError(click.ClickException):
     """An error reported as one line (``Error: ...``) with its own exit status."""
 
     def __init__(self, message: str, exit_code: int):
@@ -66,15 +66,15 @@ def exit_code_for(e: BaseException) -> int | None:
     return None
 
 
-def _option_for(path: Path, argv: list[str]) -> str:
-    """``--fsx-root DIR`` when the failing path is (under, or a parent of) the value of an option given."""
+def _option_for(path: Path, argv: list[str]) -> tuple[str, str] | None:
+    """(option, value) given on the command line whose path is the failing path, under it, or above it."""
     pairs = [tuple(a.split("=", 1)) for a in argv if a.startswith("--") and "=" in a]
     pairs += [(a, b) for a, b in zip(argv, argv[1:]) if a.startswith("-") and not b.startswith("-")]
     for opt, value in pairs:
         given = Path(value).absolute()
         if path == given or given in path.parents or path in given.parents:
-            return f"{opt} {value}"
-    return ""
+            return opt, value
+    return None
 
 
 def _os_message(e: OSError, argv: list[str]) -> str:
@@ -89,9 +89,13 @@ def _os_message(e: OSError, argv: list[str]) -> str:
             shown, reason = str(blocker), "is a file, not a directory"
     elif e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
         reason = f"cannot be written ({e.strerror})"
-    given = _option_for(Path(shown).absolute(), argv)
     fix = "" if e.errno == errno.ENOENT else "; give a path you can write to"
-    return (f"{given}: " if given else "") + f"{shown}: {reason}{fix}"
+    given = _option_for(Path(shown).absolute(), argv)
+    if given is None:
+        return f"{shown}: {reason}{fix}"
+    opt, value = given
+    where = "" if Path(value).absolute() == Path(shown).absolute() else f" {shown}"
+    return f"{opt} {value}:{where} {reason}{fix}"
 
 
 def one_line(e: BaseException, argv: list[str] = ()) -> str:
@@ -132,9 +136,9 @@ class LazyGroup(click.Group):
             if code is None or ctx.params.get("debug"):
                 click.echo("".join(traceback.format_exception(e)).rstrip(), err=True)
             if code is None:
-                raise ExpectedError(f"unexpected {type(e).__name__}: {one_line(e)}. This is a bug in goodput: "
-                                    "please report it with the traceback above", 1) from e
-            raise ExpectedError(one_line(e, ctx.meta.get(_ARGV, [])), code) from e
+                raise OneLineError(f"unexpected {type(e).__name__}: {one_line(e)}. This is a bug in goodput: "
+                                   "please report it with the traceback above", 1) from e
+            raise OneLineError(one_line(e, ctx.meta.get(_ARGV, [])), code) from e
 
 
 @click.group(cls=LazyGroup, context_settings={"help_option_names": ["-h", "--help"]})
