@@ -150,3 +150,69 @@ def resolve_arguments(spec: dict, pairs: tuple[str, ...] | list[str] = (), param
         ParamError: malformed pair, unknown name, missing required parameter, or a value of the wrong type.
     """
     return check_arguments(spec, merge_values(pairs, params_file))
+
+
+SETTINGS_COMPONENT = "comp-train-config-op"
+"""The pipeline's check-settings step; ``check_settings`` runs its function here, before a run is sent."""
+
+
+def _settings_inputs(spec: dict, values: dict) -> dict | None:
+    """The check-settings task's inputs as the compiled pipeline binds them, for these run values.
+
+    Follows each input through the DAGs it is passed down (``componentInputParameter``) to the
+    pipeline's parameters; constants are taken as compiled. None when the pipeline has no such task.
+    """
+    components = spec.get("components", {})
+
+    def walk(dag: dict, env: dict) -> dict | None:
+        for task in dag.get("tasks", {}).values():
+            inputs = {}
+            for name, binding in task.get("inputs", {}).get("parameters", {}).items():
+                if "componentInputParameter" in binding and binding["componentInputParameter"] in env:
+                    inputs[name] = env[binding["componentInputParameter"]]
+                elif "constant" in binding.get("runtimeValue", {}):
+                    inputs[name] = binding["runtimeValue"]["constant"]
+            ref = task.get("componentRef", {}).get("name", "")
+            if ref == SETTINGS_COMPONENT:
+                return inputs
+            found = walk(components.get(ref, {}).get("dag", {}), inputs)
+            if found is not None:
+                return found
+        return None
+
+    defaults = {name: d["defaultValue"] for name, d in pipeline_parameters(spec).items() if "defaultValue" in d}
+    return walk(spec.get("root", {}).get("dag", {}), {**defaults, **values})
+
+
+def check_settings(spec: dict, arguments: dict) -> None:
+    """Check a run's settings as the pipeline's check-settings step will, before anything is sent.
+
+    ``arguments`` are checked values (``check_arguments``); the rest take the pipeline's defaults. A
+    pipeline without that step (or a parameter without a value yet, such as a required one left to
+    the server) is not checked here.
+
+    Raises:
+        ParamError: a setting the trainer or the job builder would reject, e.g. ``-p max_steps=-5``.
+    """
+    import contextlib
+    import inspect
+    import io
+
+    from components.train_config import build_train_config
+
+    inputs = _settings_inputs(spec, arguments)
+    if inputs is None:
+        return
+    try:
+        inspect.signature(build_train_config).bind(**inputs)
+    except TypeError:
+        return      # an uploaded version of the step with other inputs: the server's step checks it
+    if "{{$" in str(inputs.get("run_id", "")):
+        inputs["run_id"] = "check-settings"      # the server fills in the run's id
+    stderr = io.StringIO()
+    try:
+        with contextlib.redirect_stderr(stderr):     # the trainer's argparse prints its usage before the step raises
+            build_train_config(**inputs)
+    except ValueError as e:
+        why = [line.split(": error: ", 1)[1] for line in stderr.getvalue().splitlines() if ": error: " in line]
+        raise ParamError(f"the trainer rejects {why[-1]}" if why else str(e)) from None

@@ -230,6 +230,7 @@ def test_schedule_weekly_cron(api, package):
     assert str(body["max_concurrency"]) == "2"
     assert body["no_catchup"] is True and body["mode"] == "ENABLE"
     assert body["runtime_config"]["parameters"] == {"steps": 1000}
+    assert "first run 2026-01-05 03:00:00 UTC" in res.output
     assert body["experiment_id"] == next(iter(api.experiments))
     assert body["pipeline_spec"]["pipelineInfo"]["name"] == "tiny"
     rid = next(iter(api.recurring))
@@ -286,7 +287,7 @@ def test_runs_list_and_get(api, package):
     assert json.loads(res.output)["run_id"] == rid
 
     res = goodput(api, "runs", "list", "--experiment", "no-such")
-    assert res.exit_code == 1 and "no experiment called 'no-such'" in res.output
+    assert res.exit_code == 2 and "no experiment called 'no-such'" in res.output
 
 
 # --- rejected before any request -------------------------------------------------------------------------
@@ -306,12 +307,35 @@ def test_runs_list_and_get(api, package):
     (["schedule", "--name", "w", "--every", "7 days"], "interval '7 days'"),
     (["schedule", "--name", "w", "--every", "1d", "--start", "2026-02-01", "--end", "2026-01-01"], "is not after"),
     (["schedule", "--name", "w", "--every", "1d", "--max-concurrency", "11"], "1<=x<=10"),
+    (["schedule", "--name", "w", "--cron", "0 0 0 30 2 *"], "never fires"),
+    (["schedule", "--name", "w", "--cron", "@every 0h"], "would run every 1 s"),
+    (["schedule", "--name", "w", "--cron", "0 0 3 * * MON", "--start", "2026-01-06", "--end", "2026-01-10"],
+     "first fires at 2026-01-12 03:00:00 UTC, after --end 2026-01-10: the schedule would never run"),
     (["schedule", "--name", "w", "--every", "1d", "-p", "steps=x"], "expects integer"),
 ])
 def test_bad_arguments_are_rejected_before_any_request(api, package, args, message):
     res = goodput(api, *args, *(["--package", str(package)] if "--pipeline" not in args else []))
     assert res.exit_code == 2, res.output
     assert message in " ".join(res.output.split()), res.output
+    assert api.requests == []
+
+
+@pytest.fixture(scope="module")
+def goodput_package(tmp_path_factory):
+    return compile_pipeline(tmp_path_factory.mktemp("goodput") / "goodput.yaml")
+
+
+@pytest.mark.parametrize("args, message", [
+    (["run", "-p", "max_steps=-5"], "--max-steps must be at least 1, got -5"),
+    (["run", "--inject-fault", "boom@3"], "bad fault 'boom@3'"),
+    (["run", "-p", "parallel=tp"], "the trainer rejects argument --parallel: invalid choice: 'tp'"),
+    (["run", "-p", "nodes=0"], "nodes"),
+    (["schedule", "--name", "w", "--every", "1d", "-p", "n_embd=100", "-p", "n_head=3"], "divisible"),
+])
+def test_settings_the_check_settings_step_rejects_fail_here_in_one_line(api, goodput_package, args, message):
+    res = goodput(api, *args, "-p", "dataset_source=s3://b/p/", "--package", str(goodput_package))
+    assert res.exit_code == 2 and message in res.output, res.output
+    assert res.output.strip().startswith("Error: ") and len(res.output.strip().splitlines()) == 1, res.output
     assert api.requests == []
 
 

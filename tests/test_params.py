@@ -2,7 +2,7 @@
 
 import pytest
 
-from pipelines.params import ParamError, parse_pairs, resolve_arguments
+from pipelines.params import ParamError, check_settings, load_pipeline_spec, parse_pairs, resolve_arguments
 
 SPEC = {"root": {"inputDefinitions": {"parameters": {
     "name": {"parameterType": "STRING", "defaultValue": "x", "isOptional": True},
@@ -59,3 +59,26 @@ def test_typed_file_values_are_checked_too(tmp_path):
     f.write_text("source: s\nsteps: true\n")
     with pytest.raises(ParamError, match="'steps' expects integer, got True"):
         resolve_arguments(SPEC, [], f)
+
+
+@pytest.fixture(scope="module")
+def goodput_spec(tmp_path_factory):
+    from pipelines.compile import compile_pipeline
+
+    return load_pipeline_spec(compile_pipeline(tmp_path_factory.mktemp("spec") / "goodput.yaml"))
+
+
+def test_check_settings_runs_the_check_settings_step_as_the_pipeline_binds_it(goodput_spec):
+    check_settings(goodput_spec, {"dataset_source": "s3://b/p/"})             # the defaults pass
+    with pytest.raises(ParamError, match="--max-steps must be at least 1, got -5"):
+        check_settings(goodput_spec, resolve_arguments(goodput_spec, ["max_steps=-5", "dataset_source=s3://b/"]))
+    # trainer_image reaches the step's `image` input through the exit handler's DAG: the binding is read
+    # from the compiled pipeline, not repeated here.
+    with pytest.raises(ParamError, match="an image is required"):
+        check_settings(goodput_spec, {"trainer_image": "", "dataset_source": "s3://b/"})
+    with pytest.raises(ParamError, match="divisible"):
+        check_settings(goodput_spec, {"n_embd": 100, "n_head": 3})
+
+
+def test_check_settings_leaves_a_pipeline_without_that_step_alone():
+    check_settings(SPEC, {"steps": -5})

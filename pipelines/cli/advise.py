@@ -47,7 +47,10 @@ def advise(hours, gpu_hours, gpus, instance_type, gpus_per_instance, ckpt_block_
     if (hours is None) == (gpu_hours is None):
         raise click.UsageError("give exactly one of --hours and --gpu-hours")
     if summary_path is not None:
-        s = json.loads(summary_path.read_text())
+        try:
+            s = json.loads(summary_path.read_text())
+        except ValueError as e:
+            raise click.BadParameter(f"{summary_path} is not a run's summary.json ({e})", param_hint="--summary")
         recovered = [f["recovered_s"] for f in s.get("faults", []) if f.get("recovered_s") is not None]
         ckpt_block_s = s.get("ckpt_block_s_p50") if ckpt_block_s is None else ckpt_block_s
         if recovery_s is None and recovered:
@@ -56,12 +59,9 @@ def advise(hours, gpu_hours, gpus, instance_type, gpus_per_instance, ckpt_block_
         raise click.UsageError("--ckpt-block-s and --recovery-s are required (or a --summary with faults)")
     per_instance = gpus_per_instance or GPUS_PER_INSTANCE.get(instance_type, 8)
     work_hours = hours if hours is not None else gpu_hours / max(gpus, 1)
-    try:
-        a = advise_fn(work_hours=work_hours, gpus=gpus, gpus_per_instance=per_instance, ckpt_block_s=ckpt_block_s,
-                      recovery_s=recovery_s, interruption_rate=interruption_rate, failure_rate=failure_rate,
-                      on_demand_price=on_demand_price, spot_price=spot_price)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
+    a = advise_fn(work_hours=work_hours, gpus=gpus, gpus_per_instance=per_instance, ckpt_block_s=ckpt_block_s,
+                  recovery_s=recovery_s, interruption_rate=interruption_rate, failure_rate=failure_rate,
+                  on_demand_price=on_demand_price, spot_price=spot_price)
     if as_json:
         # inf is not JSON: a job that is not expected to finish has null hours and cost.
         click.echo(json.dumps(_finite(a.to_dict()), indent=1))

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import sys
 from pathlib import Path
 
 import click
@@ -44,17 +43,12 @@ def evaluate(run_dir: Path, data_dir: Path | None, out_dir: Path | None, last_n:
     from rich.console import Console
     from rich.table import Table
 
-    from components.evaluate import EvaluationError, evaluate_run
+    from components.evaluate import evaluate_run
 
-    try:
-        result = evaluate_run(run_dir, data_dir, out_dir, last_n=last_n or None, threshold=threshold,
-                              tolerance=tolerance, registry=registry, endpoint_url=endpoint_url,
-                              model_name=model_name, max_windows=max_windows)
-    except (ValueError, FileNotFoundError) as e:
-        raise click.UsageError(str(e)) from None
-    except EvaluationError as e:
-        click.echo(f"error: {e}", err=True)
-        sys.exit(1)
+    # A bad argument (exit 2) and an EvaluationError (exit 1) are reported by the `goodput` group, as one line.
+    result = evaluate_run(run_dir, data_dir, out_dir, last_n=last_n or None, threshold=threshold,
+                          tolerance=tolerance, registry=registry, endpoint_url=endpoint_url,
+                          model_name=model_name, max_windows=max_windows)
     table = Table(title=f"evaluation of {run_dir}")
     for col in ("step", "val loss", "bits/byte", ""):
         table.add_column(col, justify="right")

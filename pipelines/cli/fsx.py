@@ -59,8 +59,6 @@ def link(ctx, file_system_id, fsx_path, s3_uri, auto_import, auto_export, batch_
                    f"({assoc['Lifecycle']})")
         if wait:
             wait_for_link(assoc["AssociationId"], client=client, timeout_s=timeout_s, poll_s=poll_s, log=click.echo)
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
     except LinkError as e:
         raise click.ClickException(str(e)) from None
 

@@ -27,10 +27,7 @@ class KfpContext:
     @property
     def client(self):
         if self._client is None:
-            try:
-                self._client = build_client(self.endpoint)
-            except ValueError as e:
-                raise click.UsageError(str(e)) from None
+            self._client = build_client(self.endpoint)
         return self._client
 
 
@@ -64,7 +61,8 @@ def connection_options(f):
 
 
 def api_errors(f):
-    """Turn API and connection errors into one-line click errors (exit code 1)."""
+    """Turn API and connection errors into one-line click errors (exit code 1); a ValueError (no such
+    pipeline, a bad argument) goes on to the ``goodput`` group, which reports it with exit code 2."""
     @functools.wraps(f)
     def wrapper(*args, **kwargs):
         from kfp_server_api.exceptions import ApiException
@@ -76,7 +74,7 @@ def api_errors(f):
             raise click.ClickException(f"KFP API: HTTP {e.status} {e.reason}: {_message(e.body)}") from None
         except HTTPError as e:
             raise click.ClickException(f"cannot reach the KFP API: {e}") from None
-        except (ValueError, TimeoutError) as e:
+        except TimeoutError as e:
             raise click.ClickException(str(e)) from None
     return wrapper
 
@@ -129,31 +127,33 @@ def run_target(kfp: KfpContext, package: Path | None, pipeline_name: str, versio
     """Yield (what to run as submit_run/create_schedule keyword arguments, checked arguments).
 
     Malformed ``-p`` and unreadable params files fail before any request; with a package (the default:
-    this checkout's pipeline) unknown names and wrong types do too. An uploaded pipeline's parameters
-    are only known after asking for its version, so they are checked right after that request.
+    this checkout's pipeline) unknown names, wrong types and settings the check-settings step would
+    reject (``-p max_steps=-5``) do too. An uploaded pipeline's parameters are only known after asking
+    for its version, so they are checked right after that request. A ParamError (a ValueError) is
+    reported by the ``goodput`` group as one line, exit status 2.
     """
-    from pipelines.params import ParamError, load_params_file, load_pipeline_spec, parse_pairs, resolve_arguments
+    from pipelines.params import check_settings, load_params_file, load_pipeline_spec, parse_pairs, resolve_arguments
 
-    try:
-        parse_pairs(params)
-        if params_file:
-            load_params_file(params_file)
-        if pipeline_name and package:
-            raise click.UsageError("give --package or --pipeline, not both")
-        if version_name and not pipeline_name:
-            raise click.UsageError("--version needs --pipeline")
-        if pipeline_name:
-            from pipelines.kfp_client import resolve_version
+    parse_pairs(params)
+    if params_file:
+        load_params_file(params_file)
+    if pipeline_name and package:
+        raise click.UsageError("give --package or --pipeline, not both")
+    if version_name and not pipeline_name:
+        raise click.UsageError("--version needs --pipeline")
+    if pipeline_name:
+        from pipelines.kfp_client import resolve_version
 
-            pipeline_id, version = api_errors(resolve_version)(kfp.client, pipeline_name, version_name,
-                                                               kfp.endpoint.namespace)
-            spec = version.pipeline_spec or {}
-            spec = spec.get("pipeline_spec", spec)      # {pipeline_spec, platform_spec} when there is a platform spec
-            yield ({"pipeline_id": pipeline_id, "version_id": version.pipeline_version_id},
-                   resolve_arguments(spec, params, params_file))
-            return
-        with pipeline_package(package) as pkg:
-            arguments = resolve_arguments(load_pipeline_spec(pkg), params, params_file)
-            yield {"package": pkg}, arguments
-    except ParamError as e:
-        raise click.UsageError(str(e)) from None
+        pipeline_id, version = api_errors(resolve_version)(kfp.client, pipeline_name, version_name,
+                                                           kfp.endpoint.namespace)
+        spec = version.pipeline_spec or {}
+        spec = spec.get("pipeline_spec", spec)      # {pipeline_spec, platform_spec} when there is a platform spec
+        arguments = resolve_arguments(spec, params, params_file)
+        check_settings(spec, arguments)
+        yield {"pipeline_id": pipeline_id, "version_id": version.pipeline_version_id}, arguments
+        return
+    with pipeline_package(package) as pkg:
+        spec = load_pipeline_spec(pkg)
+        arguments = resolve_arguments(spec, params, params_file)
+        check_settings(spec, arguments)
+        yield {"package": pkg}, arguments

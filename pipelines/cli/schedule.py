@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from datetime import datetime, timezone
+
 import click
 
 from pipelines.cli.kfp_options import api_errors, connection_options, params_options, run_target, target_options
@@ -52,26 +54,31 @@ def schedule() -> None:
 def create(kfp, name, cron, every, start, end, max_concurrency, catchup, experiment, service_account, description,
            package, pipeline_name, version_name, params, params_file) -> None:
     """Create an enabled recurring run of the pipeline (a package, or an uploaded pipeline's version)."""
-    from pipelines.cron import ScheduleError, parse_interval, parse_time, validate_cron
+    from pipelines.cron import ScheduleError, next_fire, parse_interval, parse_time, validate_cron
     from pipelines.kfp_client import create_schedule, recurring_run_url
 
-    try:
-        if bool(cron) == bool(every):
-            raise ScheduleError("give exactly one of --cron and --every")
-        cron_expr = validate_cron(cron) if cron else None
-        interval_s = parse_interval(every) if every else None
-        start_t = parse_time(start) if start else None
-        end_t = parse_time(end) if end else None
-        if start_t and end_t and end_t <= start_t:
-            raise ScheduleError(f"--end {end} is not after --start {start}")
-    except ScheduleError as e:
-        raise click.BadParameter(str(e), param_hint="schedule") from None
+    # A ScheduleError is a ValueError: the `goodput` group reports it as one line, exit status 2.
+    if bool(cron) == bool(every):
+        raise ScheduleError("give exactly one of --cron and --every")
+    start_t = parse_time(start) if start else None
+    end_t = parse_time(end) if end else None
+    if start_t and end_t and end_t <= start_t:
+        raise ScheduleError(f"--end {end} is not after --start {start}")
+    cron_expr = validate_cron(cron, start_t) if cron else None
+    interval_s = parse_interval(every) if every else None
+    first = None
+    if cron_expr and not cron_expr.startswith("@"):
+        first = next_fire(cron_expr, start_t or datetime.now(timezone.utc))
+        if end_t and first and first > end_t:
+            raise ScheduleError(f"--cron {cron_expr!r} first fires at {first:%Y-%m-%d %H:%M:%S} UTC, after "
+                                f"--end {end}: the schedule would never run")
     with run_target(kfp, package, pipeline_name, version_name, params, params_file) as (what, arguments):
         rr = create_schedule(kfp.client, name=name, experiment=experiment, arguments=arguments,
                              namespace=kfp.endpoint.namespace, cron=cron_expr, interval_s=interval_s, start=start_t,
                              end=end_t, max_concurrency=max_concurrency, catchup=catchup,
                              service_account=service_account, description=description, **what)
     when = f"cron {cron_expr!r}" if cron_expr else f"every {interval_s} s"
+    when += f" (first run {first:%Y-%m-%d %H:%M:%S} UTC)" if first else ""
     click.echo(f"scheduled {name!r} ({rr.recurring_run_id}): {when}, max concurrency {max_concurrency}, "
                f"{'catch up' if catchup else 'no catch-up'}")
     click.echo(recurring_run_url(kfp.endpoint, rr.recurring_run_id))
