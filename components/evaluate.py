@@ -24,15 +24,13 @@ Model registry (a directory or ``s3://bucket/prefix``)::
     <registry>/<model_name>/production.json           the current production version (written last)
 
 ``version`` is ``<run name>-step<N>``. Outputs in ``out_dir`` (default ``<run>/evaluation``):
-``evaluation.json`` and ``report.html`` (loss against step as an inline SVG, the run's summary with its
-goodput and faults). This module imports torch only inside functions; the KFP component is
-``components.evaluate_op.evaluate_op``.
+``evaluation.json`` and ``report.html`` (the run's story: ``components.report``). This module imports
+torch only inside functions; the KFP component is ``components.evaluate_op.evaluate_op``.
 """
 
 from __future__ import annotations
 
 import hashlib
-import html
 import json
 import logging
 import math
@@ -44,6 +42,8 @@ import warnings
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
+
+from components.report import render_report
 
 log = logging.getLogger(__name__)
 
@@ -261,122 +261,6 @@ def _production_loss(registry: Registry, model_name: str, windows_for, tmp: Path
             "source_run": meta.get("source_run"), "step": meta.get("step")}, f"production is {version}"
 
 
-# ------------------------------------------------------------------------------------------ report
-def svg_loss_plot(train: list[tuple[int, float]], val: list[tuple[int, float]], best_step: int | None,
-                  width: int = 640, height: int = 320) -> str:
-    """Loss against step as a self-contained SVG: the training loss line and the checkpoints' validation
-    losses as points (the best one ringed)."""
-    points = train + val
-    if not points:
-        return "<p>no losses to plot</p>"
-    pad_l, pad_r, pad_t, pad_b = 56, 16, 16, 40
-    x0, x1 = min(s for s, _ in points), max(s for s, _ in points)
-    y0, y1 = min(v for _, v in points), max(v for _, v in points)
-    x1, y1 = (x1 if x1 > x0 else x0 + 1), (y1 if y1 > y0 else y0 + 1e-3)
-
-    def px(step: float, loss: float) -> tuple[float, float]:
-        return (pad_l + (step - x0) / (x1 - x0) * (width - pad_l - pad_r),
-                pad_t + (y1 - loss) / (y1 - y0) * (height - pad_t - pad_b))
-
-    parts = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
-             f'font-family="sans-serif" font-size="11">',
-             f'<rect width="{width}" height="{height}" fill="white"/>',
-             f'<line x1="{pad_l}" y1="{height - pad_b}" x2="{width - pad_r}" y2="{height - pad_b}" stroke="#333"/>',
-             f'<line x1="{pad_l}" y1="{pad_t}" x2="{pad_l}" y2="{height - pad_b}" stroke="#333"/>']
-    for i in range(5):
-        v = y0 + (y1 - y0) * i / 4
-        _, y = px(x0, v)
-        parts.append(f'<text x="{pad_l - 6}" y="{y + 4:.1f}" text-anchor="end">{v:.3f}</text>')
-        s = x0 + (x1 - x0) * i / 4
-        x, _ = px(s, y0)
-        parts.append(f'<text x="{x:.1f}" y="{height - pad_b + 16}" text-anchor="middle">{s:.0f}</text>')
-    parts.append(f'<text x="{(width + pad_l) / 2:.0f}" y="{height - 6}" text-anchor="middle">step</text>')
-    parts.append(f'<text x="12" y="{pad_t + 10}">loss (nats/byte)</text>')
-    if train:
-        path = " ".join(f"{x:.1f},{y:.1f}" for x, y in (px(s, v) for s, v in train))
-        parts.append(f'<polyline points="{path}" fill="none" stroke="#4c78a8" stroke-width="1.5">'
-                     f'<title>training loss</title></polyline>')
-    for s, v in val:
-        x, y = px(s, v)
-        parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="4" fill="#e45756"><title>step {s}: validation loss '
-                     f'{v:.4f}</title></circle>')
-        if s == best_step:
-            parts.append(f'<circle cx="{x:.1f}" cy="{y:.1f}" r="8" fill="none" stroke="#e45756" stroke-width="2"/>')
-    parts.append(f'<text x="{width - pad_r}" y="{pad_t + 10}" text-anchor="end" fill="#4c78a8">training loss</text>')
-    parts.append(f'<text x="{width - pad_r}" y="{pad_t + 24}" text-anchor="end" fill="#e45756">'
-                 f'validation loss (checkpoints)</text>')
-    parts.append("</svg>")
-    return "\n".join(parts)
-
-
-def render_report(result: EvaluationResult, train_curve: list[tuple[int, float]]) -> str:
-    """A self-contained HTML page (the KFP UI renders HTML artifacts as they are)."""
-    e = html.escape
-    best_step = result.best["step"] if result.best else None
-    plot = svg_loss_plot(train_curve, [(c["step"], c["val_loss"]) for c in result.checkpoints], best_step)
-    rows = "".join(
-        f"<tr{' class=best' if c['step'] == best_step else ''}><td>{c['step']}</td><td>{c['val_loss']:.4f}</td>"
-        f"<td>{c['bpb']:.4f}</td><td>{c['windows']}</td></tr>" for c in result.checkpoints)
-    skipped = "".join(f"<li>step {s['step']}: {e(s['reason'])}</li>" for s in result.skipped) or "<li>none</li>"
-    gate = result.gate
-    prod = gate.get("production")
-    decision = "PROMOTED" if result.promoted else "not promoted"
-    summary = result.summary or {}
-    keep = ("goodput", "faults", "restarts", "steps", "tokens", "final_train_loss", "final_val_loss",
-            "checkpoints_committed", "ckpt_block_s_p50", "ckpt_block_s_max", "wall_s", "params_sha256")
-    srows = "".join(f"<tr><td>{e(k)}</td><td><code>{e(json.dumps(summary[k]) if isinstance(summary[k], (dict, list)) else str(summary[k]))}</code></td></tr>"  # noqa: E501
-                    for k in keep if k in summary)
-    srows += "".join(f"<tr><td>{e(k)}</td><td><code>{e(json.dumps(v))}</code></td></tr>"
-                     for k, v in summary.items() if k not in keep)
-    for k in ("goodput", "faults"):
-        if k not in summary:
-            srows += f"<tr><td>{k}</td><td>not recorded in summary.json</td></tr>"
-    registered = result.registered
-    return f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>evaluation of {e(Path(result.run_dir).name)}</title>
-<style>body{{font-family:sans-serif;margin:1.5em;max-width:60em}} table{{border-collapse:collapse}}
-td,th{{border:1px solid #ccc;padding:3px 8px;text-align:right}} tr.best{{background:#fde2e1;font-weight:bold}}
-td:first-child{{text-align:left}}</style></head><body>
-<h1>Evaluation: {e(Path(result.run_dir).name)} &mdash; {decision}</h1>
-<p>run <code>{e(result.run_dir)}</code>, validation data <code>{e(result.data_dir)}</code></p>
-{plot}
-<h2>Checkpoints</h2>
-<table><tr><th>step</th><th>val loss (nats/byte)</th><th>bits per byte</th><th>windows</th></tr>{rows}</table>
-<p>skipped:</p><ul>{skipped}</ul>
-<h2>Promotion gate</h2>
-<p>best: {f"step {best_step}, loss {result.best['val_loss']:.4f}" if result.best else "none"};
-threshold {gate.get('threshold', float('nan')):.4f}; tolerance {gate.get('tolerance', 0.0):.4f};
-production: {e(f"{prod['version']} (loss {prod['val_loss']:.4f} on these windows)") if prod else "none"}.<br>
-<b>{decision}</b>: {e(gate.get('reason', ''))}
-{f"<br>registered <code>{e(registered['model_uri'])}</code>" if registered else ""}</p>
-<h2>Training run (summary.json)</h2>
-<p>{e(_headline(summary))}</p>
-<table>{srows or "<tr><td>summary.json not found</td></tr>"}</table>
-</body></html>
-"""
-
-
-def _headline(summary: dict) -> str:
-    if not summary:
-        return "summary.json not found: the run has not finished"
-    goodput = summary.get("goodput")
-    faults = summary.get("faults")
-    parts = [f"goodput {goodput:.1%}" if isinstance(goodput, (int, float)) else "goodput not recorded",
-             f"{len(faults)} fault(s)" if isinstance(faults, list) else "faults not recorded",
-             f"{summary.get('restarts', 0)} restart(s)", f"{summary.get('steps')} steps in {summary.get('wall_s')} s"]
-    return ", ".join(parts)
-
-
-def _train_curve(run_dir: Path, max_points: int = 2000) -> list[tuple[int, float]]:
-    from trainer.events import read_events
-
-    curve = {e["step"]: e["loss"] for e in read_events(run_dir / "events.jsonl")
-             if e.get("event") == "step" and isinstance(e.get("loss"), (int, float)) and math.isfinite(e["loss"])}
-    points = sorted(curve.items())
-    stride = max(1, len(points) // max_points)
-    return points[::stride]
-
-
 def _write_atomic(path: Path, text: str) -> None:
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text(text)
@@ -582,5 +466,5 @@ def _finish(result: EvaluationResult, run_dir: Path, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     result.evaluation_path = str(out_dir / "evaluation.json")
     result.report_path = str(out_dir / "report.html")
-    _write_atomic(out_dir / "report.html", render_report(result, _train_curve(run_dir)))
+    _write_atomic(out_dir / "report.html", render_report(result.to_dict(), run_dir))
     _write_atomic(out_dir / "evaluation.json", json.dumps(result.to_dict(), indent=1))

@@ -25,6 +25,7 @@ COMMANDS = {
     "render-job": "pipelines.cli.render_job:render_job",
     "stage": "pipelines.cli.stage:stage",
     "evaluate": "pipelines.cli.evaluate:evaluate",
+    "export": "pipelines.cli.export:export",
     "compile": "pipelines.cli.compile:compile_cmd",
     "upload": "pipelines.cli.upload:upload",
     "run": "pipelines.cli.run:run",
