@@ -338,17 +338,23 @@ def _filesystem_async():
 
 def set_section_timeout(client, section: str, timeout: float) -> None:
     """Set one section's timeout on a ``RankMonitorClient`` through its state round trip (the path a
-    restored checkpoint takes); the state's layout is NVRx's, checked here."""
-    state = client.state_dict()
-    key = _attr(client, "CURRENT_TIMEOUTS_STATE_KEY")
+    restored checkpoint takes)."""
+    client.load_state_dict(with_section_timeout(client.state_dict(), section, timeout))
+
+
+def with_section_timeout(state: dict, section: str, timeout: float) -> dict:
+    """``RankMonitorClient.state_dict()`` with one calculated section timeout replaced; the layout is
+    NVRx's, checked here."""
+    from nvidia_resiliency_ext.fault_tolerance.rank_monitor_client import RankMonitorClient
+
+    key = _attr(RankMonitorClient, "CURRENT_TIMEOUTS_STATE_KEY")
     try:
-        timeouts = state[key]["section"]["section"]
+        state[key]["section"]["section"][section] = timeout
     except (KeyError, TypeError):
-        raise NVRxCompatError(f"RankMonitorClient.state_dict() under {_versions()} has no "
-                              f"[{key!r}]['section']['section'] (calculated section timeouts), the layout "
-                              f"checked on {', '.join(CHECKED)}; trainer/compat.py needs updating") from None
-    timeouts[section] = timeout
-    client.load_state_dict(state)
+        raise NVRxCompatError(f"the rank monitor's state under {_versions()} has no [{key!r}]['section']"
+                              f"['section'] (calculated section timeouts), the layout checked on NVRx "
+                              f"{', '.join(CHECKED)}; trainer/compat.py must be updated") from None
+    return state
 
 
 # ----------------------------------------------------------------------------------- private torch APIs

@@ -137,6 +137,9 @@ facts = {
     "public_write_results_queue": has(A + "filesystem_async", "get_write_results_queue"),
     "async_calls_queue_params": list(inspect.signature(core.AsyncCallsQueue.__init__).parameters)[1:],
     "persistent_worker_handles_sigterm": "signal.signal(signal.SIGTERM" in inspect.getsource(core),
+    # From 0.6 the agent derives its remaining restarts from the rendezvous round, shared by every node.
+    "max_restarts_count_job_cycles": "max_restarts - self._get_global_cycle_number()" in inspect.getsource(
+        sys.modules["nvidia_resiliency_ext.fault_tolerance.launcher"]),
 }
 sys.path.append(sys.argv[-1])          # the project: its list of internals, resolved against this release
 from trainer import compat
