@@ -219,6 +219,9 @@ def test_the_release_facts_agree_with_that_releases_sources(version):
     assert {chained[c] for c in rel.inprocess_device_checks} == set(facts["inprocess_health_checks"]) & set(
         chained.values())
     assert rel.public_results_queue == facts["public_write_results_queue"]
+    assert rel.wrapper_adds_device_checks == facts["wrapper_adds_device_checks"]
+    assert rel.preload_builds_buckets == facts["preload_builds_buckets"]
+    assert rel.end_all_sections_works == (not facts["end_all_sections_is_noop"])
     assert rel.async_queue_qos == facts["persistent_worker_handles_sigterm"] == (
         "cpu_priority" in facts["async_calls_queue_params"])
     assert set(compat.async_calls_queue_kwargs(rel, 19)) <= set(facts["async_calls_queue_params"])
@@ -242,10 +245,13 @@ def test_the_target_release_is_the_override_then_the_image_pin_then_the_installe
     monkeypatch.setenv(compat.VERSION_ENV, "0.6.0")
     assert str(compat.target_release().version) == "0.6.0"
     assert str(compat.target_release("0.7.0").version) == "0.7.0"
+    assert compat.installed_release() == release("0.4.1")     # code that calls NVRx ignores the pin
     monkeypatch.delenv(compat.VERSION_ENV)
     monkeypatch.setattr(compat, "installed_version", lambda: None)
     with pytest.raises(compat.NVRxCompatError, match=compat.VERSION_ENV):
         compat.target_release()
+    with pytest.raises(compat.NVRxCompatError, match="not installed"):
+        compat.installed_release()
 
 
 def test_nccl_releases_that_segfault_on_abort_keep_in_process_restart_off():
@@ -288,9 +294,14 @@ def test_what_todays_command_means_differently_on_later_releases():
             ("--max-restarts counts the job's restarts, not each node's", rel.restarts_counted == "job"),
             ("the writer's own SIGTERM handler ends the final save", rel.async_queue_qos),
             ("--restart-layers both: in-process restart is deprecated", compat.default_restart_layers(rel) != "both"),
+            ("the Wrapper's own GPU check fails every in-process restart on CPU", rel.wrapper_adds_device_checks),
+            ("FTManager.reset's end_all_sections() closes nothing", not rel.end_all_sections_works),
+            ("AsyncRequest without preload_fn: every save fails", rel.preload_builds_buckets),
+            ("AsyncCallsQueue without cpu_shm_mode: the CPU worker dies", rel.async_queue_qos),
         ) if differs}
-    assert changed["0.4.1"] == changed["0.5.0"] == set()
-    assert changed["0.6.0"] == changed["0.7.0"] and len(changed["0.7.0"]) == 4
+    assert changed["0.4.1"] == set()
+    assert len(changed["0.5.0"]) == 2 and changed["0.5.0"] < changed["0.6.0"] == changed["0.7.0"]
+    assert len(changed["0.7.0"]) == 8
 
 
 # ------------------------------------------------------------------------- private APIs on the installed 0.4.1
@@ -371,6 +382,32 @@ def test_torch_private_helpers(process_group):
     assert torch.equal(staging["w"], state["w"]) and staging["w"].is_shared()
 
 
+def test_the_wrappers_health_check_is_ours_alone_where_it_adds_its_own():
+    """From 0.5 the Wrapper appends GPU/NVLink/NIC checks when LOCAL_RANK is set; on CPU its GPU check fails
+    every in-process restart. 0.4.1 has no such addition: the constructor's check is all, nothing to replace."""
+    from nvidia_resiliency_ext import inprocess
+
+    checks = compat.build_inprocess_health_checks(release("0.4.1"), cuda=False, max_rank_faults=3)
+    wrapper = inprocess.Wrapper(health_check=inprocess.Compose(*checks))
+    compat.install_restart_health_checks(wrapper, checks, release("0.4.1"))
+    assert not hasattr(wrapper, "restart_health_check")
+    with pytest.raises(compat.NVRxCompatError, match="restart_health_check is missing.*0.4.1"):
+        compat.install_restart_health_checks(wrapper, checks, release("0.5.0"))
+
+
+def test_a_save_request_carries_the_write_buckets_as_the_release_expects(process_group, tmp_path):
+    import torch
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+
+    writer = FileSystemWriterAsync(str(tmp_path), thread_count=1)
+    writer, _, _ = save_state_dict_async_plan({"w": torch.arange(4.0)}, writer)
+    old = compat.save_request(writer, ["finalize"], release("0.4.1"))
+    assert old.preload_fn is None and old.async_fn_args[1] and old.finalize_fns == ["finalize"]
+    # What 0.6+ gets: the preload function, which builds there the buckets its arguments leave out.
+    assert compat.save_request(writer, [], release("0.7.0")).preload_fn is not None
+
+
 def dist_default_group_in(groups) -> bool:
     import torch.distributed as dist
 
@@ -387,7 +424,8 @@ def test_the_rest_of_the_release_dependent_calls_on_0_4_1():
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
 
     assert AsyncCallsQueue(**compat.async_calls_queue_kwargs(rel, 19)).persistent
-    assert compat.async_calls_queue_kwargs(release("0.7.0"), 19) == {"persistent": True, "cpu_priority": 19}
+    newer = compat.async_calls_queue_kwargs(release("0.7.0"), 19)
+    assert newer == {"persistent": True, "cpu_priority": 19, "cpu_shm_mode": True}
     previous = signal.getsignal(signal.SIGTERM)
     try:
         compat.writer_ignores_sigterm()

@@ -57,9 +57,12 @@ class Release:
     nic_link_state_check: bool         # --ft-enable-nic-healthcheck (before each rendezvous; on by default)
     progress_tracking: bool            # --ft-checkpoint-iteration-file: ends restarts that make no progress
     inprocess_device_checks: tuple[str, ...]   # the Wrapper's device health checks ("cuda", "gpu", ...)
+    wrapper_adds_device_checks: bool   # the Wrapper appends GPU, NVLink, NIC checks whenever LOCAL_RANK is set
     straggler_module: str
     public_results_queue: bool         # filesystem_async.get_write_results_queue(mp_mode) exists
     async_queue_qos: bool              # AsyncCallsQueue(cpu_priority=...) and a worker SIGTERM handler
+    preload_builds_buckets: bool       # the writer's preload function builds the write buckets (in the worker)
+    end_all_sections_works: bool       # RankMonitorClient.end_all_sections() closes anything (a no-op from 0.5)
     no_restart_exit_code: int | None   # the launcher's exit code when NVRx decides not to restart
 
 
@@ -84,10 +87,13 @@ def release(version: str | Version) -> Release:
         nic_link_state_check=at_least(6),
         progress_tracking=at_least(6),
         inprocess_device_checks=("cuda", "gpu", "nvlink", "nic") if at_least(5) else ("cuda",),
+        wrapper_adds_device_checks=at_least(5),
         straggler_module=("nvidia_resiliency_ext.attribution.straggler" if at_least(5)
                           else "nvidia_resiliency_ext.straggler"),
         public_results_queue=at_least(6),
         async_queue_qos=at_least(6),
+        preload_builds_buckets=at_least(6),
+        end_all_sections_works=not at_least(5),
         no_restart_exit_code=93 if at_least(7) else None,
     )
 
@@ -97,6 +103,14 @@ def installed_version() -> Version | None:
         return Version(importlib.metadata.version(DIST))
     except importlib.metadata.PackageNotFoundError:
         return None
+
+
+def installed_release() -> Release:
+    """The release this process imports: what code that calls NVRx must be written for."""
+    v = installed_version()
+    if v is None:
+        raise NVRxCompatError(f"{DIST} is not installed (pip install '{DIST}>={_OLDEST}')")
+    return release(v)
 
 
 def target_release(version: str | Version | None = None) -> Release:
@@ -151,14 +165,35 @@ def inprocess_health_checks(rel: Release, *, cuda: bool, nic: bool = False) -> t
     return tuple(c for c in rel.inprocess_device_checks if c != "nic" or nic)
 
 
-def build_inprocess_health_checks(rel: Release, *, cuda: bool, max_rank_faults: int, nic: bool = False) -> list:
-    """The NVRx objects for ``inprocess_health_checks``, device checks first, the fault counter last."""
+def build_inprocess_health_checks(rel: Release, *, cuda: bool, max_rank_faults: int, local_rank: int = 0,
+                                  nic: bool = False) -> list:
+    """The NVRx objects for ``inprocess_health_checks`` (of this rank's GPU), device checks first, the fault
+    counter last (a Compose runs them right to left)."""
     from nvidia_resiliency_ext.inprocess import health_check as hc
 
-    classes = {"cuda": "CudaHealthCheck", "gpu": "ChainedGPUHealthCheck", "nvlink": "ChainedNVLHealthCheck",
-               "nic": "ChainedNicHealthCheck"}
-    checks = [_attr(hc, classes[name])() for name in inprocess_health_checks(rel, cuda=cuda, nic=nic)]
+    def device_check(name: str):
+        if name == "cuda":
+            return hc.CudaHealthCheck()
+        cls = {"gpu": "ChainedGPUHealthCheck", "nvlink": "ChainedNVLHealthCheck", "nic": "ChainedNicHealthCheck"}
+        return _attr(hc, cls[name])(device_index=local_rank)
+
+    checks = [device_check(name) for name in inprocess_health_checks(rel, cuda=cuda, nic=nic)]
     return [*checks, hc.FaultCounter(max_rank_faults=max_rank_faults)]
+
+
+def install_restart_health_checks(wrapper, checks: list, rel: Release) -> None:
+    """Make ``checks`` the whole health check a ``Wrapper`` runs after a fault.
+
+    From 0.5 the Wrapper appends GPU, NVLink and NIC checks of its own whenever LOCAL_RANK is set: without
+    NVML (CPU) its GPU check fails every restart, so in-process restart never succeeds there, and its NIC
+    check needs a PCI map of GPUs to NICs. Up to 0.4.1 the constructor's ``health_check`` is already all.
+    """
+    if not rel.wrapper_adds_device_checks:
+        return
+    from nvidia_resiliency_ext.inprocess import Compose
+
+    _attr(wrapper, "restart_health_check")      # what the Wrapper composed in its constructor
+    wrapper.restart_health_check = Compose(*checks) if checks else None
 
 
 def import_straggler(rel: Release):
@@ -282,12 +317,30 @@ def _health_check_args(rel: Release, extras: LauncherExtras) -> list[str]:
 # ------------------------------------------------------------------------------ async checkpoint queue
 
 def async_calls_queue_kwargs(rel: Release, writer_nice: int) -> dict[str, Any]:
-    """Arguments of ``AsyncCallsQueue``: the persistent worker, at the writer's niceness where the release
-    sets one itself (0.6+, 10 by default: below our 19 it only logs that it may not lower it)."""
+    """Arguments of ``AsyncCallsQueue``: the persistent worker; from 0.6 at the writer's niceness (NVRx sets
+    10 itself, and only logs that it may not lower our 19) and with ``cpu_shm_mode``: the trainer hands the
+    worker its own CPU shared-memory staging copy, never CUDA tensors, so the worker needs no CUDA context.
+    Without the flag it creates one on a GPU node (memory and seconds after every restart) and dies on a CPU
+    one (``rank % torch.cuda.device_count()``)."""
     kwargs: dict[str, Any] = {"persistent": True}
     if rel.async_queue_qos:
-        kwargs["cpu_priority"] = writer_nice
+        kwargs.update(cpu_priority=writer_nice, cpu_shm_mode=True)
     return kwargs
+
+
+def save_request(writer, finalize_fns: list, rel: Release):
+    """The ``AsyncRequest`` that writes what ``writer`` (a planned ``FileSystemWriterAsync``) holds.
+
+    Up to 0.5 the planned write buckets travel in the save arguments, and the preload function would only
+    copy them to the host again, with a CUDA sync (the trainer's staging copy is host memory already). From
+    0.6 the arguments carry None in their place: the preload function builds the buckets in the worker, and
+    a request without it makes the worker fail on every save.
+    """
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+
+    save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+    return AsyncRequest(save_fn, save_args, finalize_fns,
+                        preload_fn=preload_fn if rel.preload_builds_buckets else None)
 
 
 def writer_ignores_sigterm() -> None:

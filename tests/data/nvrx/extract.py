@@ -137,6 +137,14 @@ facts = {
     "public_write_results_queue": has(A + "filesystem_async", "get_write_results_queue"),
     "async_calls_queue_params": list(inspect.signature(core.AsyncCallsQueue.__init__).parameters)[1:],
     "persistent_worker_handles_sigterm": "signal.signal(signal.SIGTERM" in inspect.getsource(core),
+    # From 0.6 the save arguments carry None where the write buckets were; the preload function builds them.
+    "preload_builds_buckets": "get_rank(), None, self.results_queue" in inspect.getsource(
+        importlib.import_module(A + "filesystem_async").FileSystemWriterAsync.get_save_function_and_args),
+    # From 0.5 sections without a configured timeout (None: "all") are filtered out before they are sent.
+    "end_all_sections_is_noop": hasattr(importlib.import_module(
+        "nvidia_resiliency_ext.fault_tolerance.rank_monitor_client").RankMonitorClient, "_should_monitor_section"),
+    "wrapper_adds_device_checks": hasattr(importlib.import_module("nvidia_resiliency_ext.inprocess").Wrapper,
+                                          "_construct_restart_health_check"),
     # From 0.6 the agent derives its remaining restarts from the rendezvous round, shared by every node.
     "max_restarts_count_job_cycles": "max_restarts - self._get_global_cycle_number()" in inspect.getsource(
         sys.modules["nvidia_resiliency_ext.fault_tolerance.launcher"]),
