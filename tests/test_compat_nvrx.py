@@ -204,6 +204,8 @@ def test_the_release_facts_agree_with_that_releases_sources(version):
     assert rel.rendezvous == ((rdzv["default"], *[c for c in rdzv["choices"] if c != rdzv["default"]])
                               if rdzv else ("legacy",))
     assert rel.workers_stop_timeout_default_s == args["workers_stop_timeout"]["default"]
+    infra = args.get("ft_use_infra_group_rank")
+    assert rel.needs_infra_rank_off == bool(infra and "Default: True" in infra["help"])
     assert rel.hot_spares == ("ft_segment" in args)
     assert rel.node_health_check_endpoint == ("ft_node_health_check_endpoint" in args)
     assert rel.storage_checks == ({"ft_storage_healthcheck_path", "ft_enable_dist_storage_healthcheck"} <= set(args))
@@ -221,6 +223,7 @@ def test_the_release_facts_agree_with_that_releases_sources(version):
     assert rel.public_results_queue == facts["public_write_results_queue"]
     assert rel.wrapper_adds_device_checks == facts["wrapper_adds_device_checks"]
     assert rel.preload_builds_buckets == facts["preload_builds_buckets"]
+    assert rel.plan_copies_cpu_tensors == facts["plan_copies_cpu_tensors"]
     assert rel.end_all_sections_works == (not facts["end_all_sections_is_noop"])
     assert rel.async_queue_qos == facts["persistent_worker_handles_sigterm"] == (
         "cpu_priority" in facts["async_calls_queue_params"])
@@ -281,6 +284,9 @@ def test_the_flags_launch_py_emits_today_parse_on_every_release():
         assert parse(version, elastic).nnodes == "2:8"
     # The gate builds the same options on 0.4.1, so moving launch.py onto it changes nothing there.
     assert local[:local.index("-m")] == compat.launcher_args(LaunchConfig(), release("0.4.1"))
+    # 0.5.0 parses today's command but, without the flag the gate adds, rendezvous fails on every node.
+    assert parse("0.5.0", local).ft_use_infra_group_rank is None
+    assert parse("0.5.0", command(LaunchConfig(), "0.5.0")).ft_use_infra_group_rank == "false"
 
 
 def test_what_todays_command_means_differently_on_later_releases():
@@ -298,10 +304,12 @@ def test_what_todays_command_means_differently_on_later_releases():
             ("FTManager.reset's end_all_sections() closes nothing", not rel.end_all_sections_works),
             ("AsyncRequest without preload_fn: every save fails", rel.preload_builds_buckets),
             ("AsyncCallsQueue without cpu_shm_mode: the CPU worker dies", rel.async_queue_qos),
+            ("no rendezvous without SLURM_PROCID/GROUP_RANK", rel.needs_infra_rank_off),
+            ("planning before the staging copy saves the previous snapshot", rel.plan_copies_cpu_tensors),
         ) if differs}
-    assert changed["0.4.1"] == set()
-    assert len(changed["0.5.0"]) == 2 and changed["0.5.0"] < changed["0.6.0"] == changed["0.7.0"]
-    assert len(changed["0.7.0"]) == 8
+    assert changed["0.4.1"] == set() and len(changed["0.5.0"]) == 3
+    assert len(changed["0.6.0"]) == 8 and changed["0.7.0"] - changed["0.6.0"] == {
+        "planning before the staging copy saves the previous snapshot"}
 
 
 # ------------------------------------------------------------------------- private APIs on the installed 0.4.1

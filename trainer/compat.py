@@ -50,6 +50,7 @@ class Release:
     inprocess: str                     # "supported" | "deprecated" (0.6: NVIDIA points to in-job restart)
     rendezvous: tuple[str, ...]        # ft rendezvous implementations the launcher accepts, default first
     restarts_counted: str              # --max-restarts counts restarts "per-node" (each agent) or of the "job"
+    needs_infra_rank_off: bool         # 0.5: ranks come from SLURM_PROCID/GROUP_RANK unless told otherwise
     workers_stop_timeout_default_s: float
     hot_spares: bool                   # --nnodes MIN:MAX runs MIN nodes, the rest wait as standbys
     node_health_check_endpoint: bool   # --ft-node-health-check-endpoint (a node health daemon's UDS)
@@ -62,6 +63,7 @@ class Release:
     public_results_queue: bool         # filesystem_async.get_write_results_queue(mp_mode) exists
     async_queue_qos: bool              # AsyncCallsQueue(cpu_priority=...) and a worker SIGTERM handler
     preload_builds_buckets: bool       # the writer's preload function builds the write buckets (in the worker)
+    plan_copies_cpu_tensors: bool      # planning a write clones every CPU tensor: it saves what they held then
     end_all_sections_works: bool       # RankMonitorClient.end_all_sections() closes anything (a no-op from 0.5)
     no_restart_exit_code: int | None   # the launcher's exit code when NVRx decides not to restart
 
@@ -80,6 +82,7 @@ def release(version: str | Version) -> Release:
         rendezvous=("barrier",) if at_least(7) else ("barrier", "legacy") if at_least(6)
         else ("legacy", "barrier") if at_least(5) else ("legacy",),
         restarts_counted="job" if at_least(6) else "per-node",
+        needs_infra_rank_off=(v.major, v.minor) == (0, 5),
         workers_stop_timeout_default_s=15.0 if at_least(5) else 30.0,
         hot_spares=at_least(6),
         node_health_check_endpoint=at_least(6),
@@ -93,6 +96,7 @@ def release(version: str | Version) -> Release:
         public_results_queue=at_least(6),
         async_queue_qos=at_least(6),
         preload_builds_buckets=at_least(6),
+        plan_copies_cpu_tensors=at_least(7),
         end_all_sections_works=not at_least(5),
         no_restart_exit_code=93 if at_least(7) else None,
     )
@@ -301,6 +305,10 @@ def _health_check_args(rel: Release, extras: LauncherExtras) -> list[str]:
     if relative or "," in "".join(extras.storage_paths):
         raise ValueError(f"storage_paths must be absolute paths without commas, got {list(extras.storage_paths)}")
     args: list[str] = []
+    if rel.needs_infra_rank_off:
+        # 0.5 refuses to rendezvous (either implementation) without SLURM_PROCID or GROUP_RANK, which
+        # neither a PyTorchJob pod nor a local run sets; 0.6 assigns ranks itself when they are missing.
+        args += ["--ft-use-infra-group-rank", "false"]
     if rel.nic_link_state_check and not extras.gpu:
         args += ["--ft-enable-nic-healthcheck", "false"]   # gloo on CPU does not use the RDMA ports it checks
     if extras.node_health_check_endpoint:

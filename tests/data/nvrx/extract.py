@@ -143,6 +143,9 @@ facts = {
     # From 0.5 sections without a configured timeout (None: "all") are filtered out before they are sent.
     "end_all_sections_is_noop": hasattr(importlib.import_module(
         "nvidia_resiliency_ext.fault_tolerance.rank_monitor_client").RankMonitorClient, "_should_monitor_section"),
+    # 0.7 clones each CPU tensor when the write is planned (0.6 only non-contiguous views).
+    "plan_copies_cpu_tensors": 'if ten.device.type == "cpu" and not self.use_cpu_shm_for_gpu_tensors:' in
+    inspect.getsource(importlib.import_module(A + "filesystem_async").FileSystemWriterAsync.prepare_write_data),
     "wrapper_adds_device_checks": hasattr(importlib.import_module("nvidia_resiliency_ext.inprocess").Wrapper,
                                           "_construct_restart_health_check"),
     # From 0.6 the agent derives its remaining restarts from the rendezvous round, shared by every node.
