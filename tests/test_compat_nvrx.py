@@ -1,0 +1,442 @@
+"""The NVRx version gate (trainer/compat.py) against what each release really is.
+
+The argument tables in tests/data/nvrx/ were taken from each release's own ft_launcher parser (0.4.1 is also
+installed here, so its table is checked against the live parser); a launch command "accepted by a release"
+means its argv parses with a parser rebuilt from that release's table, as ft_launcher would parse it:
+every flag known, every value of a known type and among the choices, and the trainer's arguments handed
+through untouched.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from trainer import compat
+from trainer.compat import LauncherExtras, release
+from trainer.launch import LaunchConfig, local_launcher_command
+
+DATA = Path(__file__).parent / "data" / "nvrx"
+VERSIONS = compat.CHECKED
+# A trainer command line with a flag that shares a prefix with launcher flags (--restart-layers vs
+# --restart-policy): abbreviation matching would steal it on releases that allow abbreviations.
+TRAINER_ARGS = ["--max-steps", "50", "--restart-layers", "both", "--ckpt-every", "10", "--out", "/fsx/runs/x"]
+
+
+def table(version: str) -> dict:
+    return json.loads((DATA / f"launcher-{version}.json").read_text())
+
+
+class _Rejected(Exception):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):          # ft_launcher would exit 2 and print this
+        raise _Rejected(message)
+
+
+def release_parser(version: str) -> argparse.ArgumentParser:
+    """ft_launcher's parser of ``version``, rebuilt from its table."""
+    t = table(version)
+    p = _Parser(allow_abbrev=t["parser"]["allow_abbrev"], prefix_chars=t["parser"]["prefix_chars"], add_help=False)
+    for a in t["arguments"]:
+        kw: dict = {"dest": a["dest"]} if a["options"] else {}
+        if not a["takes_value"]:
+            kw["action"] = "store_true"
+        else:
+            kw["type"] = {"int": int, "float": float}.get(a["type"], str)
+            kw["nargs"] = argparse.REMAINDER if a["nargs"] == "..." else a["nargs"]
+            if a["choices"] is not None:
+                kw["choices"] = a["choices"]
+        p.add_argument(*a["options"], **kw) if a["options"] else p.add_argument(a["dest"], **kw)
+    return p
+
+
+def launcher_options(argv: list[str]) -> list[str]:
+    """What follows the launcher itself in a launch command (the warm-start wrapper and python come first)."""
+    for i, word in enumerate(argv):
+        if word in ("ft_launcher", "nvidia_resiliency_ext.fault_tolerance.launcher"):
+            return argv[i + 1:]
+    raise AssertionError(f"no ft_launcher in {argv}")
+
+
+def parse(version: str, options: list[str]) -> argparse.Namespace:
+    ns = release_parser(version).parse_args(options)
+    assert ns.module and ns.training_script == "trainer", ns
+    return ns
+
+
+def command(launch: LaunchConfig, version: str, extras: LauncherExtras = LauncherExtras()) -> list[str]:
+    return [*compat.launcher_args(launch, release(version), extras), "-m", "trainer", *TRAINER_ARGS]
+
+
+CLUSTER = LaunchConfig(nnodes=4, nproc_per_node=8, rdzv_endpoint="job-master-0:23456", rdzv_id="job", max_restarts=5)
+
+
+# ------------------------------------------------------------------------------------ the tables themselves
+
+def test_the_0_4_1_table_is_the_installed_launchers_parser():
+    """The extraction is faithful where it can be compared: the live parser of the installed release."""
+    from nvidia_resiliency_ext.fault_tolerance.launcher import get_args_parser
+
+    assert str(compat.installed_version()) == "0.4.1"
+    live = [(list(a.option_strings), a.dest, a.default, a.nargs != 0, a.choices)
+            for a in get_args_parser()._actions if not isinstance(a, argparse._HelpAction)]
+    recorded = [(a["options"], a["dest"], a["default"], a["takes_value"], a["choices"])
+                for a in table("0.4.1")["arguments"]]
+    assert recorded == live
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_each_table_says_where_it_came_from(version):
+    prov = table(version)["provenance"]
+    assert prov["version"] == version and prov["wheel"].startswith(f"nvidia_resiliency_ext-{version}-")
+    assert len(prov["wheel_sha256"]) == 64 and prov["file"].endswith("fault_tolerance/launcher.py")
+    if version == "0.7.0":        # published from a commit the repository has no tag (nor launcher.py) for
+        assert prov["git"]["tag"] is None and prov["git"]["commit"] is None
+    else:
+        assert prov["git"]["tag"] == f"v{version}" and prov["git"]["launcher_matches_tag"]
+
+
+def test_the_rebuilt_parsers_reject_what_those_releases_reject():
+    """The tables carry the changes the gate avoids, so a command that used them would fail here."""
+    tail = ["-m", "trainer"]
+    with pytest.raises(_Rejected, match="invalid choice"):
+        parse("0.7.0", ["--ft-rdzv-impl", "legacy", *tail])            # legacy rendezvous removed
+    with pytest.raises(_Rejected, match="invalid choice"):
+        parse("0.6.0", ["--ft-restart-policy", "min-healthy", *tail])  # min-healthy removed
+    with pytest.raises(_Rejected, match="unrecognized"):
+        parse("0.4.1", ["--ft-rdzv-impl", "barrier", *tail])           # no choice of rendezvous yet
+    with pytest.raises(_Rejected, match="unrecognized"):
+        parse("0.5.0", ["--ft-node-health-check-endpoint", "/run/nvhcd.sock", *tail])   # came in 0.6
+    with pytest.raises(_Rejected, match="unrecognized"):
+        parse("0.5.0", ["--ft-param-workload_check_interval", "1", *tail])  # --ft-param-* removed in 0.5
+    assert parse("0.4.1", ["--ft-param-workload_check_interval", "1", *tail]).ft_workload_check_interval == 1.0
+
+
+# ------------------------------------------------------------------------------- the gate, release by release
+
+@pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.parametrize("launch", [LaunchConfig(), CLUSTER], ids=["local", "cluster"])
+def test_a_command_built_for_each_release_uses_only_flags_it_accepts(version, launch):
+    ns = parse(version, command(launch, version, LauncherExtras(gpu=launch is CLUSTER)))
+    assert ns.training_script_args == TRAINER_ARGS
+    assert (ns.nnodes, ns.nproc_per_node, ns.max_restarts) == (str(launch.nnodes), str(launch.nproc_per_node),
+                                                               launch.max_restarts)
+    assert ns.standalone == (not launch.rdzv_endpoint)
+    assert float(ns.workers_stop_timeout) == launch.workers_stop_timeout_s
+    assert ns.ft_rank_section_timeouts == "setup:600,step:300,checkpoint:900"
+
+
+def test_what_only_0_6_and_later_offer_reaches_their_command():
+    extras = LauncherExtras(gpu=True, spare_nodes=2, node_health_check_endpoint="unix:///var/run/nvhcd.sock",
+                            storage_paths=("/fsx", "/fsx/runs/x"), dist_storage_check=True,
+                            progress_file="/fsx/runs/x/checkpoints/resumable_step")
+    for version in ("0.6.0", "0.7.0"):
+        ns = parse(version, command(CLUSTER, version, extras))
+        assert ns.nnodes == "4:6"                          # 4 train, 2 hot spares stand by
+        assert ns.ft_node_health_check_endpoint == "unix:///var/run/nvhcd.sock"
+        assert ns.ft_storage_healthcheck_path == "/fsx,/fsx/runs/x"
+        assert ns.ft_enable_dist_storage_healthcheck == "true"
+        assert ns.ft_checkpoint_iteration_file == "/fsx/runs/x/checkpoints/resumable_step"
+        assert ns.ft_enable_nic_healthcheck is None       # GPU: NVRx's default (on)
+        assert parse(version, command(LaunchConfig(), version)).ft_enable_nic_healthcheck == "false"   # CPU
+    for version in ("0.4.1", "0.5.0"):
+        for one in (dict(spare_nodes=2), dict(node_health_check_endpoint="/run/h.sock"),
+                    dict(storage_paths=("/fsx",)), dict(dist_storage_check=True), dict(progress_file="/f")):
+            with pytest.raises(ValueError, match=f"0.6.0.*{version}|{version}"):
+                compat.launcher_args(CLUSTER, release(version), LauncherExtras(**one))
+
+
+def test_elastic_jobs_keep_their_meaning_or_are_refused():
+    """--nnodes MIN:MAX trains on MIN..MAX nodes up to 0.5; from 0.6 it trains on MIN and parks the rest."""
+    for version in ("0.4.1", "0.5.0"):
+        assert compat.nnodes_arg(8, release(version), min_nodes=2) == "2:8"
+    for version in ("0.6.0", "0.7.0"):
+        with pytest.raises(ValueError, match="hot spares"):
+            compat.nnodes_arg(8, release(version), min_nodes=2)
+        assert compat.nnodes_arg(8, release(version), spare_nodes=1) == "8:9"
+    with pytest.raises(ValueError, match="cannot be combined"):
+        compat.nnodes_arg(8, release("0.7.0"), min_nodes=2, spare_nodes=1)
+    with pytest.raises(ValueError, match="absolute"):
+        compat.launcher_args(CLUSTER, release("0.7.0"), LauncherExtras(storage_paths=("fsx",)))
+
+
+# ------------------------------------------------------------------------------- chosen defaults per release
+
+EXPECTED = {
+    #          layers,  rendezvous,  restarts,   straggler package
+    "0.4.1": ("both", "legacy", "per-node", "nvidia_resiliency_ext.straggler"),
+    "0.5.0": ("both", "legacy", "per-node", "nvidia_resiliency_ext.attribution.straggler"),
+    "0.6.0": ("injob", "barrier", "job", "nvidia_resiliency_ext.attribution.straggler"),
+    "0.7.0": ("injob", "barrier", "job", "nvidia_resiliency_ext.attribution.straggler"),
+}
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_defaults_chosen_for_each_release(version):
+    rel = release(version)
+    layers, rendezvous, restarts, straggler = EXPECTED[version]
+    assert compat.resolve_restart_layers("auto", rel) == layers
+    assert compat.resolve_restart_layers("both", rel) == "both"        # in-process stays available
+    assert (rel.rendezvous[0], rel.restarts_counted, rel.straggler_module) == (rendezvous, restarts, straggler)
+    assert compat.inprocess_health_checks(rel, cuda=False) == ()       # CUDA checks only on GPU
+    gpu = ("cuda",) if version == "0.4.1" else ("cuda", "gpu", "nvlink")
+    assert compat.inprocess_health_checks(rel, cuda=True) == gpu
+    assert ("nic" in compat.inprocess_health_checks(rel, cuda=True, nic=True)) == (version != "0.4.1")
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_the_release_facts_agree_with_that_releases_sources(version):
+    """Every per-release decision of the gate, checked against the launcher table and the modules of the
+    release (not a second hand-written copy)."""
+    rel, t = release(version), table(version)
+    args = {a["dest"]: a for a in t["arguments"]}
+    facts = t["facts"]
+    rdzv = args.get("ft_rdzv_impl")
+    assert rel.rendezvous == ((rdzv["default"], *[c for c in rdzv["choices"] if c != rdzv["default"]])
+                              if rdzv else ("legacy",))
+    assert rel.workers_stop_timeout_default_s == args["workers_stop_timeout"]["default"]
+    infra = args.get("ft_use_infra_group_rank")
+    assert rel.needs_infra_rank_off == bool(infra and "Default: True" in infra["help"])
+    assert rel.hot_spares == ("ft_segment" in args)
+    assert rel.node_health_check_endpoint == ("ft_node_health_check_endpoint" in args)
+    assert rel.storage_checks == ({"ft_storage_healthcheck_path", "ft_enable_dist_storage_healthcheck"} <= set(args))
+    assert rel.nic_link_state_check == ("ft_enable_nic_healthcheck" in args)
+    assert rel.progress_tracking == ("ft_checkpoint_iteration_file" in args)
+    assert rel.restarts_counted == ("job" if facts["max_restarts_count_job_cycles"] else "per-node")
+    exit_code = args.get("ft_no_restart_exit_code")
+    assert rel.no_restart_exit_code == (93 if exit_code and "Default: 93" in exit_code["help"] else None)
+    assert facts["straggler_modules"] == [rel.straggler_module]
+    assert facts["inprocess_wrapper"]
+    chained = {"gpu": "ChainedGPUHealthCheck", "nvlink": "ChainedNVLHealthCheck", "nic": "ChainedNicHealthCheck",
+               "cuda": "CudaHealthCheck"}
+    assert {chained[c] for c in rel.inprocess_device_checks} == set(facts["inprocess_health_checks"]) & set(
+        chained.values())
+    assert rel.public_results_queue == facts["public_write_results_queue"]
+    assert rel.wrapper_adds_device_checks == facts["wrapper_adds_device_checks"]
+    assert rel.preload_builds_buckets == facts["preload_builds_buckets"]
+    assert rel.plan_copies_cpu_tensors == facts["plan_copies_cpu_tensors"]
+    assert rel.end_all_sections_works == (not facts["end_all_sections_is_noop"])
+    assert rel.async_queue_qos == facts["persistent_worker_handles_sigterm"] == (
+        "cpu_priority" in facts["async_calls_queue_params"])
+    assert set(compat.async_calls_queue_kwargs(rel, 19)) <= set(facts["async_calls_queue_params"])
+
+
+def test_versions_outside_those_checked():
+    newer = release("0.8.1")
+    assert not newer.checked and newer.rendezvous == release("0.7.0").rendezvous
+    assert release("0.7.3").checked
+    with pytest.raises(compat.NVRxCompatError, match="older than 0.4.1"):
+        release("0.3.0")
+    with pytest.raises(compat.NVRxCompatError, match="not a version"):
+        release("latest")
+    with pytest.raises(ValueError, match="auto, inprocess, injob or both"):
+        compat.resolve_restart_layers("both-layers", newer)
+
+
+def test_the_target_release_is_the_override_then_the_image_pin_then_the_installed_one(monkeypatch):
+    monkeypatch.delenv(compat.VERSION_ENV, raising=False)
+    assert str(compat.target_release().version) == "0.4.1"
+    monkeypatch.setenv(compat.VERSION_ENV, "0.6.0")
+    assert str(compat.target_release().version) == "0.6.0"
+    assert str(compat.target_release("0.7.0").version) == "0.7.0"
+    assert compat.installed_release() == release("0.4.1")     # code that calls NVRx ignores the pin
+    monkeypatch.delenv(compat.VERSION_ENV)
+    monkeypatch.setattr(compat, "installed_version", lambda: None)
+    with pytest.raises(compat.NVRxCompatError, match=compat.VERSION_ENV):
+        compat.target_release()
+    with pytest.raises(compat.NVRxCompatError, match="not installed"):
+        compat.installed_release()
+
+
+def test_nccl_releases_that_segfault_on_abort_keep_in_process_restart_off():
+    assert "2.28.9" in compat.inprocess_nccl_problem((2, 28, 5))
+    assert compat.inprocess_nccl_problem((2, 28, 9)) is None and compat.inprocess_nccl_problem((2, 27, 7)) is None
+
+
+def test_importing_the_gate_imports_no_torch():
+    code = "import sys, trainer.compat; sys.exit('torch' in sys.modules or 'nvidia_resiliency_ext' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# ------------------------------------------------------------------------------- today's launch command
+
+def test_the_flags_launch_py_emits_today_parse_on_every_release():
+    """trainer/launch.py and components/pytorchjob.py, as they are: every flag is accepted by 0.4.1 to 0.7
+    (none breaks at parse time); what changes meaning is listed by the next test."""
+    from components.pytorchjob import JobSpec
+
+    local = launcher_options(local_launcher_command(LaunchConfig(), TRAINER_ARGS))
+    pod = launcher_options(JobSpec(image="ecr/goodput:1", nodes=4, gpus_per_node=8, trainer_args=TRAINER_ARGS)
+                           .pod_command())
+    elastic = launcher_options(JobSpec(image="ecr/goodput:1", nodes=8, min_nodes=2, gpus_per_node=8).pod_command())
+    for version in VERSIONS:
+        assert parse(version, local).training_script_args == TRAINER_ARGS
+        assert parse(version, pod).training_script_args[:len(TRAINER_ARGS)] == TRAINER_ARGS
+        assert parse(version, elastic).nnodes == "2:8"
+    # The gate builds the same options on 0.4.1, so moving launch.py onto it changes nothing there.
+    assert local[:local.index("-m")] == compat.launcher_args(LaunchConfig(), release("0.4.1"))
+    # 0.5.0 parses today's command but, without the flag the gate adds, rendezvous fails on every node.
+    assert parse("0.5.0", local).ft_use_infra_group_rank is None
+    assert parse("0.5.0", command(LaunchConfig(), "0.5.0")).ft_use_infra_group_rank == "false"
+
+
+def test_what_todays_command_means_differently_on_later_releases():
+    """The list phase 2 must act on: what today's command and trainer do that is accepted everywhere but
+    means something else on a later release (each fact checked against the sources above)."""
+    changed = {}
+    for version in VERSIONS:
+        rel = release(version)
+        changed[version] = {name for name, differs in (
+            ("--nnodes MIN:MAX trains MIN nodes, the rest stand by", rel.hot_spares),
+            ("--max-restarts counts the job's restarts, not each node's", rel.restarts_counted == "job"),
+            ("the writer's own SIGTERM handler ends the final save", rel.async_queue_qos),
+            ("--restart-layers both: in-process restart is deprecated", compat.default_restart_layers(rel) != "both"),
+            ("the Wrapper's own GPU check fails every in-process restart on CPU", rel.wrapper_adds_device_checks),
+            ("FTManager.reset's end_all_sections() closes nothing", not rel.end_all_sections_works),
+            ("AsyncRequest without preload_fn: every save fails", rel.preload_builds_buckets),
+            ("AsyncCallsQueue without cpu_shm_mode: the CPU worker dies", rel.async_queue_qos),
+            ("no rendezvous without SLURM_PROCID/GROUP_RANK", rel.needs_infra_rank_off),
+            ("planning before the staging copy saves the previous snapshot", rel.plan_copies_cpu_tensors),
+        ) if differs}
+    assert changed["0.4.1"] == set() and len(changed["0.5.0"]) == 3
+    assert len(changed["0.6.0"]) == 8 and changed["0.7.0"] - changed["0.6.0"] == {
+        "planning before the staging copy saves the previous snapshot"}
+
+
+# ------------------------------------------------------------------------- private APIs on the installed 0.4.1
+
+def test_every_private_api_resolves_on_the_installed_release_and_on_every_checked_one():
+    assert compat.check_internals() == [f"{m}.{p}" for m, p in compat.INTERNALS]
+    for version in VERSIONS:       # recorded by tests/data/nvrx/extract.py against each release's modules
+        recorded = table(version)["internals"]
+        assert recorded["broken"] == [] and recorded["resolved"] == [f"{m}.{p}" for m, p in compat.INTERNALS], \
+            f"{version}: regenerate tests/data/nvrx (extract.py) after changing compat.INTERNALS"
+
+
+def test_a_private_api_an_upgrade_removed_fails_loudly_naming_the_version(monkeypatch):
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
+
+    monkeypatch.delattr(filesystem_async, "_get_write_results_queue")
+    with pytest.raises(compat.NVRxCompatError, match=r"_get_write_results_queue is missing under "
+                                                     r"nvidia-resiliency-ext 0\.4\.1, torch"):
+        compat.check_internals()
+    with pytest.raises(compat.NVRxCompatError, match="nvidia-resiliency-ext 0.4.1"):
+        compat.start_write_results_queue(release("0.4.1"))
+
+
+def test_accessors_written_for_a_newer_release_refuse_the_installed_one():
+    """Built for 0.7 but run on 0.4.1 (an image whose pin and package disagree): a clear error, not a wrong call."""
+    with pytest.raises(compat.NVRxCompatError, match="get_write_results_queue is missing.*0.4.1"):
+        compat.fork_write_results_queue(release("0.7.0"))
+    with pytest.raises(compat.NVRxCompatError, match="ChainedGPUHealthCheck is missing.*0.4.1"):
+        compat.build_inprocess_health_checks(release("0.7.0"), cuda=True, max_rank_faults=3)
+
+
+def test_the_forked_write_results_queue_is_nvrx_s_own_cache(monkeypatch):
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
+
+    monkeypatch.setattr(filesystem_async, "_results_queue", None)
+    queue = compat.fork_write_results_queue(release("0.4.1"))
+    assert filesystem_async._get_write_results_queue() is queue     # NVRx's writers will use this one
+    queue.put("written")
+    assert queue.get(timeout=10) == "written"
+
+
+def test_a_save_plan_is_trusted_after_one_planning():
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache
+
+    cache, metadata = CheckpointMetadataCache(), object()
+    cache.set_cache_metadata("central-plan", "local-plan", False)   # what the first planning leaves
+    assert not cache.validated_cache_reuse
+    compat.trust_save_plan(cache, metadata)
+    assert cache.validated_cache_reuse and cache.cached_global_metadata is metadata
+    assert cache.get_cache_metadata()[:2] == ("central-plan", "local-plan")
+
+
+def test_a_section_timeout_goes_through_the_rank_monitors_own_state():
+    import dataclasses
+
+    from nvidia_resiliency_ext.fault_tolerance.data import SectionTimeouts
+    from nvidia_resiliency_ext.fault_tolerance.rank_monitor_client import RankMonitorClient
+
+    key = RankMonitorClient.CURRENT_TIMEOUTS_STATE_KEY
+    # What an initialised client's state_dict() holds once it calculated section timeouts.
+    learned = dataclasses.asdict(SectionTimeouts(section={"setup": 600.0, "step": 300.0}))
+    state = compat.with_section_timeout({key: {"section": learned}}, "step", 42.0)
+    client = RankMonitorClient()      # not started by ft_launcher: loading a state still works
+    client.load_state_dict(state)
+    assert client.loaded_section_timeouts.section == {"setup": 600.0, "step": 42.0}
+    with pytest.raises(compat.NVRxCompatError, match="layout"):
+        compat.with_section_timeout({key: {}}, "step", 42.0)      # no calculated timeouts in the state
+
+
+def test_torch_private_helpers(process_group):
+    import torch
+
+    assert dist_default_group_in(compat.process_group_names())
+    copy_state_dict, create_cpu_state_dict = compat.cpu_state_dict_helpers()
+    state = {"w": torch.arange(4.0)}
+    staging = create_cpu_state_dict(state, share_memory=True)
+    copy_state_dict(state, staging)
+    assert torch.equal(staging["w"], state["w"]) and staging["w"].is_shared()
+
+
+def test_the_wrappers_health_check_is_ours_alone_where_it_adds_its_own():
+    """From 0.5 the Wrapper appends GPU/NVLink/NIC checks when LOCAL_RANK is set; on CPU its GPU check fails
+    every in-process restart. 0.4.1 has no such addition: the constructor's check is all, nothing to replace."""
+    from nvidia_resiliency_ext import inprocess
+
+    checks = compat.build_inprocess_health_checks(release("0.4.1"), cuda=False, max_rank_faults=3)
+    wrapper = inprocess.Wrapper(health_check=inprocess.Compose(*checks))
+    compat.install_restart_health_checks(wrapper, checks, release("0.4.1"))
+    assert not hasattr(wrapper, "restart_health_check")
+    with pytest.raises(compat.NVRxCompatError, match="restart_health_check is missing.*0.4.1"):
+        compat.install_restart_health_checks(wrapper, checks, release("0.5.0"))
+
+
+def test_a_save_request_carries_the_write_buckets_as_the_release_expects(process_group, tmp_path):
+    import torch
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+
+    writer = FileSystemWriterAsync(str(tmp_path), thread_count=1)
+    writer, _, _ = save_state_dict_async_plan({"w": torch.arange(4.0)}, writer)
+    old = compat.save_request(writer, ["finalize"], release("0.4.1"))
+    assert old.preload_fn is None and old.async_fn_args[1] and old.finalize_fns == ["finalize"]
+    # What 0.6+ gets: the preload function, which builds there the buckets its arguments leave out.
+    assert compat.save_request(writer, [], release("0.7.0")).preload_fn is not None
+
+
+def dist_default_group_in(groups) -> bool:
+    import torch.distributed as dist
+
+    return dist.group.WORLD in groups
+
+
+def test_the_rest_of_the_release_dependent_calls_on_0_4_1():
+    rel = release("0.4.1")
+    assert hasattr(compat.import_straggler(rel), "Detector")
+    checks = compat.build_inprocess_health_checks(rel, cuda=True, max_rank_faults=3)
+    assert [type(c).__name__ for c in checks] == ["CudaHealthCheck", "FaultCounter"]
+    assert [type(c).__name__ for c in compat.build_inprocess_health_checks(rel, cuda=False, max_rank_faults=3)] \
+        == ["FaultCounter"]
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+
+    assert AsyncCallsQueue(**compat.async_calls_queue_kwargs(rel, 19)).persistent
+    newer = compat.async_calls_queue_kwargs(release("0.7.0"), 19)
+    assert newer == {"persistent": True, "cpu_priority": 19, "cpu_shm_mode": True}
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        compat.writer_ignores_sigterm()
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+    finally:
+        signal.signal(signal.SIGTERM, previous)

@@ -1,0 +1,488 @@
+"""What the trainer uses of NVRx (nvidia-resiliency-ext), by release, and every private torch/NVRx API it touches.
+
+Checked on 0.4.1 (installed here: the tests run against it), 0.5.0, 0.6.0 and 0.7.0 (read from their PyPI
+wheels and the NVIDIA/nvidia-resiliency-ext tags; the launchers' argument tables with their provenance are
+``tests/data/nvrx/launcher-<version>.json``, the per-release table is ``docs/nvrx.md``). A release newer
+than 0.7 is treated as 0.7 and said so in ``Release.checked``; one older than 0.4.1 is refused.
+
+Everything here is a pure function of a ``Release`` and settings, so the launch command can be built for a
+release other than the one installed (the trainer image's pin: ``target_release("0.7.0")`` or
+``GOODPUT_NVRX_VERSION``). Nothing imports torch or NVRx at import time; the accessors of private APIs
+import on first use and fail naming the API and the installed version when an upgrade broke one.
+
+    release = target_release()                       # installed, or $GOODPUT_NVRX_VERSION
+    argv = ["ft_launcher", *launcher_args(launch, release, LauncherExtras(gpu=True)), "-m", "trainer", ...]
+    layers = resolve_restart_layers("auto", release)  # "injob" where in-process restart is deprecated
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.metadata
+import inspect
+import os
+import signal
+from dataclasses import dataclass, field
+from typing import Any, Callable, Protocol
+
+from packaging.version import InvalidVersion, Version
+
+DIST = "nvidia-resiliency-ext"
+VERSION_ENV = "GOODPUT_NVRX_VERSION"
+CHECKED = ("0.4.1", "0.5.0", "0.6.0", "0.7.0")
+_OLDEST, _NEWEST = Version(CHECKED[0]), Version(CHECKED[-1])
+# NCCL releases in which aborting a communicator (what in-process restart does) segfaults: NVRx 0.5 notes.
+_NCCL_ABORT_SEGFAULT = ((2, 28, 3), (2, 28, 9))
+
+
+class NVRxCompatError(RuntimeError):
+    """A release or a private API this module was not written for."""
+
+
+# ---------------------------------------------------------------------------------------------- releases
+
+@dataclass(frozen=True)
+class Release:
+    """What one NVRx release offers the trainer (each field read from that release's sources)."""
+
+    version: Version
+    checked: bool                      # False: newer than any release read; taken as the newest checked
+    inprocess: str                     # "supported" | "deprecated" (0.6: NVIDIA points to in-job restart)
+    rendezvous: tuple[str, ...]        # ft rendezvous implementations the launcher accepts, default first
+    restarts_counted: str              # --max-restarts counts restarts "per-node" (each agent) or of the "job"
+    needs_infra_rank_off: bool         # 0.5: ranks come from SLURM_PROCID/GROUP_RANK unless told otherwise
+    workers_stop_timeout_default_s: float
+    hot_spares: bool                   # --nnodes MIN:MAX runs MIN nodes, the rest wait as standbys
+    node_health_check_endpoint: bool   # --ft-node-health-check-endpoint (a node health daemon's UDS)
+    storage_checks: bool               # --ft-storage-health-check-path, --ft-enable-dist-storage-healthcheck
+    nic_link_state_check: bool         # --ft-enable-nic-healthcheck (before each rendezvous; on by default)
+    progress_tracking: bool            # --ft-checkpoint-iteration-file: ends restarts that make no progress
+    inprocess_device_checks: tuple[str, ...]   # the Wrapper's device health checks ("cuda", "gpu", ...)
+    wrapper_adds_device_checks: bool   # the Wrapper appends GPU, NVLink, NIC checks whenever LOCAL_RANK is set
+    straggler_module: str
+    public_results_queue: bool         # filesystem_async.get_write_results_queue(mp_mode) exists
+    async_queue_qos: bool              # AsyncCallsQueue(cpu_priority=...) and a worker SIGTERM handler
+    preload_builds_buckets: bool       # the writer's preload function builds the write buckets (in the worker)
+    plan_copies_cpu_tensors: bool      # planning a write clones every CPU tensor: it saves what they held then
+    end_all_sections_works: bool       # RankMonitorClient.end_all_sections() closes anything (a no-op from 0.5)
+    no_restart_exit_code: int | None   # the launcher's exit code when NVRx decides not to restart
+
+
+def release(version: str | Version) -> Release:
+    """The ``Release`` of ``version``; a release newer than those checked is treated as the newest one."""
+    v = _parse(version)
+    if v < _OLDEST:
+        raise NVRxCompatError(f"{DIST} {v} is older than {_OLDEST}, the oldest release the trainer supports; "
+                              f"install {DIST}>={_OLDEST}")
+    at_least = (lambda minor: (v.major, v.minor) >= (0, minor))
+    return Release(
+        version=v,
+        checked=(v.major, v.minor) <= (_NEWEST.major, _NEWEST.minor),
+        inprocess="deprecated" if at_least(6) else "supported",
+        rendezvous=("barrier",) if at_least(7) else ("barrier", "legacy") if at_least(6)
+        else ("legacy", "barrier") if at_least(5) else ("legacy",),
+        restarts_counted="job" if at_least(6) else "per-node",
+        needs_infra_rank_off=(v.major, v.minor) == (0, 5),
+        workers_stop_timeout_default_s=15.0 if at_least(5) else 30.0,
+        hot_spares=at_least(6),
+        node_health_check_endpoint=at_least(6),
+        storage_checks=at_least(6),
+        nic_link_state_check=at_least(6),
+        progress_tracking=at_least(6),
+        inprocess_device_checks=("cuda", "gpu", "nvlink", "nic") if at_least(5) else ("cuda",),
+        wrapper_adds_device_checks=at_least(5),
+        straggler_module=("nvidia_resiliency_ext.attribution.straggler" if at_least(5)
+                          else "nvidia_resiliency_ext.straggler"),
+        public_results_queue=at_least(6),
+        async_queue_qos=at_least(6),
+        preload_builds_buckets=at_least(6),
+        plan_copies_cpu_tensors=at_least(7),
+        end_all_sections_works=not at_least(5),
+        no_restart_exit_code=93 if at_least(7) else None,
+    )
+
+
+def installed_version() -> Version | None:
+    try:
+        return Version(importlib.metadata.version(DIST))
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+def installed_release() -> Release:
+    """The release this process imports: what code that calls NVRx must be written for."""
+    v = installed_version()
+    if v is None:
+        raise NVRxCompatError(f"{DIST} is not installed (pip install '{DIST}>={_OLDEST}')")
+    return release(v)
+
+
+def target_release(version: str | Version | None = None) -> Release:
+    """The release a command is built for: ``version``, else ``$GOODPUT_NVRX_VERSION`` (the trainer image's
+    pin), else the installed one."""
+    chosen = version or os.environ.get(VERSION_ENV) or installed_version()
+    if not chosen:
+        raise NVRxCompatError(f"{DIST} is not installed here: name the trainer image's release "
+                              f"(e.g. {VERSION_ENV}=0.7.0) to build a command for it")
+    return release(chosen)
+
+
+def _parse(version: str | Version) -> Version:
+    try:
+        return version if isinstance(version, Version) else Version(str(version))
+    except InvalidVersion:
+        raise NVRxCompatError(f"{version!r} is not a version of {DIST} (e.g. 0.7.0)") from None
+
+
+# -------------------------------------------------------------------------------------- recovery layers
+
+def default_restart_layers(rel: Release) -> str:
+    """In-job first where in-process restart is deprecated; both layers while it is maintained."""
+    return "injob" if rel.inprocess == "deprecated" else "both"
+
+
+def resolve_restart_layers(requested: str, rel: Release) -> str:
+    """``--restart-layers``: "auto" becomes the release's default; an explicit choice is kept (in-process
+    restart still works where it is deprecated: every checked release has the Wrapper)."""
+    if requested == "auto":
+        return default_restart_layers(rel)
+    if requested not in ("inprocess", "injob", "both"):
+        raise ValueError(f"restart layers must be auto, inprocess, injob or both, got {requested!r}")
+    return requested
+
+
+def inprocess_nccl_problem(nccl_version: tuple[int, int, int]) -> str | None:
+    """Why in-process restart must not run with this NCCL, or None (aborting a communicator segfaults in
+    NCCL 2.28.3 to 2.28.8)."""
+    low, high = _NCCL_ABORT_SEGFAULT
+    if low <= tuple(nccl_version) < high:
+        return (f"NCCL {'.'.join(map(str, nccl_version))} segfaults when in-process restart aborts a "
+                f"communicator (fixed in 2.28.9); use --restart-layers injob or another NCCL")
+    return None
+
+
+def inprocess_health_checks(rel: Release, *, cuda: bool, nic: bool = False) -> tuple[str, ...]:
+    """The Wrapper's device checks after a fault: none without CUDA; the NIC check only when asked (it maps
+    GPUs to NICs by PCI topology, which EFA instances need not expose)."""
+    if not cuda:
+        return ()
+    return tuple(c for c in rel.inprocess_device_checks if c != "nic" or nic)
+
+
+def build_inprocess_health_checks(rel: Release, *, cuda: bool, max_rank_faults: int, local_rank: int = 0,
+                                  nic: bool = False) -> list:
+    """The NVRx objects for ``inprocess_health_checks`` (of this rank's GPU), device checks first, the fault
+    counter last (a Compose runs them right to left)."""
+    from nvidia_resiliency_ext.inprocess import health_check as hc
+
+    def device_check(name: str):
+        if name == "cuda":
+            return hc.CudaHealthCheck()
+        cls = {"gpu": "ChainedGPUHealthCheck", "nvlink": "ChainedNVLHealthCheck", "nic": "ChainedNicHealthCheck"}
+        return _attr(hc, cls[name])(device_index=local_rank)
+
+    checks = [device_check(name) for name in inprocess_health_checks(rel, cuda=cuda, nic=nic)]
+    return [*checks, hc.FaultCounter(max_rank_faults=max_rank_faults)]
+
+
+def install_restart_health_checks(wrapper, checks: list, rel: Release) -> None:
+    """Make ``checks`` the whole health check a ``Wrapper`` runs after a fault.
+
+    From 0.5 the Wrapper appends GPU, NVLink and NIC checks of its own whenever LOCAL_RANK is set: without
+    NVML (CPU) its GPU check fails every restart, so in-process restart never succeeds there, and its NIC
+    check needs a PCI map of GPUs to NICs. Up to 0.4.1 the constructor's ``health_check`` is already all.
+    """
+    if not rel.wrapper_adds_device_checks:
+        return
+    from nvidia_resiliency_ext.inprocess import Compose
+
+    _attr(wrapper, "restart_health_check")      # what the Wrapper composed in its constructor
+    wrapper.restart_health_check = Compose(*checks) if checks else None
+
+
+def import_straggler(rel: Release):
+    """NVRx's straggler detection package (``Detector``), wherever this release keeps it."""
+    return importlib.import_module(rel.straggler_module)
+
+
+# -------------------------------------------------------------------------------------- launch command
+
+class LaunchSettings(Protocol):
+    """What ``launcher_args`` reads: the fields of ``trainer.launch.LaunchConfig``."""
+
+    nproc_per_node: int
+    nnodes: int
+    max_restarts: int
+    rdzv_endpoint: str
+    rdzv_id: str
+    setup_timeout_s: float
+    step_timeout_s: float
+    checkpoint_timeout_s: float
+    out_of_section_timeout_s: float
+    workload_check_interval_s: float
+    monitor_interval_s: float
+    term_timeout_s: float
+    workers_stop_timeout_s: float
+
+
+@dataclass(frozen=True)
+class LauncherExtras:
+    """Launcher features that only some releases have. Each one asked for on a release without it is an
+    error, not a silently dropped flag."""
+
+    gpu: bool = False                  # NCCL over the node's NICs: their link-state check runs (0.6+)
+    min_nodes: int = 0                 # elastic: fewest nodes to train with (0.4.1-0.5 only; 0 = fixed size)
+    spare_nodes: int = 0               # hot spares waiting to replace a failed node (0.6+)
+    node_health_check_endpoint: str = ""     # UDS of a node health-check daemon, e.g. unix:///var/run/nvhcd.sock
+    storage_paths: tuple[str, ...] = field(default_factory=tuple)   # absolute paths checked before rendezvous
+    dist_storage_check: bool = False   # Lustre/NFS mounts reachable before rendezvous (FSx is Lustre)
+    progress_file: str = ""            # file holding the newest step a restart resumes from (0.6+)
+
+
+def launcher_args(launch: LaunchSettings, rel: Release, extras: LauncherExtras = LauncherExtras()) -> list[str]:
+    """ft_launcher's options (everything between the launcher and ``-m trainer``) for ``rel``.
+
+    Only flags the release's launcher accepts, each with its meaning on that release; the release's
+    default rendezvous implementation is kept (legacy up to 0.5, where barrier needs infrastructure group
+    ranks a PyTorchJob pod does not set; barrier from 0.6, the only one in 0.7).
+    """
+    rdzv = (["--standalone"] if not launch.rdzv_endpoint else
+            ["--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id])
+    sections = (f"setup:{launch.setup_timeout_s:g},step:{launch.step_timeout_s:g},"
+                f"checkpoint:{launch.checkpoint_timeout_s:g}")
+    args = [
+        "--nnodes", nnodes_arg(launch.nnodes, rel, min_nodes=extras.min_nodes, spare_nodes=extras.spare_nodes),
+        "--nproc-per-node", str(launch.nproc_per_node),
+        *rdzv,
+        # Counted per node up to 0.5, for the whole job (every node's restarts together) from 0.6.
+        "--max-restarts", str(launch.max_restarts),
+        "--monitor-interval", f"{launch.monitor_interval_s:g}",
+        "--term-timeout", f"{launch.term_timeout_s:g}",
+        # Always given: the release's default changed (30 s to 15 s in 0.5) and both are seconds of restart.
+        "--workers-stop-timeout", f"{launch.workers_stop_timeout_s:g}",
+        "--ft-workload-check-interval", f"{launch.workload_check_interval_s:g}",
+        "--ft-rank-section-timeouts", sections,
+        "--ft-rank-out-of-section-timeout", f"{launch.out_of_section_timeout_s:g}",
+    ]
+    return args + _health_check_args(rel, extras)
+
+
+def nnodes_arg(nodes: int, rel: Release, *, min_nodes: int = 0, spare_nodes: int = 0) -> str:
+    """``--nnodes``: a fixed size, elastic MIN:MAX (up to 0.5), or N active plus hot spares (0.6+).
+
+    From 0.6 MIN:MAX no longer means "train with MIN to MAX nodes": exactly MIN nodes train and the rest
+    stand by, so an elastic job's meaning cannot be kept there.
+    """
+    if nodes < 1 or min_nodes < 0 or spare_nodes < 0:
+        raise ValueError(f"need nodes >= 1 and no negative counts, got nodes={nodes} min_nodes={min_nodes} "
+                         f"spare_nodes={spare_nodes}")
+    elastic = 0 < min_nodes < nodes
+    if elastic and spare_nodes:
+        raise ValueError("min_nodes (elastic) and spare_nodes (hot spares) cannot be combined")
+    if spare_nodes:
+        if not rel.hot_spares:
+            raise ValueError(f"hot spares need {DIST} >= 0.6.0 (the target is {rel.version}: there --nnodes "
+                             f"MIN:MAX trains on up to MAX nodes)")
+        return f"{nodes}:{nodes + spare_nodes}"
+    if elastic:
+        if rel.hot_spares:
+            raise ValueError(f"{DIST} {rel.version} trains on exactly MIN of --nnodes MIN:MAX nodes (the rest "
+                             f"are hot spares), so min_nodes={min_nodes} < nodes={nodes} cannot mean an elastic "
+                             f"job; use spare_nodes instead")
+        return f"{min_nodes}:{nodes}"
+    return str(nodes)
+
+
+def _health_check_args(rel: Release, extras: LauncherExtras) -> list[str]:
+    wanted = {"node_health_check_endpoint": (extras.node_health_check_endpoint, rel.node_health_check_endpoint),
+              "storage_paths": (extras.storage_paths, rel.storage_checks),
+              "dist_storage_check": (extras.dist_storage_check, rel.storage_checks),
+              "progress_file": (extras.progress_file, rel.progress_tracking)}
+    missing = [name for name, (value, available) in wanted.items() if value and not available]
+    if missing:
+        raise ValueError(f"{', '.join(missing)} need {DIST} >= 0.6.0; the target is {rel.version}")
+    relative = [p for p in extras.storage_paths if not p.startswith("/")]
+    if relative or "," in "".join(extras.storage_paths):
+        raise ValueError(f"storage_paths must be absolute paths without commas, got {list(extras.storage_paths)}")
+    args: list[str] = []
+    if rel.needs_infra_rank_off:
+        # 0.5 refuses to rendezvous (either implementation) without SLURM_PROCID or GROUP_RANK, which
+        # neither a PyTorchJob pod nor a local run sets; 0.6 assigns ranks itself when they are missing.
+        args += ["--ft-use-infra-group-rank", "false"]
+    if rel.nic_link_state_check and not extras.gpu:
+        args += ["--ft-enable-nic-healthcheck", "false"]   # gloo on CPU does not use the RDMA ports it checks
+    if extras.node_health_check_endpoint:
+        args += ["--ft-node-health-check-endpoint", extras.node_health_check_endpoint]
+    if extras.storage_paths:
+        args += ["--ft-storage-health-check-path", ",".join(extras.storage_paths)]
+    if extras.dist_storage_check:
+        args += ["--ft-enable-dist-storage-healthcheck", "true"]
+    if extras.progress_file:
+        args += ["--ft-checkpoint-iteration-file", extras.progress_file]
+    return args
+
+
+# ------------------------------------------------------------------------------ async checkpoint queue
+
+def async_calls_queue_kwargs(rel: Release, writer_nice: int) -> dict[str, Any]:
+    """Arguments of ``AsyncCallsQueue``: the persistent worker; from 0.6 at the writer's niceness (NVRx sets
+    10 itself, and only logs that it may not lower our 19) and with ``cpu_shm_mode``: the trainer hands the
+    worker its own CPU shared-memory staging copy, never CUDA tensors, so the worker needs no CUDA context.
+    Without the flag it creates one on a GPU node (memory and seconds after every restart) and dies on a CPU
+    one (``rank % torch.cuda.device_count()``)."""
+    kwargs: dict[str, Any] = {"persistent": True}
+    if rel.async_queue_qos:
+        kwargs.update(cpu_priority=writer_nice, cpu_shm_mode=True)
+    return kwargs
+
+
+def save_request(writer, finalize_fns: list, rel: Release):
+    """The ``AsyncRequest`` that writes what ``writer`` (a planned ``FileSystemWriterAsync``) holds.
+
+    Up to 0.5 the planned write buckets travel in the save arguments, and the preload function would only
+    copy them to the host again, with a CUDA sync (the trainer's staging copy is host memory already). From
+    0.6 the arguments carry None in their place: the preload function builds the buckets in the worker, and
+    a request without it makes the worker fail on every save.
+    """
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
+
+    save_fn, preload_fn, save_args = writer.get_save_function_and_args()
+    return AsyncRequest(save_fn, save_args, finalize_fns,
+                        preload_fn=preload_fn if rel.preload_builds_buckets else None)
+
+
+def writer_ignores_sigterm() -> None:
+    """Run inside NVRx's persistent worker (its first request): from 0.6 the worker installs a SIGTERM handler
+    that exits, replacing the SIG_IGN it inherited, and the launcher's SIGTERM to the process group would end
+    the final checkpoint's write."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+
+
+def start_write_results_queue(rel: Release):
+    """NVRx's write-results queue (its manager spawned on first use), through the public call where one is."""
+    fs = _filesystem_async()
+    if rel.public_results_queue:
+        return _attr(fs, "get_write_results_queue")()
+    return _attr(fs, "_get_write_results_queue")()
+
+
+def fork_write_results_queue(rel: Release):
+    """The same queue, its manager forked from this process (a rank forked warm has torch imported already;
+    a spawned manager imports it again on the first write result)."""
+    fs = _filesystem_async()
+    if rel.public_results_queue:
+        make = _attr(fs, "get_write_results_queue")
+        if "mp_mode" in inspect.signature(make).parameters:
+            return make(mp_mode="fork")
+    import multiprocessing
+
+    _attr(fs, "_results_queue")       # the module global is NVRx's cache of the queue
+    fs._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+    return fs._results_queue
+
+
+def trust_save_plan(plan_cache, metadata) -> None:
+    """Make NVRx reuse the current save plan from the next save on (it waits for a second identical plan
+    otherwise); the caller checks that the plan stays valid."""
+    if not _attr(plan_cache, "validated_cache_reuse"):
+        central_plan, local_plan, _, _ = plan_cache.get_cache_metadata()
+        plan_cache.set_cache_metadata(central_plan, local_plan, False)
+        _attr(plan_cache, "cached_global_metadata")
+        plan_cache.cached_global_metadata = metadata
+
+
+def _filesystem_async():
+    return importlib.import_module(_ASYNC + "filesystem_async")
+
+
+# ------------------------------------------------------------------------------------------ rank monitor
+
+def set_section_timeout(client, section: str, timeout: float) -> None:
+    """Set one section's timeout on a ``RankMonitorClient`` through its state round trip (the path a
+    restored checkpoint takes)."""
+    client.load_state_dict(with_section_timeout(client.state_dict(), section, timeout))
+
+
+def with_section_timeout(state: dict, section: str, timeout: float) -> dict:
+    """``RankMonitorClient.state_dict()`` with one calculated section timeout replaced; the layout is
+    NVRx's, checked here."""
+    from nvidia_resiliency_ext.fault_tolerance.rank_monitor_client import RankMonitorClient
+
+    key = _attr(RankMonitorClient, "CURRENT_TIMEOUTS_STATE_KEY")
+    try:
+        state[key]["section"]["section"][section] = timeout
+    except (KeyError, TypeError):
+        raise NVRxCompatError(f"the rank monitor's state under {_versions()} has no [{key!r}]['section']"
+                              f"['section'] (calculated section timeouts), the layout checked on NVRx "
+                              f"{', '.join(CHECKED)}; trainer/compat.py must be updated") from None
+    return state
+
+
+# ----------------------------------------------------------------------------------- private torch APIs
+
+def process_group_names() -> list:
+    """Every live process group (torch's registry, read by NVRx's abort too)."""
+    import torch.distributed.distributed_c10d as c10d
+
+    return list(_attr(_attr(c10d, "_world"), "pg_names"))
+
+
+def cpu_state_dict_helpers() -> tuple[Callable, Callable]:
+    """torch's (``_copy_state_dict``, ``_create_cpu_state_dict``): a shared-memory/pinned CPU copy of a state
+    dict and the copy into it, as torch DCP's own async staging does."""
+    import torch.distributed._state_dict_utils as sdu
+
+    return _attr(sdu, "_copy_state_dict"), _attr(sdu, "_create_cpu_state_dict")
+
+
+# Every private or internal name the trainer touches (``X()`` creates an X to read an instance attribute),
+# resolved by ``check_internals``: a test runs it on the installed releases, so an upgrade that breaks one
+# fails there, not in a run.
+_ASYNC = "nvidia_resiliency_ext.checkpointing.async_ckpt."
+INTERNALS: tuple[tuple[str, str], ...] = (
+    (_ASYNC + "filesystem_async", "_results_queue"),
+    (_ASYNC + "filesystem_async", "_get_write_results_queue"),
+    (_ASYNC + "state_dict_saver", "CheckpointMetadataCache().validated_cache_reuse"),
+    (_ASYNC + "state_dict_saver", "CheckpointMetadataCache().cached_global_metadata"),
+    ("nvidia_resiliency_ext.fault_tolerance.rank_monitor_client", "RankMonitorClient.CURRENT_TIMEOUTS_STATE_KEY"),
+    ("nvidia_resiliency_ext.fault_tolerance.data", "FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR"),
+    ("nvidia_resiliency_ext.inprocess.store", "TCPStore.TCP_STORE_HOST_RANK"),
+    ("torch.distributed.distributed_c10d", "_world.pg_names"),
+    ("torch.distributed._state_dict_utils", "_copy_state_dict"),
+    ("torch.distributed._state_dict_utils", "_create_cpu_state_dict"),
+)
+
+
+def check_internals() -> list[str]:
+    """Resolve every entry of ``INTERNALS`` on what is installed; raise one error listing all that broke."""
+    broken, resolved = [], []
+    for module, path in INTERNALS:
+        try:
+            obj = importlib.import_module(module)
+            for part in path.split("."):
+                obj = _attr(obj, part[:-2])() if part.endswith("()") else _attr(obj, part)
+            resolved.append(f"{module}.{path}")
+        except (ImportError, NVRxCompatError) as e:
+            broken.append(f"{module}.{path}: {e}")
+    if broken:
+        raise NVRxCompatError(f"private APIs the trainer uses are gone ({_versions()}; checked on NVRx "
+                              f"{', '.join(CHECKED)}):\n  " + "\n  ".join(broken))
+    return resolved
+
+
+def _attr(obj, name: str):
+    """``getattr`` that fails naming the API and the installed versions."""
+    try:
+        return getattr(obj, name)
+    except AttributeError:
+        where = getattr(obj, "__name__", type(obj).__name__)
+        raise NVRxCompatError(f"{where}.{name} is missing under {_versions()} (the trainer uses it as checked on "
+                              f"NVRx {', '.join(CHECKED)}); trainer/compat.py must be updated") from None
+
+
+def _versions() -> str:
+    try:
+        torch = importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        torch = "not installed"
+    return f"{DIST} {installed_version() or 'not installed'}, torch {torch}"
