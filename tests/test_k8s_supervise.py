@@ -31,8 +31,8 @@ try:
 except ImportError:          # tests/ is not a package: pytest put it on sys.path
     from k8s_apiserver import REPO, Operator, apiserver, make_namespace, wait_until
 
-FAST = SuperviseConfig(timeout_s=60, watch_timeout_s=5, request_timeout_s=5, backoff_s=0.1, backoff_max_s=1,
-                       delete_wait_s=5, log_poll_s=0.1, log_idle_s=4, log_drain_s=3)
+FAST = SuperviseConfig(timeout_s=60, watch_timeout_s=5, pods_every_s=1, request_timeout_s=5, backoff_s=0.1,
+                       backoff_max_s=1, delete_wait_s=5, log_poll_s=0.1, log_idle_s=4, log_drain_s=3)
 
 
 @pytest.fixture
@@ -125,7 +125,8 @@ def test_success_streams_the_master_log_and_reports_phases(cluster):
         assert f"PyTorchJob {ns.name}/gp-train-1: {phase}" in text
     creates = [e for e in ns.launcher_requests() if e.what == ("kubeflow.org", "pytorchjobs", "create")]
     assert [e.code for e in creates] == [201]
-    assert any(e.what == ("kubeflow.org", "pytorchjobs", "watch") for e in ns.launcher_requests())
+    reqs = ns.launcher_requests()
+    assert any(e.what == ("kubeflow.org", "pytorchjobs", "watch") for e in reqs), [e.what for e in reqs]
     no_denials(ns)
 
 
@@ -468,7 +469,7 @@ def test_a_healthy_quiet_job_costs_a_few_requests_a_minute(cluster):
     op.play(scenario)
     # Production intervals: 30 s between pod reads, reconnect a log stream silent for 60 s; no
     # timeoutSeconds, so the server decides when each watch ends (here after 4-8 s).
-    launcher = Launcher(ns, manifest(), watch_timeout_s=0, log_idle_s=60, log_poll_s=2)
+    launcher = Launcher(ns, manifest(), watch_timeout_s=0, pods_every_s=30, log_idle_s=60, log_poll_s=2)
     wait_until(lambda: launcher.printed("[master-0] started"), what="the log stream")
     since = time.time()
     window = 20.0

@@ -7,6 +7,7 @@ operator's admission webhook rules, and its pod command against ft_launcher's ow
 
 from __future__ import annotations
 
+import os
 import copy
 import dataclasses
 from pathlib import Path
@@ -20,7 +21,7 @@ from components.pytorchjob import JobSpec, build_pytorchjob, job_manifest, job_n
 from pipelines.cli import main
 from trainer.launch import LaunchConfig
 
-SCHEMAS = Path(__file__).resolve().parents[1].parent / "shared" / "schemas"
+SCHEMAS = Path(os.environ.get("GOODPUT_SHARED") or Path(__file__).resolve().parents[1].parent / "shared") / "schemas"
 INT32 = (-2**31, 2**31 - 1)
 INT64 = (-2**63, 2**63 - 1)
 
