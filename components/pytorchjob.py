@@ -298,7 +298,7 @@ class JobSpec:
         self._check_policies(p)
         self._check_trainer(p)
         if len(p) == 1:
-            raise ValueError(f"invalid PyTorchJob setting: {p[0]}")
+            raise ValueError(f"invalid PyTorchJob settings: {p[0]}")
         if p:
             raise ValueError("invalid PyTorchJob settings:\n  " + "\n  ".join(p))
         return self
