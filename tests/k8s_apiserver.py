@@ -223,7 +223,7 @@ class Namespace:
 def make_namespace(server: ApiServer, prefix: str, *, sa: str = LAUNCHER_SA, rbac: str | None = None,
                    tmp: Path) -> Namespace:
     """A fresh namespace; ``sa`` bound by deploy/rbac.yaml (its subject moved into this namespace) or by
-    the documents in ``rbac`` (YAML text, applied as given), and a TokenRequest token for ``sa``."""
+    the documents in ``rbac`` (YAML text, applied as given; "" = none), and a TokenRequest token for ``sa``."""
     core = k8s.CoreV1Api(server.admin)
     name = f"{prefix}-{uuid.uuid4().hex[:6]}"
     core.create_namespace(k8s.V1Namespace(metadata=k8s.V1ObjectMeta(name=name)))
@@ -237,7 +237,8 @@ def make_namespace(server: ApiServer, prefix: str, *, sa: str = LAUNCHER_SA, rba
             if d["kind"] == "RoleBinding":
                 d["subjects"] = [{**s, "namespace": name} if s.get("name") == sa else s for s in d["subjects"]]
         rbac = yaml.safe_dump_all(docs)
-    server.kubectl("apply", "-n", name, "-f", "-", input=rbac)
+    if rbac:
+        server.kubectl("apply", "-n", name, "-f", "-", input=rbac)
     token = core.create_namespaced_service_account_token(
         sa, name, k8s.AuthenticationV1TokenRequest(spec=k8s.V1TokenRequestSpec(
             audiences=["https://kubernetes.default.svc.cluster.local"], expiration_seconds=3600))).status.token
