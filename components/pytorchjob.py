@@ -28,7 +28,8 @@ from typing import Any
 
 from trainer.launch import LaunchConfig, launcher_command
 
-__all__ = ["JobSpec", "build_pytorchjob", "job_manifest", "job_name_for", "label_value",
+__all__ = ["JobSpec", "build_pytorchjob", "job_manifest", "job_name_for", "label_value", "image_ref_problem",
+           "INSTANCE_TYPES", "NodeShape", "node_allocatable", "node_requests", "quantity",
            "CONTAINER_NAME", "PORT_NAME", "RUN_ID_LABEL", "TASK_LABEL"]
 
 API_VERSION = "kubeflow.org/v1"
@@ -314,8 +315,8 @@ class JobSpec:
             what = f"{self.gpus_per_node} GPUs per node" if self.gpus_per_node > 0 else "the pods"
             p.append(f"an image is required for {what}: the trainer image (torch, nvidia-resiliency-ext, "
                      "goodput-pipelines), e.g. --image <account>.dkr.ecr.<region>.amazonaws.com/goodput:0.1.0")
-        elif re.search(r"\s", self.image):
-            p.append(f"image {self.image!r} contains whitespace")
+        elif image_ref_problem(self.image):
+            p.append(f"image {image_ref_problem(self.image)}")
         if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
             p.append(f"image_pull_policy must be Always, IfNotPresent or Never, got {self.image_pull_policy!r}")
         if self.nproc_per_node < 0:
@@ -540,6 +541,24 @@ def _parse_taint(taint: str) -> tuple[str, str | None, str]:
     if _label_problem(key, value if eq else ""):
         raise ValueError(f"{taint!r}: {_label_problem(key, value if eq else '')}")
     return key, (value if eq else None), effect
+
+
+# The distribution/reference grammar: [host[:port]/]path[:tag][@sha256:digest], path components lowercase.
+_HOST = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?"
+_PATH_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE = re.compile(rf"^(?:(?P<host>{_HOST})/)?(?P<path>{_PATH_PART}(?:/{_PATH_PART})*)"
+                    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")
+
+
+def image_ref_problem(ref: str, *, pinned: bool = False) -> str:
+    """Why ``ref`` is not a usable image reference ('' if it is); ``pinned`` also wants a tag or digest."""
+    m = _IMAGE.match(ref or "")
+    if not m or len(ref) > 255:
+        return (f"{ref!r} is not an image reference (registry/repository:tag or @sha256:digest, lowercase "
+                "repository), e.g. 123456789012.dkr.ecr.us-west-2.amazonaws.com/goodput-trainer:0.1.0")
+    if pinned and not (m.group("tag") or m.group("digest")):
+        return f"image {ref!r} has no tag or digest: pin one (e.g. {ref}:0.1.0), or every node may pull another"
+    return ""
 
 
 def label_value(text: str) -> str:
