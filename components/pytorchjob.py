@@ -101,8 +101,12 @@ INSTANCE_TYPES = {
         ("8xlarge", 32, 256, 1, 1, 234), ("12xlarge", 48, 384, 4, 1, 234), ("16xlarge", 64, 512, 1, 1, 737),
         ("24xlarge", 96, 768, 4, 2, 737), ("48xlarge", 192, 1536, 8, 4, 737))},
 }
-# What every GPU node also runs (device plugins, FSx CSI, exporters, kube-proxy, VPC CNI), kept free.
+# What every GPU node also runs (device plugins, FSx CSI, exporters, kube-proxy, VPC CNI), kept free: up to
+# 2 vCPU and 8 GiB, at most an eighth of the CPUs and a tenth of the memory on small nodes.
 DAEMONSET_CPU, DAEMONSET_MEMORY_GIB = 2, 8
+# The kubelet's memory capacity is the kernel's MemTotal, below the nominal size (firmware, kernel, crash
+# kernel): about 95-97% on these types; 92% keeps a margin.
+MEMTOTAL_SHARE = 0.92
 
 
 def node_allocatable(shape: NodeShape) -> tuple[int, int]:
@@ -111,14 +115,15 @@ def node_allocatable(shape: NodeShape) -> tuple[int, int]:
     for share, cores in ((0.06, 1), (0.01, 1), (0.005, 2), (0.0025, shape.vcpu)):
         take = min(cores, left)
         reserve, left = reserve + share * take * 1000, left - take
-    return shape.vcpu * 1000 - math.ceil(reserve), shape.memory_gib * 1024 - (255 + 11 * shape.max_pods) - 100
+    memory = int(shape.memory_gib * 1024 * MEMTOTAL_SHARE)
+    return shape.vcpu * 1000 - math.ceil(reserve), memory - (255 + 11 * shape.max_pods) - 100
 
 
 def node_requests(shape: NodeShape) -> dict[str, str]:
     """What one trainer pod requests on a whole node: allocatable minus the DaemonSets; /dev/shm a quarter."""
     cpu_m, mem_mib = node_allocatable(shape)
-    cpu = (cpu_m - DAEMONSET_CPU * 1000) // 1000
-    memory = (mem_mib - DAEMONSET_MEMORY_GIB * 1024) // 1024
+    cpu = (cpu_m - min(DAEMONSET_CPU * 1000, shape.vcpu * 1000 // 8)) // 1000
+    memory = (mem_mib - min(DAEMONSET_MEMORY_GIB * 1024, shape.memory_gib * 1024 // 10)) // 1024
     return {"cpu": str(cpu), "memory": f"{memory}Gi", "shm": f"{memory // 4}Gi"}
 
 

@@ -291,7 +291,7 @@ BAD = {
     "bad toleration effect": (dict(tolerations=[{"key": "a", "operator": "Exists", "effect": "Sometimes"}]), "effect"),
     "port out of range": (dict(master_port=80), "master_port"),
     "negative max restarts": (dict(launch=LaunchConfig(max_restarts=-1)), "max_restarts"),
-    "image with spaces": (dict(image="my image"), "whitespace"),
+    "image with spaces": (dict(image="my image"), "is not an image reference"),
 }
 
 
