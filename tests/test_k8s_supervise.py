@@ -111,6 +111,7 @@ def test_success_streams_the_master_log_and_reports_phases(cluster):
         wait_until(lambda: launcher.printed("[master-0] step 4"), what="the log streamed")
         op.log(master, "training done")
         wait_until(lambda: launcher.printed("training done"), what="the last line")
+        wait_until(lambda: any(e.verb == "watch" for e in ns.launcher_requests()), what="the launcher's watch")
         succeed(op, name, [master, *workers])
 
     launcher = Launcher(ns, manifest())
@@ -397,6 +398,7 @@ def test_an_api_server_restart_mid_run_costs_a_few_requests_not_a_storm(cluster)
     assert out.phase == "Succeeded"
     assert "after the restart" in launcher.master_lines()
     # A re-list and a new watch (and a few retries while the server comes up), not hundreds.
+    print(f"job requests in the {quiet:g} s after the API server restart: {dict(after)}")
     assert sum(after.values()) <= 8, after
 
 
@@ -426,6 +428,7 @@ def test_a_log_stream_that_ends_at_once_is_not_reopened_in_a_loop(cluster):
     assert ended.is_set()
     logs = [e for e in ns.launcher_requests() if e.subresource == "log"]
     span = logs[-1].received - logs[0].received
+    print(f"log streams that end at once: {len(logs)} log requests in {span:.1f} s")
     assert len(logs) <= 12, f"{len(logs)} log requests in {span:.1f} s"
     assert launcher.master_lines() == ["step 1", "step 2"]
 
@@ -481,6 +484,8 @@ def test_a_healthy_quiet_job_costs_a_few_requests_a_minute(cluster):
     streams = [e for e in reqs if e.verb == "watch" or e.subresource == "log"]
     others = [e for e in reqs if e not in streams]
     per_minute = len(others) * 60 / window
+    print(f"quiet job, {window:g} s: {len(others)} requests besides {len(streams)} watch/log streams "
+          f"({per_minute:.1f}/min): {Counter(e.what for e in others)}")
     assert per_minute <= 6, f"{len(others)} requests in {window:g} s: {[e.what for e in others]}"
     assert len([e for e in streams if e.verb == "watch"]) <= window / 4 + 1, "one watch per server close"
 
