@@ -385,8 +385,10 @@ def test_an_api_server_restart_mid_run_costs_a_few_requests_not_a_storm(cluster)
     wait_until(lambda: launcher.printed(": Running"), what="Running")
     from kubernetes import client as k8s
 
-    # Other writes move the cluster's resourceVersion past the job's (on EKS, everything else does).
-    k8s.CoreV1Api(server.admin).create_namespaced_config_map(ns.name, {"metadata": {"name": "bump"}})
+    # Other writes move the cluster's resourceVersion past the one the launcher holds (on EKS, everything
+    # else does), so the restarted server's watch cache starts after it.
+    for i in range(3):
+        k8s.CoreV1Api(server.admin).create_namespaced_config_map(ns.name, {"metadata": {"name": f"bump-{i}"}})
     server.restart_apiserver()
     restarted = time.time()
     quiet = 10.0
