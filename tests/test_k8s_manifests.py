@@ -24,25 +24,15 @@ except ImportError:          # tests/ is not a package: pytest put it on sys.pat
     from deploy_checks import DEPLOY, render
     from k8s_apiserver import Operator, apiserver, make_namespace, wait_until
 
-BASE = {"image": "ecr.example/goodput-trainer:0.1.0", "run_id": "run-1", "task_name": "train"}
-VARIANTS = {
-    "defaults (p5, 1 node)": {},
-    "multi-node": {"nodes": 4},
-    "elastic": {"nodes": 4, "min_nodes": 2},
-    "cpu only": {"gpus_per_node": 0, "nodes": 2},
-    "spot and tolerations": {"spot": True, "tolerations": [{"key": "team", "operator": "Equal", "value": "a",
-                                                            "effect": "NoSchedule"}]},
-    "volcano gang": {"nodes": 2, "scheduler": "volcano", "queue": "training", "priority_class": "high"},
-    "scheduler-plugins gang": {"nodes": 2, "scheduler": "scheduler-plugins"},
-    "yunikorn gang": {"nodes": 3, "scheduler": "yunikorn", "queue": "root.training"},
-    "mig slice": {"gpus_per_node": 1, "gpu_resource": "nvidia.com/mig-3g.40gb", "instance_type": "p4de.24xlarge"},
-    "placement and extras": {"node_group": "p5", "node_selector": {"karpenter.sh/capacity-type": "on-demand"},
-                             "env": {"NCCL_DEBUG": "INFO"}, "labels": {"team": "a"}, "service_account": "trainer",
-                             "restart_policy": "ExitCode", "clean_pod_policy": "All", "active_deadline_s": 3600,
-                             "ttl_after_finished_s": -1, "metrics_port": 0},
-    **{f"instance {t}": {"instance_type": t, "gpus_per_node": s.gpus, "nodes": 2}
-       for t, s in INSTANCE_TYPES.items() if t.startswith(("p", "g6e.48", "g5.12", "g6.xl"))},
-}
+try:
+    from tests.test_pytorchjob_build import IMG, VARIANTS as BUILD_VARIANTS
+except ImportError:          # tests/ is not a package: pytest put it on sys.path
+    from test_pytorchjob_build import IMG, VARIANTS as BUILD_VARIANTS
+
+BASE = {"image": IMG, "run_id": "run-1", "task_name": "train"}
+# Every variant the builder's own tests make, and one whole-node job per documented instance type.
+VARIANTS = {**BUILD_VARIANTS, **{f"instance {t}": {"instance_type": t, "gpus_per_node": shape.gpus, "nodes": 2}
+                                 for t, shape in INSTANCE_TYPES.items()}}
 
 
 def missing(sent, got, path: str = "") -> list[str]:
@@ -66,8 +56,10 @@ def admin_ns(tmp_path_factory):
 
 @pytest.mark.parametrize("variant", list(VARIANTS))
 def test_every_builder_variant_is_created_and_read_back_unpruned(admin_ns, variant):
-    name = "v-" + "".join(c if c.isalnum() else "-" for c in variant.lower())[:40].strip("-")
-    m = job_manifest(JobSpec(name=name, **{**BASE, **VARIANTS[variant]}))
+    settings = {**BASE, "name": "v-" + "".join(c if c.isalnum() else "-" for c in variant.lower())[:40].strip("-"),
+                **VARIANTS[variant], "namespace": admin_ns.name}
+    m = job_manifest(JobSpec(**settings))
+    name = m["metadata"]["name"]
     co = k8s.CustomObjectsApi(admin_ns.server.admin)
     co.create_namespaced_custom_object("kubeflow.org", "v1", admin_ns.name, "pytorchjobs", m)
     got = co.get_namespaced_custom_object("kubeflow.org", "v1", admin_ns.name, "pytorchjobs", name)
