@@ -139,7 +139,7 @@ def current_namespace() -> str:
     with contextlib.suppress(Exception):
         from kubernetes import config
 
-        _, ctx = config.list_kube_config_contexts()
+        _, ctx = config.list_kube_config_contexts(config_file=os.environ.get("KUBECONFIG") or None)
         return ctx["context"].get("namespace") or "default"
     return "default"
 
