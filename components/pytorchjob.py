@@ -19,6 +19,8 @@ import contextlib
 import dataclasses
 import hashlib
 import io
+import json
+import math
 import re
 from dataclasses import dataclass, field
 from pathlib import PurePosixPath
@@ -26,7 +28,8 @@ from typing import Any
 
 from trainer.launch import LaunchConfig, launcher_command
 
-__all__ = ["JobSpec", "build_pytorchjob", "job_manifest", "job_name_for", "label_value",
+__all__ = ["JobSpec", "build_pytorchjob", "job_manifest", "job_name_for", "label_value", "image_ref_problem",
+           "INSTANCE_TYPES", "NodeShape", "node_allocatable", "node_requests", "quantity",
            "CONTAINER_NAME", "PORT_NAME", "RUN_ID_LABEL", "TASK_LABEL"]
 
 API_VERSION = "kubeflow.org/v1"
@@ -62,9 +65,74 @@ EFA_ENV = {
     "NCCL_PROTO": "simple",
 }
 
+INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+# The uid/gid both images run as (images/*.Dockerfile): files on FSx stay readable and writable by every step.
+RUN_AS = 10001
+
+
+@dataclass(frozen=True)
+class NodeShape:
+    """An EC2 instance type as EKS sees it (EC2 documentation; max_pods from EKS's eni-max-pods)."""
+
+    vcpu: int
+    memory_gib: int
+    gpus: int
+    efa: int           # EFA interfaces the EFA device plugin advertises
+    max_pods: int
+    gpu: str
+
+
+INSTANCE_TYPES = {
+    "p5.48xlarge": NodeShape(192, 2048, 8, 32, 100, "H100 80GB"),
+    "p5e.48xlarge": NodeShape(192, 2048, 8, 32, 100, "H200 141GB"),
+    "p5en.48xlarge": NodeShape(192, 2048, 8, 16, 100, "H200 141GB"),
+    "p4d.24xlarge": NodeShape(96, 1152, 8, 4, 737, "A100 40GB"),
+    "p4de.24xlarge": NodeShape(96, 1152, 8, 4, 737, "A100 80GB"),
+    **{f"g5.{size}": NodeShape(cpu, mem, gpus, efa, pods, "A10G 24GB") for size, cpu, mem, gpus, efa, pods in (
+        ("xlarge", 4, 16, 1, 0, 58), ("2xlarge", 8, 32, 1, 0, 58), ("4xlarge", 16, 64, 1, 0, 234),
+        ("8xlarge", 32, 128, 1, 1, 234), ("12xlarge", 48, 192, 4, 1, 737), ("16xlarge", 64, 256, 1, 1, 234),
+        ("24xlarge", 96, 384, 4, 1, 737), ("48xlarge", 192, 768, 8, 1, 345))},
+    **{f"g6.{size}": NodeShape(cpu, mem, gpus, efa, pods, "L4 24GB") for size, cpu, mem, gpus, efa, pods in (
+        ("xlarge", 4, 16, 1, 0, 58), ("2xlarge", 8, 32, 1, 0, 58), ("4xlarge", 16, 64, 1, 0, 234),
+        ("8xlarge", 32, 128, 1, 1, 234), ("12xlarge", 48, 192, 4, 1, 234), ("16xlarge", 64, 256, 1, 1, 737),
+        ("24xlarge", 96, 384, 4, 1, 737), ("48xlarge", 192, 768, 8, 1, 737))},
+    **{f"g6e.{size}": NodeShape(cpu, mem, gpus, efa, pods, "L40S 48GB") for size, cpu, mem, gpus, efa, pods in (
+        ("xlarge", 4, 32, 1, 0, 58), ("2xlarge", 8, 64, 1, 0, 58), ("4xlarge", 16, 128, 1, 0, 234),
+        ("8xlarge", 32, 256, 1, 1, 234), ("12xlarge", 48, 384, 4, 1, 234), ("16xlarge", 64, 512, 1, 1, 737),
+        ("24xlarge", 96, 768, 4, 2, 737), ("48xlarge", 192, 1536, 8, 4, 737))},
+}
+# What every GPU node also runs (device plugins, FSx CSI, exporters, kube-proxy, VPC CNI), kept free: up to
+# 2 vCPU and 8 GiB, at most an eighth of the CPUs and a tenth of the memory on small nodes.
+DAEMONSET_CPU, DAEMONSET_MEMORY_GIB = 2, 8
+# The kubelet's memory capacity is the kernel's MemTotal, below the nominal size (firmware, kernel, crash
+# kernel): about 95-97% on these types; 92% keeps a margin.
+MEMTOTAL_SHARE = 0.92
+
+
+def node_allocatable(shape: NodeShape) -> tuple[int, int]:
+    """(millicores, MiB) the kubelet leaves for pods: EKS AMI kube-reserved and the 100 MiB eviction threshold."""
+    reserve, left = 0.0, shape.vcpu
+    for share, cores in ((0.06, 1), (0.01, 1), (0.005, 2), (0.0025, shape.vcpu)):
+        take = min(cores, left)
+        reserve, left = reserve + share * take * 1000, left - take
+    memory = int(shape.memory_gib * 1024 * MEMTOTAL_SHARE)
+    return shape.vcpu * 1000 - math.ceil(reserve), memory - (255 + 11 * shape.max_pods) - 100
+
+
+def node_requests(shape: NodeShape) -> dict[str, str]:
+    """What one trainer pod requests on a whole node: allocatable minus the DaemonSets; /dev/shm a quarter."""
+    cpu_m, mem_mib = node_allocatable(shape)
+    cpu = (cpu_m - min(DAEMONSET_CPU * 1000, shape.vcpu * 1000 // 8)) // 1000
+    memory = (mem_mib - min(DAEMONSET_MEMORY_GIB * 1024, shape.memory_gib * 1024 // 10)) // 1024
+    return {"cpu": str(cpu), "memory": f"{memory}Gi", "shm": f"{memory // 4}Gi"}
+
+
 RESTART_POLICIES = ("OnFailure", "ExitCode", "Always", "Never")
 CLEAN_POD_POLICIES = ("Running", "All", "None")
-SCHEDULERS = {"": "", "volcano": "volcano", "scheduler-plugins": "scheduler-plugins-scheduler"}
+SCHEDULERS = {"": "", "volcano": "volcano", "scheduler-plugins": "scheduler-plugins-scheduler",
+              "yunikorn": "yunikorn"}
+# Whole GPUs, or MIG slices as the device plugin's "mixed" strategy names them (nvidia.com/mig-3g.40gb).
+_GPU_RESOURCE = re.compile(r"^nvidia\.com/(gpu|mig-[1-7]g\.[0-9]+gb)$")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -95,9 +163,15 @@ class JobSpec:
     # Shape.
     nodes: int = _f(1, "nodes (pods) in the job, one pod per node")
     min_nodes: int = _f(0, "elastic: fewest nodes the job runs with (0 = fixed size = nodes)")
-    gpus_per_node: int = _f(8, "GPUs per pod (nvidia.com/gpu); 0 = a CPU job")
+    gpus_per_node: int = _f(8, "GPUs (or MIG slices, gpu_resource) per pod; 0 = a CPU job")
+    gpu_resource: str = _f(GPU_RESOURCE, "the GPU resource: nvidia.com/gpu, or a MIG slice such as "
+                                         "nvidia.com/mig-3g.40gb (the device plugin's mixed strategy)")
+    instance_type: str = _f("", "EC2 instance type of the nodes (nodeSelector node.kubernetes.io/instance-type); "
+                                f"one of {', '.join(INSTANCE_TYPES)} also sizes EFA, CPU, memory and /dev/shm "
+                                "to the node (explicit settings win)")
     nproc_per_node: int = _f(0, "trainer processes per pod; 0 = one per GPU (1 on CPU nodes)")
-    efa_per_node: int = _f(-1, "EFA interfaces per pod (vpc.amazonaws.com/efa); -1 = 32 with GPUs, else 0")
+    efa_per_node: int = _f(-1, "EFA interfaces per pod (vpc.amazonaws.com/efa); -1 = the instance type's (32 "
+                               "with whole GPUs and no known instance type), else 0")
     cpu: str = _f("", f"CPU request per pod; empty = {CPU_PER_GPU} per GPU (2 without GPUs)")
     memory: str = _f("", f"memory request = limit per pod; empty = {MEMORY_GIB_PER_GPU}Gi per GPU (8Gi without)")
     shm_size: str = _f("", f"size limit of /dev/shm (memory-backed, counts as memory); empty = "
@@ -114,10 +188,10 @@ class JobSpec:
     priority_class: str = _f("", "PriorityClass of the pods and the gang")
     service_account: str = _f("", "service account of the pods (IRSA role for S3)")
     # Gang scheduling.
-    scheduler: str = _f("", "gang scheduler: '' (none), volcano or scheduler-plugins",
+    scheduler: str = _f("", "gang scheduler: '' (none), volcano, scheduler-plugins or yunikorn (task groups)",
                         choices=tuple(SCHEDULERS))
     scheduler_name: str = _f("", "schedulerName of the pods; empty = the gang scheduler's usual name")
-    queue: str = _f("", "Volcano queue of the gang")
+    queue: str = _f("", "queue of the gang: a Volcano queue, or a YuniKorn queue (root.<name>)")
     # Run policy.
     restart_policy: str = _f("OnFailure", "pod restarts: OnFailure, ExitCode, Always or Never",
                              choices=RESTART_POLICIES)
@@ -167,14 +241,27 @@ class JobSpec:
         return self.nproc_per_node or self.gpus_per_node or 1
 
     @property
+    def shape(self) -> NodeShape | None:
+        return INSTANCE_TYPES.get(self.instance_type)
+
+    @property
+    def mig(self) -> bool:
+        return self.gpu_resource != GPU_RESOURCE
+
+    @property
     def efa(self) -> int:
-        return self.efa_per_node if self.efa_per_node >= 0 else (EFA_PER_P5 if self.gpus_per_node else 0)
+        if self.efa_per_node >= 0:
+            return self.efa_per_node
+        if not self.gpus_per_node or self.mig:      # a MIG slice is a small job: no EFA
+            return 0
+        return self.shape.efa if self.shape else EFA_PER_P5
 
     def resources(self) -> dict[str, str]:
         g = self.gpus_per_node
-        return {"cpu": self.cpu or str(CPU_PER_GPU * g if g else 2),
-                "memory": self.memory or (f"{MEMORY_GIB_PER_GPU * g}Gi" if g else "8Gi"),
-                "shm": self.shm_size or (f"{SHM_GIB_PER_GPU * g}Gi" if g else "2Gi")}
+        whole = node_requests(self.shape) if self.shape and g and not self.mig else {}
+        return {"cpu": self.cpu or whole.get("cpu") or str(CPU_PER_GPU * g if g else 2),
+                "memory": self.memory or whole.get("memory") or (f"{MEMORY_GIB_PER_GPU * g}Gi" if g else "8Gi"),
+                "shm": self.shm_size or whole.get("shm") or (f"{SHM_GIB_PER_GPU * g}Gi" if g else "2Gi")}
 
     @property
     def rdzv_host(self) -> str:
@@ -216,6 +303,8 @@ class JobSpec:
         self._check_placement(p)
         self._check_policies(p)
         self._check_trainer(p)
+        if len(p) == 1:
+            raise ValueError(f"invalid PyTorchJob settings: {p[0]}")
         if p:
             raise ValueError("invalid PyTorchJob settings:\n  " + "\n  ".join(p))
         return self
@@ -231,8 +320,8 @@ class JobSpec:
             what = f"{self.gpus_per_node} GPUs per node" if self.gpus_per_node > 0 else "the pods"
             p.append(f"an image is required for {what}: the trainer image (torch, nvidia-resiliency-ext, "
                      "goodput-pipelines), e.g. --image <account>.dkr.ecr.<region>.amazonaws.com/goodput:0.1.0")
-        elif re.search(r"\s", self.image):
-            p.append(f"image {self.image!r} contains whitespace")
+        elif image_ref_problem(self.image):
+            p.append(f"image {image_ref_problem(self.image)}")
         if self.image_pull_policy not in ("Always", "IfNotPresent", "Never"):
             p.append(f"image_pull_policy must be Always, IfNotPresent or Never, got {self.image_pull_policy!r}")
         if self.nproc_per_node < 0:
@@ -245,8 +334,36 @@ class JobSpec:
         elif self.efa > 0 and self.gpus_per_node == 0:
             p.append(f"efa_per_node={self.efa} without GPUs: EFA is for GPU node groups (set it to 0)")
         for key, value in (("cpu", self.cpu), ("memory", self.memory), ("shm_size", self.shm_size)):
-            if value and not _QUANTITY.match(value):
-                p.append(f"{key} {value!r} is not a Kubernetes quantity (e.g. 96, 500m, 512Gi)")
+            if value and (not _QUANTITY.match(value) or value.startswith("-") or quantity(value) <= 0):
+                p.append(f"{key} {value!r} is not a Kubernetes quantity above 0 (e.g. 96, 500m, 512Gi)")
+        if not _GPU_RESOURCE.match(self.gpu_resource):
+            p.append(f"gpu_resource {self.gpu_resource!r} must be nvidia.com/gpu or a MIG slice like "
+                     "nvidia.com/mig-3g.40gb")
+        if self.instance_type and not _LABEL_NAME.match(self.instance_type):
+            p.append(f"instance_type {self.instance_type!r} is not an EC2 instance type name")
+        self._check_fits(p)
+
+    def _check_fits(self, p: list[str]) -> None:
+        """The pod's requests fit one node of ``instance_type`` (when the type is in the table)."""
+        shape = self.shape
+        if shape is None:
+            return
+        if not self.mig and self.gpus_per_node > shape.gpus:
+            p.append(f"gpus_per_node={self.gpus_per_node}, but {self.instance_type} has {shape.gpus} GPUs")
+        if self.efa > shape.efa:
+            p.append(f"efa_per_node={self.efa}, but {self.instance_type} has {shape.efa} EFA interfaces")
+        try:
+            res = self.resources()
+            cpu, mem, shm = quantity(res["cpu"]), quantity(res["memory"]), quantity(res["shm"])
+        except ValueError:
+            return                          # reported above
+        cpu_m, mem_mib = node_allocatable(shape)
+        if cpu * 1000 > cpu_m:
+            p.append(f"cpu {res['cpu']} exceeds what {self.instance_type} has for pods ({cpu_m / 1000:g})")
+        if mem > mem_mib * 2 ** 20:
+            p.append(f"memory {res['memory']} exceeds what {self.instance_type} has for pods ({mem_mib // 1024}Gi)")
+        if shm > mem:
+            p.append(f"shm_size {res['shm']} exceeds the pod's memory {res['memory']} (/dev/shm counts against it)")
 
     def _check_names(self, p: list[str]) -> None:
         # The operator makes a Service per replica named like the pod, so the name must be a DNS-1035
@@ -302,8 +419,10 @@ class JobSpec:
                 p.append(f"toleration {t!r}: effect must be one of {TAINT_EFFECTS}")
         if self.scheduler not in SCHEDULERS:
             p.append(f"scheduler must be one of {sorted(SCHEDULERS)}, got {self.scheduler!r}")
-        if self.queue and self.scheduler != "volcano":
-            p.append(f"queue {self.queue!r} is a Volcano setting: set scheduler=volcano")
+        if self.queue and self.scheduler not in ("volcano", "yunikorn"):
+            p.append(f"queue {self.queue!r} needs a scheduler with queues: set scheduler=volcano or yunikorn")
+        if self.queue and self.scheduler == "yunikorn" and not re.match(r"^root(\.[A-Za-z0-9_-]+)*$", self.queue):
+            p.append(f"queue {self.queue!r} is not a YuniKorn queue path (root.<name>)")
         if self.scheduler_name and not _DNS1123_SUBDOMAIN.match(self.scheduler_name):
             p.append(f"scheduler_name {self.scheduler_name!r} is not a DNS-1123 subdomain")
 
@@ -429,6 +548,24 @@ def _parse_taint(taint: str) -> tuple[str, str | None, str]:
     return key, (value if eq else None), effect
 
 
+# The distribution/reference grammar: [host[:port]/]path[:tag][@sha256:digest], path components lowercase.
+_HOST = r"[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?(?:\.[a-zA-Z0-9](?:[a-zA-Z0-9-]*[a-zA-Z0-9])?)*(?::[0-9]+)?"
+_PATH_PART = r"[a-z0-9]+(?:(?:[._]|__|-+)[a-z0-9]+)*"
+_IMAGE = re.compile(rf"^(?:(?P<host>{_HOST})/)?(?P<path>{_PATH_PART}(?:/{_PATH_PART})*)"
+                    r"(?::(?P<tag>[A-Za-z0-9_][A-Za-z0-9_.-]{0,127}))?(?:@(?P<digest>sha256:[0-9a-f]{64}))?$")
+
+
+def image_ref_problem(ref: str, *, pinned: bool = False) -> str:
+    """Why ``ref`` is not a usable image reference ('' if it is); ``pinned`` also wants a tag or digest."""
+    m = _IMAGE.match(ref or "")
+    if not m or len(ref) > 255:
+        return (f"{ref!r} is not an image reference (registry/repository:tag or @sha256:digest, lowercase "
+                "repository), e.g. 123456789012.dkr.ecr.us-west-2.amazonaws.com/goodput-trainer:0.1.0")
+    if pinned and not (m.group("tag") or m.group("digest")):
+        return f"image {ref!r} has no tag or digest: pin one (e.g. {ref}:0.1.0), or every node may pull another"
+    return ""
+
+
 def label_value(text: str) -> str:
     """``text`` as a valid label value: invalid characters become '-', at most 63 characters."""
     v = re.sub(r"[^A-Za-z0-9._-]", "-", str(text))[:63]
@@ -460,7 +597,7 @@ def build_pytorchjob(spec: JobSpec):
               **{str(k): str(v) for k, v in spec.labels.items()}}
     requests = {"cpu": res["cpu"], "memory": res["memory"]}
     limits = {"memory": res["memory"]}
-    for resource, count in ((GPU_RESOURCE, spec.gpus_per_node), (EFA_RESOURCE, spec.efa)):
+    for resource, count in ((spec.gpu_resource, spec.gpus_per_node), (EFA_RESOURCE, spec.efa)):
         if count:
             requests[resource] = limits[resource] = str(count)
     env = {**(NCCL_ENV if spec.gpus_per_node else {}), **(EFA_ENV if spec.efa else {}),
@@ -483,6 +620,7 @@ def build_pytorchjob(spec: JobSpec):
         m.V1Volume(name="dshm", empty_dir=m.V1EmptyDirVolumeSource(medium="Memory", size_limit=res["shm"])),
     ]
     node_selector = {**({"eks.amazonaws.com/nodegroup": spec.node_group} if spec.node_group else {}),
+                     **({INSTANCE_TYPE_LABEL: spec.instance_type} if spec.instance_type else {}),
                      **{str(k): str(v) for k, v in spec.node_selector.items()}}
     pod = m.V1PodSpec(
         containers=[container],
@@ -493,8 +631,15 @@ def build_pytorchjob(spec: JobSpec):
         service_account_name=spec.service_account or None,
         scheduler_name=(spec.scheduler_name or SCHEDULERS.get(spec.scheduler) or None),
         termination_grace_period_seconds=spec.termination_grace_s,
+        # The images' user; fsGroup makes volumes that honour it (EBS, emptyDir) writable to it. FSx for
+        # Lustre does not: deploy/fsx/init-job.yaml gives its top directories to this uid once.
+        security_context=m.V1PodSecurityContext(run_as_user=RUN_AS, run_as_group=RUN_AS, run_as_non_root=True,
+                                                fs_group=RUN_AS, fs_group_change_policy="OnRootMismatch"),
     )
-    template = m.V1PodTemplateSpec(metadata=m.V1ObjectMeta(labels=labels), spec=pod)
+    pod_labels, annotations = dict(labels), None
+    if spec.scheduler == "yunikorn":
+        pod_labels, annotations = _yunikorn_gang(spec, labels, requests, node_selector, pod.tolerations)
+    template = m.V1PodTemplateSpec(metadata=m.V1ObjectMeta(labels=pod_labels, annotations=annotations), spec=pod)
 
     def replica(count: int):
         return m.KubeflowOrgV1ReplicaSpec(replicas=count, restart_policy=spec.restart_policy, template=template)
@@ -509,7 +654,7 @@ def build_pytorchjob(spec: JobSpec):
             max_restarts=spec.launch.max_restarts, rdzv_backend="c10d", rdzv_port=spec.master_port,
             rdzv_id=spec.name)
     gang = None
-    if spec.scheduler:
+    if spec.scheduler in ("volcano", "scheduler-plugins"):     # the operator makes their PodGroup
         gang = m.KubeflowOrgV1SchedulingPolicy(
             min_available=spec.min_nodes if spec.elastic else spec.nodes,
             queue=spec.queue or None, priority_class=spec.priority_class or None)
@@ -544,6 +689,35 @@ def _kfp_labels(spec: JobSpec) -> dict[str, str]:
     if spec.task_name:
         out[TASK_LABEL] = label_value(spec.task_name)
     return {k: v for k, v in out.items() if v}
+
+
+def _yunikorn_gang(spec: JobSpec, labels: dict, requests: dict, node_selector: dict, tolerations) -> tuple:
+    """YuniKorn gang scheduling by pod annotations (the operator has no YuniKorn PodGroup): one task group
+    of every pod, so YuniKorn reserves all nodes with placeholders before any trainer pod starts."""
+    from kubernetes.client import ApiClient
+
+    group = {"name": "trainers", "minMember": spec.min_nodes if spec.elastic else spec.nodes,
+             "minResource": dict(requests), "nodeSelector": dict(node_selector),
+             "tolerations": ApiClient().sanitize_for_serialization(tolerations or [])}
+    pod_labels = {**labels, "applicationId": spec.name, **({"queue": spec.queue} if spec.queue else {})}
+    annotations = {"yunikorn.apache.org/task-group-name": "trainers",
+                   "yunikorn.apache.org/task-groups": json.dumps([group], sort_keys=True),
+                   # Placeholders that cannot all be placed give up after 15 minutes; the job then fails.
+                   "yunikorn.apache.org/schedulingPolicyParameters":
+                       "placeholderTimeoutInSeconds=900 gangSchedulingStyle=Hard"}
+    return pod_labels, annotations
+
+
+_SUFFIX = {"": 1, "k": 10 ** 3, "M": 10 ** 6, "G": 10 ** 9, "T": 10 ** 12, "P": 10 ** 15, "E": 10 ** 18,
+           "m": 10 ** -3, "Ki": 2 ** 10, "Mi": 2 ** 20, "Gi": 2 ** 30, "Ti": 2 ** 40, "Pi": 2 ** 50, "Ei": 2 ** 60}
+
+
+def quantity(text: str) -> float:
+    """A Kubernetes quantity as a number (cores, bytes): "500m" -> 0.5, "2Gi" -> 2147483648."""
+    m = re.match(r"^([+-]?[0-9.]+(?:[eE][+-]?[0-9]+)?)([a-zA-Z]*)$", str(text).strip())
+    if not m or m.group(2) not in _SUFFIX:
+        raise ValueError(f"{text!r} is not a Kubernetes quantity")
+    return float(m.group(1)) * _SUFFIX[m.group(2)]
 
 
 def _tolerations(spec: JobSpec, m) -> list:

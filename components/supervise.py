@@ -5,9 +5,12 @@ What the launcher does, in order:
      retry) already created it: re-attach instead of creating a duplicate. A job of another run under
      that name is an error; a job that already failed is deleted and created again (the trainer
      resumes from its last committed checkpoint) once per launcher.
-  2. Watch the job (``timeout_seconds`` bounds every watch; on a dropped stream, a 410 or an API error
-     it re-reads the job and watches again with exponential backoff), report phase changes,
-     replica counts, per-replica restarts and pod waiting reasons, and stream the master pod's log.
+  2. Watch the job with ``kubernetes.watch.Watch`` (it resumes from the last resourceVersion when the
+     server closes a watch). A 410 or a dropped stream re-lists the job and watches from the list's
+     resourceVersion (never the object's own: a restarted API server's watch cache has no version older
+     than its start, so that one is 410 again, forever). Every retry backs off (tenacity's waits), so a
+     misbehaving server costs a few requests a minute. It reports phase changes, replica counts,
+     per-replica restarts and pod waiting reasons, and streams the master pod's log.
   3. End on Succeeded; on Failed raise ``JobFailed`` saying why (conditions, container termination
      reasons, recent events, the log's tail); past the overall deadline delete the job and raise
      ``JobTimeout``; on SIGTERM/SIGINT (run cancelled) delete the job and raise ``JobCancelled``.
@@ -26,7 +29,7 @@ import calendar
 import contextlib
 import json
 import math
-import random
+import os
 import signal
 import sys
 import threading
@@ -36,6 +39,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
 
+import tenacity
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
@@ -59,13 +63,19 @@ class SuperviseConfig:
     """How long to wait and how hard to retry. All times in seconds."""
 
     timeout_s: float = 7 * 86400          # overall deadline; past it the job is deleted
-    watch_timeout_s: int = 30             # server-side end of each watch; pods are re-read between watches
+    # End of each watch (timeoutSeconds); 0 = the server decides (--min-request-timeout) and a silent
+    # watch is renewed after 300 s.
+    watch_timeout_s: int = 30
+    # Re-read the pods (restart counts) at most this often, unless the job's phase or replicas change.
+    pods_every_s: float = 30.0
     request_timeout_s: float = 30.0       # connect/read limit of one plain API call
     backoff_s: float = 1.0                # first wait after an API error, doubled up to backoff_max_s
     backoff_max_s: float = 30.0
     delete_wait_s: float = 20.0           # how long deletion waits for the job to be gone (fits pod grace)
     stream_logs: bool = True              # follow the master pod's log into this process's stdout
-    log_poll_s: float = 2.0               # how often the log follower looks for the master container
+    # First wait before reopening a log stream, doubled while the stream fails or ends with nothing new.
+    log_poll_s: float = 2.0
+    log_backoff_max_s: float = 30.0
     log_idle_s: float = 60.0              # reconnect a log stream silent this long (drops go unnoticed)
     log_drain_s: float = 10.0             # at the end, how long to wait for the rest of the log
     log_tail_lines: int = 40              # log lines kept for the failure message
@@ -117,7 +127,8 @@ def api_client(host: str = "") -> k8s.ApiClient:
     try:
         config.load_incluster_config()
     except config.ConfigException:
-        config.load_kube_config()
+        # $KUBECONFIG as it is now: the client library reads it once, when it is imported.
+        config.load_kube_config(config_file=os.environ.get("KUBECONFIG") or None)
     return k8s.ApiClient()
 
 
@@ -128,7 +139,7 @@ def current_namespace() -> str:
     with contextlib.suppress(Exception):
         from kubernetes import config
 
-        _, ctx = config.list_kube_config_contexts()
+        _, ctx = config.list_kube_config_contexts(config_file=os.environ.get("KUBECONFIG") or None)
         return ctx["context"].get("namespace") or "default"
     return "default"
 
@@ -215,17 +226,32 @@ def _phase(job: dict) -> tuple[str, dict]:
 
 
 class _Backoff:
-    def __init__(self, first: float, most: float) -> None:
-        self.first, self.most, self.next = first, most, first
+    """Consecutive failures wait tenacity's exponential backoff (``first`` doubled up to ``most``) plus up to
+    ``first`` of jitter, so many launchers do not hammer a recovering API server in step; a success resets it."""
 
-    def wait(self, deadline: float) -> None:
-        # Full jitter keeps many launchers from hammering a recovering API server in step.
-        pause = min(self.next * (0.5 + random.random() / 2), max(0.0, deadline - time.monotonic()))
-        self.next = min(self.next * 2, self.most)
-        time.sleep(pause)
+    def __init__(self, first: float, most: float) -> None:
+        self.strategy = tenacity.wait_exponential(multiplier=first, max=most) + tenacity.wait_random(0, first)
+        self.failures = 0
+
+    def pause(self) -> float:
+        self.failures += 1
+        return self.strategy(_Attempt(self.failures))
+
+    def wait(self, deadline: float, event: threading.Event | None = None) -> None:
+        pause = min(self.pause(), max(0.0, deadline - time.monotonic()))
+        if event is None:
+            time.sleep(pause)
+        else:
+            event.wait(pause)
 
     def reset(self) -> None:
-        self.next = self.first
+        self.failures = 0
+
+
+@dataclass
+class _Attempt:
+    """What tenacity's wait strategies read of a retry: the attempt number."""
+    attempt_number: int
 
 
 class _Supervisor:
@@ -245,6 +271,7 @@ class _Supervisor:
         self._phase = ""
         self._replicas = ""
         self._pod_states: dict[str, str] = {}
+        self._pods_read = -math.inf
         self._pod_uids: dict[tuple[str, str], set[str]] = {}
         self._container_restarts: dict[str, int] = {}
         self.restarts: dict[str, int] = {}
@@ -383,36 +410,52 @@ class _Supervisor:
             self._logs = _LogFollower(self, tail=None if self.created else self.cfg.reattach_tail_lines)
             self._logs.start()
         backoff = _Backoff(self.cfg.backoff_s, self.cfg.backoff_max_s)
-        rv = None
+        rv, expired = None, False           # expired: the last watch ended in 410 (said once per streak)
         while True:
             remaining = self._remaining()
+            began, seen = time.monotonic(), 0
             try:
-                if rv is None:        # (re)list: the current state and where to watch from
-                    job = self._get_job()
+                if rv is None:        # (re)list: the current state and the version to watch from
+                    job, rv = self._list_job()
                     if job is None:
                         raise JobFailed(f"PyTorchJob {self.ref} was deleted by someone else while running")
                     if self._observe(job):
                         return self._finish(job)
-                    rv = job["metadata"].get("resourceVersion")
                 w = watch.Watch()
-                seconds = max(1, int(min(self.cfg.watch_timeout_s, math.ceil(remaining))))
-                stream = w.stream(self.co.list_namespaced_custom_object, GROUP, VERSION, self.ns, PLURAL,
-                                  field_selector=f"metadata.name={self.name}", resource_version=rv,
-                                  timeout_seconds=seconds, _request_timeout=(10, seconds + 15))
-                for event in stream:
+                kw: dict = {"allow_watch_bookmarks": True}
+                if self.cfg.watch_timeout_s:
+                    seconds = max(1, int(min(self.cfg.watch_timeout_s, math.ceil(remaining))))
+                    kw.update(timeout_seconds=seconds, _request_timeout=(10, seconds + 15))
+                else:
+                    # The server ends the watch (--min-request-timeout) and Watch resumes it from the last
+                    # version seen; a read timeout hands control back to check the deadline and the pods.
+                    kw.update(_request_timeout=(10, min(300.0, max(1.0, remaining))))
+                for event in w.stream(self.co.list_namespaced_custom_object, GROUP, VERSION, self.ns, PLURAL,
+                                      field_selector=f"metadata.name={self.name}", resource_version=rv, **kw):
                     obj = event["raw_object"]
+                    rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
+                    if event["type"] == "BOOKMARK":       # only a newer version to resume from
+                        continue
+                    seen, expired = seen + 1, False
                     if event["type"] == "DELETED":
                         raise JobFailed(f"PyTorchJob {self.ref} was deleted by someone else while running\n"
                                         f"{self.diagnose(obj)}")
-                    rv = obj.get("metadata", {}).get("resourceVersion", rv)
                     if self._observe(obj):
                         return self._finish(obj)
-                backoff.reset()
-                self._refresh_pods()      # pod restarts do not always touch the job
+                    self._remaining()
+                if not seen and time.monotonic() - began < 1.0:
+                    # A watch the server ends at once is a failure too, or the loop would spin.
+                    self.log(f"watch of PyTorchJob {self.ref} ended at once; watching again after a pause")
+                    backoff.wait(self.deadline)
+                else:
+                    backoff.reset()
+                    expired = False
             except ApiException as e:
                 if e.status == 410:       # our resourceVersion is too old: re-list
-                    self.log("watch expired (410); re-reading the job")
-                    rv = None
+                    if not expired:
+                        self.log("watch expired (410); re-listing the job")
+                    expired, rv = True, None
+                    backoff.wait(self.deadline)
                     continue
                 if not _transient(e):
                     raise self._fatal(e, "watching") from None
@@ -424,14 +467,27 @@ class _Supervisor:
             except Exception as e:  # noqa: BLE001 - classified right below
                 if not _transient(e):
                     raise
-                self.log(f"watch of PyTorchJob {self.ref} dropped ({type(e).__name__}); resyncing")
-                rv = None
-                backoff.wait(self.deadline)
+                if _read_timeout(e) and not self.cfg.watch_timeout_s:
+                    backoff.reset()       # a silent watch renewed: nothing failed
+                else:
+                    self.log(f"watch of PyTorchJob {self.ref} dropped ({type(e).__name__}); resyncing")
+                    rv = None
+                    backoff.wait(self.deadline)
+            with contextlib.suppress(Exception):
+                self._refresh_pods()      # pod restarts do not always touch the job
+
+    def _list_job(self) -> tuple[dict | None, str]:
+        """The job and the list's resourceVersion: the server's current one, from which a watch is valid."""
+        data = self._call(self.co.list_namespaced_custom_object, GROUP, VERSION, self.ns, PLURAL,
+                          field_selector=f"metadata.name={self.name}")
+        items = [j for j in data.get("items") or [] if j.get("metadata", {}).get("name") == self.name]
+        return (items[0] if items else None), (data.get("metadata") or {}).get("resourceVersion")
 
     def _observe(self, job: dict) -> bool:
         """Report what changed; True once the job is finished (succeeded or failed)."""
         phase, cond = _phase(job)
-        if phase != self._phase:
+        changed = phase != self._phase
+        if changed:
             detail = f" ({cond.get('reason', '')}: {cond.get('message', '')})" if cond.get("message") else ""
             self.log(f"PyTorchJob {self.ref}: {phase}{detail}")
             self._phase = phase
@@ -442,15 +498,20 @@ class _Supervisor:
         if replicas and replicas != self._replicas:
             self.log(f"replicas: {replicas}")
             self._replicas = replicas
+            changed = True
         with contextlib.suppress(Exception):
-            self._refresh_pods()
+            self._refresh_pods(force=changed)
         return phase in ("Succeeded", "Failed")
 
     def _list_pods(self) -> list[dict]:
         data = self._call(self.core.list_namespaced_pod, self.ns, label_selector=f"{JOB_NAME_LABEL}={self.name}")
         return data.get("items") or []
 
-    def _refresh_pods(self) -> None:
+    def _refresh_pods(self, force: bool = False) -> None:
+        """Restart counts and pod states; at most every ``pods_every_s`` unless ``force``."""
+        if not force and time.monotonic() - self._pods_read < self.cfg.pods_every_s:
+            return
+        self._pods_read = time.monotonic()
         counts: dict[str, int] = {}
         for pod in self._list_pods():
             meta, status = pod.get("metadata", {}), pod.get("status") or {}
@@ -545,6 +606,13 @@ class _Supervisor:
         return out
 
 
+def _read_timeout(e: BaseException) -> bool:
+    import urllib3
+
+    return isinstance(e, urllib3.exceptions.ReadTimeoutError) or (
+        isinstance(e, urllib3.exceptions.ProtocolError) and "timed out" in str(e))
+
+
 def _status_message(e: ApiException) -> str:
     with contextlib.suppress(Exception):
         return json.loads(e.body).get("message") or e.reason
@@ -607,8 +675,11 @@ def _parse_ts(text: str) -> tuple[int, int] | None:
 class _LogFollower(threading.Thread):
     """Follow the master's (elastic: worker 0's) container log across restarts and dropped streams.
 
-    Each container instance (pod uid, restart count) is read once: a dropped or idle stream resumes
-    with ``sinceSeconds`` and skips lines at or before the last timestamp seen.
+    A dropped or idle stream resumes with ``sinceSeconds`` and skips lines at or before the last
+    timestamp seen. That timestamp is kept across restarts of the container in the same pod: the
+    kubelet serves the new container's log as soon as it runs, maybe before the pod's status counts the
+    restart, so the follower may already be reading it under the old restart count. A new pod starts
+    afresh. A stream that fails or ends with nothing new is reopened after a growing pause.
     """
 
     def __init__(self, sup: _Supervisor, tail: int | None) -> None:
@@ -621,12 +692,13 @@ class _LogFollower(threading.Thread):
         rtype = "worker" if sup.elastic else "master"
         self.selector = f"{JOB_NAME_LABEL}={sup.name},{REPLICA_TYPE_LABEL}={rtype},{REPLICA_INDEX_LABEL}=0"
         self.prefix = f"[{rtype}-0]"
+        self.backoff = _Backoff(sup.cfg.log_poll_s, sup.cfg.log_backoff_max_s)
         # Its own client: the main thread may be interrupted by SIGTERM in the middle of a request.
         self.core = k8s.CoreV1Api(k8s.ApiClient(sup.client.configuration))
 
     def run(self) -> None:
         done: set[tuple[str, int]] = set()
-        key = None
+        uid = None
         while not self.stop.is_set():
             pod = self._pod()
             k = _instance(pod) if pod else None
@@ -635,20 +707,22 @@ class _LogFollower(threading.Thread):
                     return
                 self.stop.wait(self.sup.cfg.log_poll_s)
                 continue
-            if k != key:                    # a new container instance: its log starts afresh
-                key, self.last = k, None
+            if k[0] != uid:                 # a new pod: its log starts afresh
+                uid, self.last = k[0], None
+            shown = self.last
             try:
                 self._stream(pod["metadata"]["name"])
-            except ApiException:
-                self.stop.wait(self.sup.cfg.log_poll_s)     # not started yet, or gone
+            except Exception:  # noqa: BLE001 - not started yet, gone, dropped or idle: reopen after a pause
+                self.backoff.wait(math.inf, self.stop)
                 continue
-            except Exception:  # noqa: BLE001 - dropped or idle stream: reconnect
-                self.stop.wait(min(1.0, self.sup.cfg.log_poll_s))
-                continue
+            if self.last != shown:
+                self.backoff.reset()
             # The stream ended: that instance is finished if its container is over or was replaced.
             now = self._pod()
             if now is None or _instance(now) != k or _terminated(now):
                 done.add(k)
+            elif self.last == shown and not self.finish.is_set():
+                self.backoff.wait(math.inf, self.stop)     # ended at once, nothing new: do not spin
 
     def _pod(self) -> dict | None:
         try:

@@ -11,12 +11,14 @@ rejects) fails in seconds, before a dataset is staged or a GPU is requested. The
 ``components.train_config_op.train_config_op``; this module imports no kfp.
 
     from components.train_config import build_train_config
-    args, job, run_dir = build_train_config(fsx_root="fsx", dataset_name="pystdlib", dataset_version="3.11",
+    args, job, run_dir = build_train_config(fsx_root="fsx", dataset_name="corpus", dataset_version="1",
                                             run_id="dev", max_steps=60, inject_fault="kill@30:1")
+
+``check_run_parameters`` applies the same checks to a whole set of pipeline parameters (``goodput run``
+calls it before submitting, so ``nodes=0`` fails on the user's machine, not in a pod).
 """
 
-
-INSTANCE_TYPE_LABEL = "node.kubernetes.io/instance-type"
+import inspect
 
 
 def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str, run_id: str,
@@ -25,7 +27,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
                        seed: int = 1337, inject_fault: str = "", extra_trainer_args: list | None = None,
                        max_restarts: int = 3, backoff_limit: int = 3, instance_type: str = "",
                        fsx_pvc: str = "fsx-claim", service_account: str = "", backend: str = "cluster",
-                       image: str = "", nodes: int = 1, gpus_per_node: int = 8,
+                       image: str = "", nodes: int = 1, gpus_per_node: int = -1, gpu_resource: str = "nvidia.com/gpu",
+                       efa_per_node: int = -1, cpu: str = "", memory: str = "", shm_size: str = "",
+                       node_group: str = "", scheduler: str = "", queue: str = "",
                        spot: bool = False) -> tuple[list[str], dict, str]:
     """(trainer arguments, job settings, run directory) for ``train_op``, validated as the train step will.
 
@@ -49,19 +53,28 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         extra_trainer_args: further ``python -m trainer`` arguments, appended last.
         max_restarts: in-job restarts of the worker group by ft_launcher.
         backoff_limit: PyTorchJob pod restarts before the job fails.
-        instance_type: EC2 instance type the trainer pods must run on (empty = any).
+        instance_type: EC2 instance type of the trainer nodes (empty = any); a documented one
+            (``components.pytorchjob.INSTANCE_TYPES``) sizes GPUs, EFA, CPU, memory and /dev/shm to it.
         fsx_pvc: the FSx PersistentVolumeClaim mounted into the trainer pods.
         service_account: service account of the trainer pods (empty = the namespace default).
         backend: ``cluster`` or ``local``; the job settings are only checked for ``cluster``.
         image: trainer image (checked for ``cluster``).
         nodes: nodes in the job (checked for ``cluster``).
-        gpus_per_node: GPUs per pod (checked for ``cluster``).
+        gpus_per_node: GPUs per pod; -1 = every GPU of ``instance_type`` (8 without one).
+        gpu_resource: ``nvidia.com/gpu``, or a MIG slice such as ``nvidia.com/mig-3g.40gb``.
+        efa_per_node: EFA interfaces per pod; -1 = the instance type's.
+        cpu: CPU request per pod; empty = the node's allocatable less the DaemonSets.
+        memory: memory per pod; empty = as for cpu.
+        shm_size: /dev/shm per pod; empty = a quarter of the memory.
+        node_group: EKS node group of the trainer pods (empty = any).
+        scheduler: gang scheduler: empty, volcano, scheduler-plugins or yunikorn.
+        queue: the gang's queue (Volcano queue, or YuniKorn root.<name>).
         spot: spot nodes allowed (checked for ``cluster``).
 
     Raises:
         ValueError: a setting the trainer or the job builder would reject.
     """
-    from components.pytorchjob import JobSpec
+    from components.pytorchjob import INSTANCE_TYPES, JobSpec
     from trainer.config import parse_config
 
     if not run_id or "{{$" in run_id:
@@ -81,13 +94,31 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         parse_config(args)
     except SystemExit:       # argparse has printed why
         raise ValueError(f"the trainer rejects these arguments: {' '.join(args)}") from None
+    shape = INSTANCE_TYPES.get(instance_type)
+    gpus = int(gpus_per_node) if int(gpus_per_node) >= 0 else (shape.gpus if shape else 8)
     job = {"launch": {"max_restarts": int(max_restarts)}, "backoff_limit": int(backoff_limit), "pvc": fsx_pvc,
-           "fsx_mount": root or "/",
-           "node_selector": {INSTANCE_TYPE_LABEL: instance_type} if instance_type else {},
-           "service_account": service_account}
+           "fsx_mount": root or "/", "instance_type": instance_type, "service_account": service_account,
+           "gpus_per_node": gpus, "gpu_resource": gpu_resource, "efa_per_node": int(efa_per_node), "cpu": cpu,
+           "memory": memory, "shm_size": shm_size, "node_group": node_group, "scheduler": scheduler,
+           "queue": queue}
     if backend == "cluster":
-        JobSpec.from_dict({**job, "image": image, "nodes": int(nodes), "gpus_per_node": int(gpus_per_node),
-                           "spot": bool(spot), "trainer_args": args}).validate()
+        JobSpec.from_dict({**job, "image": image, "nodes": int(nodes), "spot": bool(spot),
+                           "trainer_args": args}).validate()
     elif backend != "local":
         raise ValueError(f"backend must be cluster or local, got {backend!r}")
     return args, job, run_dir
+
+
+def check_run_parameters(params: dict) -> None:
+    """Check a run's pipeline parameters (the pipeline's defaults filled in) as the check-settings step will.
+
+    ``goodput run`` calls this before submitting. Parameters of other steps are ignored; ``run_id`` is a
+    stand-in (the real one exists only once KFP starts the run).
+
+    Raises:
+        ValueError: a setting the trainer or the job builder would reject.
+    """
+    renamed = {"service_account": "trainer_service_account", "image": "trainer_image"}
+    wanted = set(inspect.signature(build_train_config).parameters) - {"run_id"}
+    kwargs = {name: params[renamed.get(name, name)] for name in wanted if renamed.get(name, name) in params}
+    build_train_config(run_id="run-id", **kwargs)

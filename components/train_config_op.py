@@ -37,6 +37,14 @@ def train_config_op(
     nodes: int,
     gpus_per_node: int,
     spot: bool,
+    gpu_resource: str = "nvidia.com/gpu",
+    efa_per_node: int = -1,
+    cpu: str = "",
+    memory: str = "",
+    shm_size: str = "",
+    node_group: str = "",
+    scheduler: str = "",
+    queue: str = "",
     extra_trainer_args: list = [],
 ) -> NamedTuple("TrainConfig", [("trainer_args", list), ("job_options", dict), ("run_dir", str)]):
     """Check the run's settings and build the train step's trainer arguments, job settings and run directory.
@@ -58,14 +66,22 @@ def train_config_op(
         inject_fault: comma-separated KIND@STEP[:RANK] faults (recovery drills); empty = none.
         max_restarts: in-job restarts by ft_launcher.
         backoff_limit: PyTorchJob pod restarts before the job fails.
-        instance_type: EC2 instance type of the trainer pods (empty = any).
+        instance_type: EC2 instance type of the trainer nodes (empty = any); a documented one sizes the pods.
         fsx_pvc: FSx PersistentVolumeClaim of the trainer pods.
         service_account: service account of the trainer pods (empty = default).
         backend: cluster or local.
         image: trainer image.
         nodes: nodes in the job.
-        gpus_per_node: GPUs per pod.
+        gpus_per_node: GPUs per pod; -1 = every GPU of the instance type (8 without one).
         spot: spot nodes allowed.
+        gpu_resource: nvidia.com/gpu, or a MIG slice such as nvidia.com/mig-3g.40gb.
+        efa_per_node: EFA interfaces per pod; -1 = the instance type's.
+        cpu: CPU request per pod; empty = sized to the instance type.
+        memory: memory per pod; empty = sized to the instance type.
+        shm_size: /dev/shm per pod; empty = a quarter of the memory.
+        node_group: EKS node group of the trainer pods (empty = any).
+        scheduler: gang scheduler: empty, volcano, scheduler-plugins or yunikorn.
+        queue: the gang's queue (Volcano queue, or YuniKorn root.<name>).
         extra_trainer_args: further trainer arguments.
     """
     from collections import namedtuple
@@ -79,6 +95,8 @@ def train_config_op(
         batch_size=batch_size, parallel=parallel, seed=seed, inject_fault=inject_fault,
         extra_trainer_args=extra_trainer_args, max_restarts=max_restarts, backoff_limit=backoff_limit,
         instance_type=instance_type, fsx_pvc=fsx_pvc, service_account=service_account, backend=backend,
-        image=image, nodes=nodes, gpus_per_node=gpus_per_node, spot=spot)
+        image=image, nodes=nodes, gpus_per_node=gpus_per_node, spot=spot, gpu_resource=gpu_resource,
+        efa_per_node=efa_per_node, cpu=cpu, memory=memory, shm_size=shm_size, node_group=node_group,
+        scheduler=scheduler, queue=queue)
     print("trainer arguments:", " ".join(args))
     return namedtuple("TrainConfig", ["trainer_args", "job_options", "run_dir"])(args, job, run_dir)

@@ -42,7 +42,7 @@ def _with_s3_secret(task: dsl.PipelineTask, secret) -> dsl.PipelineTask:
                                               "the checkpoints and register the model if it is promoted.")
 def goodput_pipeline(
     dataset_source: str,
-    dataset_name: str = "pystdlib",
+    dataset_name: str = "corpus",
     dataset_version: str = UNPINNED,
     s3_endpoint_url: str = "",
     s3_secret: str = "goodput-s3",
@@ -56,9 +56,17 @@ def goodput_pipeline(
     seed: int = 1337,
     parallel: str = "fsdp",
     nodes: int = 2,
-    gpus_per_node: int = 8,
+    gpus_per_node: int = -1,
     instance_type: str = "p5.48xlarge",
     spot: bool = False,
+    gpu_resource: str = "nvidia.com/gpu",
+    efa_per_node: int = -1,
+    cpu: str = "",
+    memory: str = "",
+    shm_size: str = "",
+    node_group: str = "",
+    scheduler: str = "",
+    queue: str = "",
     max_restarts: int = 3,
     backoff_limit: int = 3,
     train_timeout_s: float = 3 * 86400.0,
@@ -106,9 +114,18 @@ def goodput_pipeline(
         seed: random seed.
         parallel: fsdp or ddp.
         nodes: nodes in the PyTorchJob.
-        gpus_per_node: GPUs (trainer processes) per node.
-        instance_type: EC2 instance type of the trainer nodes; empty = any.
+        gpus_per_node: GPUs (trainer processes) per node; -1 = every GPU of instance_type.
+        instance_type: EC2 instance type of the trainer nodes (p5.48xlarge, p5e/p5en.48xlarge, p4d/p4de.24xlarge,
+            g5/g6/g6e.*): sizes GPUs, EFA, CPU, memory and /dev/shm to it; empty = any node (set the sizes).
         spot: let the trainer pods run on spot nodes.
+        gpu_resource: nvidia.com/gpu, or a MIG slice such as nvidia.com/mig-3g.40gb for small jobs.
+        efa_per_node: EFA interfaces per pod; -1 = the instance type's.
+        cpu: CPU request per trainer pod; empty = the node's allocatable less the DaemonSets.
+        memory: memory per trainer pod; empty = as for cpu.
+        shm_size: /dev/shm per trainer pod; empty = a quarter of the memory.
+        node_group: EKS node group of the trainer pods (eks.amazonaws.com/nodegroup); empty = any.
+        scheduler: gang scheduler of the trainer pods: empty, volcano, scheduler-plugins or yunikorn.
+        queue: the gang's queue: a Volcano queue, or a YuniKorn queue root.<name>.
         max_restarts: in-job restarts of the worker group by ft_launcher.
         backoff_limit: PyTorchJob pod restarts before the job fails.
         train_timeout_s: deadline of the train step in seconds.
@@ -138,7 +155,9 @@ def goodput_pipeline(
             n_head=n_head, n_embd=n_embd, seq_len=seq_len, batch_size=batch_size, parallel=parallel, seed=seed,
             inject_fault=inject_fault, max_restarts=max_restarts, backoff_limit=backoff_limit,
             instance_type=instance_type, fsx_pvc=fsx_pvc, service_account=trainer_service_account,
-            backend=backend, image=trainer_image, nodes=nodes, gpus_per_node=gpus_per_node, spot=spot)
+            backend=backend, image=trainer_image, nodes=nodes, gpus_per_node=gpus_per_node, spot=spot,
+            gpu_resource=gpu_resource, efa_per_node=efa_per_node, cpu=cpu, memory=memory, shm_size=shm_size,
+            node_group=node_group, scheduler=scheduler, queue=queue)
         _placed(config, step_node_selector, step_tolerations)
         config.set_display_name("check settings").set_caching_options(False)
 

@@ -8,6 +8,7 @@ through a small evaluator of the policy grammar this project uses.
 
 from __future__ import annotations
 
+import os
 import fnmatch
 import re
 import string
@@ -17,7 +18,8 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
-SHARED_SCHEMAS = ROOT.parent / "shared" / "schemas"
+# CI clones shared/ beside the repository; GOODPUT_SHARED points elsewhere (a worktree, a dev checkout).
+SHARED_SCHEMAS = Path(os.environ.get("GOODPUT_SHARED") or ROOT.parent / "shared") / "schemas"
 
 # ${NAME} placeholders (envsubst syntax); any other "$" in a template would be eaten by envsubst.
 _PLACEHOLDER = re.compile(r"\$\{([A-Z][A-Z0-9_]*)\}")

@@ -8,7 +8,7 @@ import re
 import pytest
 
 from components.pytorchjob import CAPACITY_LABELS, EFA_RESOURCE, GPU_RESOURCE, JobSpec, _parse_taint, job_manifest
-from components.train_config import INSTANCE_TYPE_LABEL
+from components.pytorchjob import INSTANCE_TYPE_LABEL
 
 from tests.deploy_checks import DEPLOY, fits, load_all, model_roundtrip_problems, placeholders, render, tolerates
 
@@ -226,6 +226,9 @@ def test_the_capacity_label_the_builder_checks_is_the_one_eks_sets(cluster):
     (dict(spot=True, efa_per_node=4, cpu="90", memory="1000Gi", shm_size="256Gi",
           node_selector={INSTANCE_TYPE_LABEL: "p4d.24xlarge"}), {"gpu-p4d-spot"}),
     (dict(spot=True, node_selector={INSTANCE_TYPE_LABEL: "p4d.24xlarge"}), set()),
+    # ... which instance_type does by itself: the pods are sized to the node from the builder's table.
+    (dict(spot=True, instance_type="p4d.24xlarge"), {"gpu-p4d-spot"}),
+    (dict(spot=True, instance_type="p5.48xlarge"), {"gpu-p5-ondemand", "gpu-p5-spot"}),
     # A spot node group without --spot: not tolerated, the pods would stay Pending.
     (dict(node_group="gpu-p5-spot"), set()),
     # A CPU job (no GPU tolerations) goes to the system group.

@@ -11,13 +11,21 @@ from click.testing import CliRunner
 
 from pipelines.cli import main
 
+try:
+    from tests.deploy_checks import fits, quantity
+except ImportError:          # tests/ is not a package: pytest put it on sys.path
+    from deploy_checks import fits, quantity
+
 FSX = "/fsx"
+COMPONENT_IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/goodput-components:0.1.0"
+TRAINER_IMAGE = "123456789012.dkr.ecr.us-west-2.amazonaws.com/goodput-trainer:0.1.0"
+IMAGES = ["--component-image", COMPONENT_IMAGE, "--trainer-image", TRAINER_IMAGE]
 
 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory):
     path = tmp_path_factory.mktemp("compiled") / "pipeline.yaml"
-    res = CliRunner().invoke(main, ["compile", "-o", str(path)], catch_exceptions=False)
+    res = CliRunner().invoke(main, ["compile", *IMAGES, "-o", str(path)], catch_exceptions=False)
     assert res.exit_code == 0, res.output
     assert f"sha256 {hashlib.sha256(path.read_bytes()).hexdigest()[:12]}" in res.output
     spec, platform = yaml.safe_load_all(path.read_text())
@@ -129,14 +137,76 @@ def test_parameters_and_defaults(compiled):
     defaults = {k: v.get("defaultValue") for k, v in params.items()}
     assert defaults["dataset_version"] == "latest"
     assert defaults["fsx_root"] == FSX and defaults["registry"] == f"{FSX}/models"
-    assert defaults["backend"] == "cluster" and defaults["nodes"] == 2 and defaults["gpus_per_node"] == 8
+    assert defaults["backend"] == "cluster" and defaults["nodes"] == 2 and defaults["gpus_per_node"] == -1
     assert defaults["spot"] is False and defaults["instance_type"] == "p5.48xlarge"
     assert {"max_restarts", "backoff_limit", "ckpt_every", "promotion_threshold", "trainer_image",
             "inject_fault", "step_tolerations", "step_node_selector", "s3_secret"} <= set(params)
+    # What deploy/README.md tells a user to set, by name.
+    assert {"efa_per_node", "cpu", "memory", "shm_size", "node_group", "scheduler", "queue", "gpu_resource",
+            "instance_type"} <= set(params)
+    assert defaults["dataset_name"] == "corpus", "no demo dataset name on a cluster"
+    assert defaults["trainer_image"] == TRAINER_IMAGE
+
+
+def test_every_pod_runs_the_images_given(compiled):
+    path, spec, _ = compiled
+    images = {name: ex["container"]["image"] for name, ex in spec["deploymentSpec"]["executors"].items()}
+    assert images.pop("exec-evaluate-op") == TRAINER_IMAGE, "evaluate loads checkpoints with torch"
+    assert set(images.values()) == {COMPONENT_IMAGE}
+    # The defaults a reader of the YAML (or the KFP UI) sees, too; only the functions' source keeps its literal.
+    assert "ghcr.io/goodput-pipelines" not in path.read_text().split("deploymentSpec")[0]
+
+
+def test_compile_takes_images_from_the_environment_and_refuses_bad_ones(tmp_path):
+    env = {"GOODPUT_COMPONENT_IMAGE": COMPONENT_IMAGE, "GOODPUT_TRAINER_IMAGE": TRAINER_IMAGE}
+    out = tmp_path / "p.yaml"
+    res = CliRunner().invoke(main, ["compile", "-o", str(out)], env=env)
+    assert res.exit_code == 0 and COMPONENT_IMAGE in out.read_text(), res.output
+    for bad, why in (("Goodput:1", "not an image reference"), ("ecr.example/goodput", "no tag or digest"),
+                     ("a b:1", "not an image reference")):
+        res = CliRunner().invoke(main, ["compile", "--component-image", bad, "--trainer-image", TRAINER_IMAGE,
+                                        "-o", str(tmp_path / "x.yaml")])
+        assert res.exit_code == 2 and why in res.output, res.output
+        assert not (tmp_path / "x.yaml").exists()
+    res = CliRunner().invoke(main, ["compile", "-o", str(out)], env={"GOODPUT_COMPONENT_IMAGE": "",
+                                                                     "GOODPUT_TRAINER_IMAGE": ""})
+    assert res.exit_code == 2 and "--component-image" in res.output
+
+
+@pytest.mark.parametrize("instance_type", __import__("components.pytorchjob").pytorchjob.INSTANCE_TYPES)
+def test_each_documented_instance_type_gives_pods_that_fit_it(compiled, instance_type):
+    """The compiled defaults plus instance_type, through the check-settings step and the train step's
+    builder: each pod's requests fit the node's allocatable (EKS reserve, DaemonSets) and its devices."""
+    from components.pytorchjob import INSTANCE_TYPES, JobSpec, job_manifest, node_allocatable
+    from components.train_config import build_train_config
+
+    _, spec, _ = compiled
+    p = {k: v.get("defaultValue") for k, v in spec["root"]["inputDefinitions"]["parameters"].items()}
+    args, job, _ = build_train_config(
+        fsx_root=p["fsx_root"], dataset_name=p["dataset_name"], dataset_version="1", run_id="r",
+        instance_type=instance_type, image=p["trainer_image"], nodes=p["nodes"], gpus_per_node=p["gpus_per_node"],
+        efa_per_node=p["efa_per_node"], cpu=p["cpu"], memory=p["memory"], shm_size=p["shm_size"])
+    m = job_manifest(JobSpec.from_dict({**job, "image": p["trainer_image"], "nodes": p["nodes"], "name": "j",
+                                        "trainer_args": args}))
+    shape = INSTANCE_TYPES[instance_type]
+    cpu_m, mem_mib = node_allocatable(shape)
+    node = {"labels": {"node.kubernetes.io/instance-type": instance_type},
+            "taints": [{"key": "nvidia.com/gpu", "value": "true", "effect": "NoSchedule"}],
+            "allocatable": {"cpu": f"{cpu_m}m", "memory": f"{mem_mib}Mi", "nvidia.com/gpu": str(shape.gpus),
+                            "vpc.amazonaws.com/efa": str(shape.efa)}}
+    for replica in m["spec"]["pytorchReplicaSpecs"].values():
+        pod = replica["template"]["spec"]
+        assert fits(pod, node) == []
+        res = pod["containers"][0]["resources"]
+        assert res["requests"]["nvidia.com/gpu"] == str(shape.gpus), "all of the node's GPUs"
+        assert res["requests"].get("vpc.amazonaws.com/efa", "0") == str(shape.efa)
+        shm = next(v for v in pod["volumes"] if v["name"] == "dshm")["emptyDir"]["sizeLimit"]
+        assert quantity(shm) <= quantity(res["limits"]["memory"])
 
 
 def compile_in_subprocess(out, **env) -> bytes:
-    code = f"from pipelines.compile import compile_pipeline; compile_pipeline({str(out)!r})"
+    code = (f"from pipelines.compile import compile_pipeline; compile_pipeline({str(out)!r}, "
+            f"component_image={COMPONENT_IMAGE!r}, trainer_image={TRAINER_IMAGE!r})")
     subprocess.run([sys.executable, "-c", code], check=True, env={**os.environ, **env}, cwd=out.parent)
     return out.read_bytes()
 

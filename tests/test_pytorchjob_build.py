@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 from pathlib import Path
 
 import jsonschema
@@ -20,7 +21,7 @@ from components.pytorchjob import JobSpec, build_pytorchjob, job_manifest, job_n
 from pipelines.cli import main
 from trainer.launch import LaunchConfig
 
-SCHEMAS = Path(__file__).resolve().parents[1].parent / "shared" / "schemas"
+SCHEMAS = Path(os.environ.get("GOODPUT_SHARED") or Path(__file__).resolve().parents[1].parent / "shared") / "schemas"
 INT32 = (-2**31, 2**31 - 1)
 INT64 = (-2**63, 2**63 - 1)
 
@@ -126,6 +127,10 @@ VARIANTS = {
     "launch-timeouts": dict(launch=LaunchConfig(max_restarts=10, step_timeout_s=60, term_timeout_s=90),
                             termination_grace_s=150),
     "long-name-many-nodes": dict(name="a" * 52, nodes=1001),
+    "yunikorn-gang": dict(nodes=4, scheduler="yunikorn", queue="root.research"),
+    "mig-slice": dict(gpus_per_node=1, gpu_resource="nvidia.com/mig-3g.40gb", instance_type="p4de.24xlarge"),
+    "instance-p4d": dict(nodes=2, instance_type="p4d.24xlarge"),
+    "instance-g6e": dict(nodes=2, instance_type="g6e.12xlarge", gpus_per_node=4),
 }
 
 
@@ -290,7 +295,7 @@ BAD = {
     "bad toleration effect": (dict(tolerations=[{"key": "a", "operator": "Exists", "effect": "Sometimes"}]), "effect"),
     "port out of range": (dict(master_port=80), "master_port"),
     "negative max restarts": (dict(launch=LaunchConfig(max_restarts=-1)), "max_restarts"),
-    "image with spaces": (dict(image="my image"), "whitespace"),
+    "image with spaces": (dict(image="my image"), "is not an image reference"),
 }
 
 
@@ -365,12 +370,33 @@ def test_render_job_prints_one_valid_pytorchjob(validator):
     (["--image", IMG, "--name", "Not_DNS"], "DNS-1035"),
     (["--image", IMG, "--env", "NOEQUALS"], "KEY=VALUE"),
     (["--image", IMG, "--max-stepz", "3"], "invalid trainer arguments"),
+    (["--image", IMG, "--cpu", "-4"], "cpu '-4' is not a Kubernetes quantity above 0"),
+    (["--image", IMG, "--memory", "0"], "memory '0' is not a Kubernetes quantity above 0"),
+    (["--image", IMG, "--instance-type", "g5.xlarge"], "g5.xlarge has 1 GPUs"),
+    (["--image", IMG, "--gpu-resource", "amd.com/gpu"], "gpu_resource"),
 ])
 def test_render_job_rejects_bad_settings_without_printing_yaml(argv, message):
     r = CliRunner().invoke(main, ["render-job", *argv])
     assert r.exit_code != 0
     assert message in r.output
     assert "apiVersion" not in r.stdout
+
+
+def test_one_bad_setting_is_one_line_saying_what_to_fix():
+    r = CliRunner().invoke(main, ["render-job", "--image", IMG, "--cpu", "-4"])
+    (line,) = [ln for ln in r.output.splitlines() if ln.startswith("Error:")]
+    assert line == "Error: invalid PyTorchJob settings: cpu '-4' is not a Kubernetes quantity above 0 (e.g. 96, " \
+                   "500m, 512Gi)"
+
+
+def test_pods_run_as_the_images_user_and_mig_slices_replace_gpus():
+    pod = job_manifest(spec(gpus_per_node=2, gpu_resource="nvidia.com/mig-1g.10gb"))["spec"][
+        "pytorchReplicaSpecs"]["Master"]["template"]["spec"]
+    assert pod["securityContext"] == {"runAsUser": 10001, "runAsGroup": 10001, "runAsNonRoot": True,
+                                      "fsGroup": 10001, "fsGroupChangePolicy": "OnRootMismatch"}
+    res = pod["containers"][0]["resources"]
+    assert res["limits"]["nvidia.com/mig-1g.10gb"] == "2" and "nvidia.com/gpu" not in res["limits"]
+    assert "vpc.amazonaws.com/efa" not in res["limits"], "a slice is a small job: no EFA"
 
 
 def test_builder_fields_all_documented():

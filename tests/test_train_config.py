@@ -2,7 +2,7 @@
 
 import pytest
 
-from components.train_config import build_train_config
+from components.train_config import build_train_config, check_run_parameters
 
 
 def test_arguments_and_job_settings():
@@ -17,8 +17,9 @@ def test_arguments_and_job_settings():
     assert [args[i + 1] for i, a in enumerate(args) if a == "--inject-fault"] == ["kill@40:1", "hang@90"]
     assert args[-2:] == ["--lr", "0.001"]
     assert job == {"launch": {"max_restarts": 5}, "backoff_limit": 2, "pvc": "fsx", "fsx_mount": "/fsx",
-                   "node_selector": {"node.kubernetes.io/instance-type": "p5.48xlarge"},
-                   "service_account": "trainer"}
+                   "instance_type": "p5.48xlarge", "service_account": "trainer", "gpus_per_node": 8,
+                   "gpu_resource": "nvidia.com/gpu", "efa_per_node": -1, "cpu": "", "memory": "", "shm_size": "",
+                   "node_group": "", "scheduler": "", "queue": ""}
 
 
 def test_numbers_arrive_as_integers_whatever_kfp_made_of_them():
@@ -34,6 +35,13 @@ def test_numbers_arrive_as_integers_whatever_kfp_made_of_them():
     ({"nodes": 0}, "nodes must be at least 1"),
     ({"image": ""}, "an image is required"),
     ({"backend": "laptop"}, "backend must be cluster or local"),
+    ({"instance_type": "g5.xlarge", "gpus_per_node": 8}, "g5.xlarge has 1 GPUs"),
+    ({"instance_type": "p4d.24xlarge", "cpu": "160"}, "cpu 160 exceeds what p4d.24xlarge has"),
+    ({"instance_type": "p4d.24xlarge", "efa_per_node": 32}, "p4d.24xlarge has 4 EFA"),
+    ({"memory": "-1Gi"}, "not a Kubernetes quantity above 0"),
+    ({"gpu_resource": "nvidia.com/mig-big"}, "gpu_resource"),
+    ({"scheduler": "yunikorn", "queue": "training"}, "not a YuniKorn queue path"),
+    ({"image": "Bad Image"}, "not an image reference"),
     ({"run_id": "{{$.pipeline_job_uuid}}"}, "must be set"),
 ])
 def test_bad_settings_fail_before_anything_runs(kw, message):
@@ -41,3 +49,24 @@ def test_bad_settings_fail_before_anything_runs(kw, message):
                 **kw}
     with pytest.raises(ValueError, match=message):
         build_train_config(**settings)
+
+
+def test_an_instance_type_sizes_the_job_to_its_node():
+    _, job, _ = build_train_config(fsx_root="/fsx", dataset_name="d", dataset_version="1", run_id="r",
+                                   instance_type="g6e.12xlarge", image="x/y:1")
+    assert job["gpus_per_node"] == 4 and job["instance_type"] == "g6e.12xlarge"
+    _, job, _ = build_train_config(fsx_root="/fsx", dataset_name="d", dataset_version="1", run_id="r",
+                                   image="x/y:1")
+    assert job["gpus_per_node"] == 8, "no instance type: a p5-sized default"
+
+
+def test_run_parameters_are_checked_before_submitting():
+    """What ``goodput run`` checks with the pipeline's defaults filled in (names as the pipeline has them)."""
+    good = {"fsx_root": "/fsx", "dataset_name": "corpus", "dataset_version": "latest", "nodes": 2,
+            "trainer_image": "ecr.example/goodput-trainer:0.1.0", "instance_type": "p5.48xlarge",
+            "dataset_source": "s3://b/p", "promotion_threshold": 5.5}
+    check_run_parameters(good)
+    with pytest.raises(ValueError, match="nodes must be at least 1"):
+        check_run_parameters({**good, "nodes": 0})
+    with pytest.raises(ValueError, match="an image is required"):
+        check_run_parameters({**good, "trainer_image": ""})
