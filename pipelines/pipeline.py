@@ -4,38 +4,18 @@ Each step is a component (``components/``); this module only connects them and s
 get from Kubernetes (kfp-kubernetes): the FSx claim, placement, the S3 secret, retries and caching.
 """
 
-from kfp import dsl, kubernetes
+from kfp import dsl
 
 from components.cleanup_op import cleanup_op
 from components.evaluate_op import evaluate_op
 from components.register_op import register_op
-from components.stage_op import stage_op
 from components.train import TRAINER_IMAGE, train_op
 from components.train_config_op import train_config_op
 from pipelines.compile import PIPELINE_NAME
+from pipelines.pods import FSX_MOUNT, on_fsx, placed, with_s3_secret
+from pipelines.stage_pipeline import stage_pipeline
 
-FSX_MOUNT = "/fsx"
-"""Where every step pod mounts the FSx claim (a constant: kfp-kubernetes mount paths are compile-time)."""
-UNPINNED = "latest"
-"""The dataset version that follows its source: staged afresh on every run, never from KFP's cache."""
-S3_KEYS = {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"}
 UNIFORM_LOSS = 5.545177444479562       # ln 256: nats per byte of a uniform guess
-
-
-def _on_fsx(task: dsl.PipelineTask, pvc) -> dsl.PipelineTask:
-    return kubernetes.mount_pvc(task, pvc_name=pvc, mount_path=FSX_MOUNT)
-
-
-def _placed(task: dsl.PipelineTask, node_selector, tolerations) -> dsl.PipelineTask:
-    kubernetes.add_node_selector_json(task, node_selector)
-    kubernetes.add_toleration_json(task, tolerations)
-    return task
-
-
-def _with_s3_secret(task: dsl.PipelineTask, secret) -> dsl.PipelineTask:
-    # Optional: with IRSA (EKS) there is no secret and boto3 uses the pod's role; for an S3-compatible
-    # endpoint the keys come from this secret. Never a credential in the compiled YAML.
-    return kubernetes.use_secret_as_env(task, secret_name=secret, secret_key_to_env=S3_KEYS, optional=True)
 
 
 @dsl.pipeline(name=PIPELINE_NAME, description="Stage a dataset to FSx, train under NVRx in a PyTorchJob, evaluate "
@@ -43,9 +23,18 @@ def _with_s3_secret(task: dsl.PipelineTask, secret) -> dsl.PipelineTask:
 def goodput_pipeline(
     dataset_source: str,
     dataset_name: str = "corpus",
-    dataset_version: str = UNPINNED,
+    dataset_version: str = "latest",
     s3_endpoint_url: str = "",
     s3_secret: str = "goodput-s3",
+    tokenizer: str = "bytes",
+    data_format: str = "auto",
+    text_field: str = "text",
+    text_column: str = "text",
+    dataset_include: str = "",
+    dataset_exclude: str = "",
+    bad_record_policy: str = "skip",
+    refused_key_policy: str = "fail",
+    stage_parallelism: int = 4,
     n_layer: int = 12,
     n_head: int = 12,
     n_embd: int = 768,
@@ -89,8 +78,8 @@ def goodput_pipeline(
 
     Steps (all inside an exit handler):
       1. check settings: the trainer's arguments and the PyTorchJob are validated before anything runs.
-      2. stage: ``dataset_source`` (s3://bucket/prefix or a directory) -> <fsx>/datasets/<name>/<version>;
-         cached by KFP only for a pinned ``dataset_version`` (anything but "latest").
+      2. stage: ``dataset_source`` (s3://bucket/prefix or a directory) -> <fsx>/datasets/<name>/<version>,
+         tokenized by ``tokenizer`` in up to ``stage_parallelism`` pods (plan, partitions, merge).
       3. train: a PyTorchJob of ``nodes`` x ``gpus_per_node`` under NVRx ft_launcher (backend=cluster), or
          ft_launcher processes in the step itself (backend=local); writes <fsx>/runs/<run id>.
       4. evaluate: every committed checkpoint on the validation split, report, promotion gate; a promoted
@@ -101,9 +90,19 @@ def goodput_pipeline(
     Args:
         dataset_source: s3://bucket/prefix of the text files, or a directory visible to the stage pod.
         dataset_name: dataset name on FSx.
-        dataset_version: dataset version on FSx; "latest" re-stages every run, any other value is pinned.
+        dataset_version: dataset version on FSx (a directory name; "latest" by default).
         s3_endpoint_url: S3-compatible endpoint (MinIO, ...); empty for AWS S3.
         s3_secret: Kubernetes secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, used if it exists.
+        tokenizer: bytes (one token per byte), a tokenizer.json / Hugging Face model directory / s3:// one,
+            or bpe:VOCAB (a byte-level BPE trained on the staged text).
+        data_format: auto (by file name), text, jsonl (.jsonl, .gz, .zst) or parquet.
+        text_field: the JSONL field holding a document.
+        text_column: the Parquet column holding a document.
+        dataset_include: comma-separated globs of source paths to stage (empty: all).
+        dataset_exclude: comma-separated globs of source paths to leave out.
+        bad_record_policy: skip (leave bad records out and report them) or fail.
+        refused_key_policy: fail (unsafe object keys stop the run before anything is written) or skip.
+        stage_parallelism: most stage worker pods (one per GiB of source, at most this many).
         n_layer: transformer blocks.
         n_head: attention heads.
         n_embd: model width.
@@ -145,7 +144,7 @@ def goodput_pipeline(
         local_nproc: ranks of the local backend.
     """
     cleanup = cleanup_op(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, backend=backend, namespace=namespace)
-    _placed(cleanup, step_node_selector, step_tolerations)
+    placed(cleanup, step_node_selector, step_tolerations)
     cleanup.set_display_name("cleanup").set_caching_options(False).set_retry(2, backoff_duration="30s")
 
     with dsl.ExitHandler(cleanup, name="goodput-run"):
@@ -158,34 +157,32 @@ def goodput_pipeline(
             backend=backend, image=trainer_image, nodes=nodes, gpus_per_node=gpus_per_node, spot=spot,
             gpu_resource=gpu_resource, efa_per_node=efa_per_node, cpu=cpu, memory=memory, shm_size=shm_size,
             node_group=node_group, scheduler=scheduler, queue=queue)
-        _placed(config, step_node_selector, step_tolerations)
+        placed(config, step_node_selector, step_tolerations)
         config.set_display_name("check settings").set_caching_options(False)
 
-        with dsl.If(dataset_version == UNPINNED, name="dataset-latest"):
-            stage_latest = stage_op(source=dataset_source, fsx_root=fsx_root, name=dataset_name,
-                                    version=dataset_version, endpoint_url=s3_endpoint_url)
-            stage_latest.set_display_name("stage (latest)").set_caching_options(False)
-        with dsl.Else(name="dataset-pinned"):
-            stage_pinned = stage_op(source=dataset_source, fsx_root=fsx_root, name=dataset_name,
-                                    version=dataset_version, endpoint_url=s3_endpoint_url)
-            stage_pinned.set_display_name("stage (pinned)").set_caching_options(True)
-        for stage in (stage_latest, stage_pinned):
-            _with_s3_secret(_placed(_on_fsx(stage, fsx_pvc), step_node_selector, step_tolerations), s3_secret)
-            # Staging resumes from its journal, so a retry continues where the failed attempt stopped.
-            stage.set_retry(3, backoff_duration="60s").set_cpu_request("4").set_memory_request("8Gi")
-            stage.after(config)                       # no data flows: a bad setting stops the run before staging
+        # Staging is never taken from KFP's cache: an unchanged source is only listed and compared (cheap),
+        # and a changed one is restaged whatever the version says.
+        stage = stage_pipeline(
+            source=dataset_source, fsx_root=fsx_root, name=dataset_name, version=dataset_version,
+            endpoint_url=s3_endpoint_url, stage_parallelism=stage_parallelism, tokenizer=tokenizer,
+            data_format=data_format, text_field=text_field, text_column=text_column, include=dataset_include,
+            exclude=dataset_exclude, bad_record_policy=bad_record_policy, refused_key_policy=refused_key_policy,
+            fsx_pvc=fsx_pvc, s3_secret=s3_secret, step_node_selector=step_node_selector,
+            step_tolerations=step_tolerations)
+        stage.set_display_name("stage").set_caching_options(False)
+        stage.after(config)                           # no data flows: a bad setting stops the run before staging
 
         train = train_op(backend=backend, trainer_args=config.outputs["trainer_args"],
                          job_options=config.outputs["job_options"], image=trainer_image, nodes=nodes,
                          gpus_per_node=gpus_per_node, spot=spot, namespace=namespace, timeout_s=train_timeout_s,
                          fsx_root=fsx_root, local_nproc=local_nproc)
         # The dataset reaches the trainer through FSx at the path in trainer_args (--data), not as a KFP
-        # artifact, so the edge to whichever stage branch ran is an explicit one.
-        train.after(stage_latest, stage_pinned)
+        # artifact, so the edge to the stage is an explicit one.
+        train.after(stage)
         # Placement set on this task would go to the job's pods (train_op's task_config passthroughs),
         # which job_options place already; so none here. The FSx mount is passed through to the job's
         # pods and kept on the launcher's pod, which reads the run's summary.json from FSx.
-        _on_fsx(train, fsx_pvc)
+        on_fsx(train, fsx_pvc)
         # A retried train step re-attaches to its PyTorchJob (named from the run) and the trainer resumes
         # from the last committed checkpoint: retries never duplicate a job.
         train.set_display_name("train").set_caching_options(False).set_retry(2, backoff_duration="120s")
@@ -194,12 +191,12 @@ def goodput_pipeline(
                                tolerance=promotion_tolerance, model_name=model_name, registry=registry,
                                endpoint_url=s3_endpoint_url)
         evaluate.after(train)                         # reads the run directory on FSx that train wrote
-        _with_s3_secret(_placed(_on_fsx(evaluate, fsx_pvc), step_node_selector, step_tolerations), s3_secret)
+        with_s3_secret(placed(on_fsx(evaluate, fsx_pvc), step_node_selector, step_tolerations), s3_secret)
         evaluate.set_display_name("evaluate").set_caching_options(False).set_retry(2, backoff_duration="60s")
         evaluate.set_cpu_request("4").set_memory_request("16Gi")
 
         with dsl.If(evaluate.outputs["promoted"] == True, name="promoted"):  # noqa: E712 - a pipeline condition
             register = register_op(model_uri=evaluate.outputs["model_uri"], registry=registry,
                                    model_name=model_name, endpoint_url=s3_endpoint_url)
-            _with_s3_secret(_placed(_on_fsx(register, fsx_pvc), step_node_selector, step_tolerations), s3_secret)
+            with_s3_secret(placed(on_fsx(register, fsx_pvc), step_node_selector, step_tolerations), s3_secret)
             register.set_display_name("register").set_caching_options(False).set_retry(2, backoff_duration="30s")

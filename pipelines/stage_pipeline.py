@@ -6,26 +6,20 @@ Every step mounts the FSx claim and may read the S3 secret; the components are i
 and the logic in ``components.stage_fanout``.
 """
 
-from kfp import dsl, kubernetes
+from kfp import dsl
 from kfp.dsl import Dataset
 
 from components.stage_merge_op import stage_merge_op
 from components.stage_partition_op import stage_partition_op
 from components.stage_plan_op import stage_plan_op
+from pipelines.pods import on_fsx, placed, with_s3_secret
 
-FSX_MOUNT = "/fsx"
-"""Where each step pod mounts the FSx claim (kfp-kubernetes mount paths are compile-time constants)."""
-S3_KEYS = {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"}
 MAX_PARALLEL_PODS = 64
 """Most partition pods at once (dsl.ParallelFor's parallelism is a compile-time constant)."""
 
 
 def _pod(task: dsl.PipelineTask, fsx_pvc, s3_secret, node_selector, tolerations) -> dsl.PipelineTask:
-    kubernetes.mount_pvc(task, pvc_name=fsx_pvc, mount_path=FSX_MOUNT)
-    kubernetes.use_secret_as_env(task, secret_name=s3_secret, secret_key_to_env=S3_KEYS, optional=True)
-    kubernetes.add_node_selector_json(task, node_selector)
-    kubernetes.add_toleration_json(task, tolerations)
-    return task
+    return with_s3_secret(placed(on_fsx(task, fsx_pvc), node_selector, tolerations), s3_secret)
 
 
 @dsl.pipeline(name="goodput-stage", description="Stage and tokenize a dataset onto FSx with parallel worker pods.")

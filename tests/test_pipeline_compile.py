@@ -55,10 +55,12 @@ def test_steps_and_exit_handler(compiled):
     assert cleanup["inputs"]["parameters"]["run_id"]["runtimeValue"]["constant"] == "{{$.pipeline_job_uuid}}"
     shown = {t["taskInfo"]["name"] for c in spec["components"].values() for t in c.get("dag", {}).get("tasks", {})
              .values()}
-    assert {"check settings", "stage (latest)", "stage (pinned)", "train", "evaluate", "register"} <= shown
+    assert {"check settings", "stage", "stage: plan", "stage: partition", "stage: merge", "train", "evaluate",
+            "register"} <= shown
     executors = {c.get("executorLabel") for c in spec["components"].values()} - {None}
-    assert executors == {"exec-train-config-op", "exec-stage-op", "exec-stage-op-2", "exec-train-op",
-                         "exec-evaluate-op", "exec-register-op", "exec-cleanup-op"}
+    assert executors == {"exec-train-config-op", "exec-stage-plan-op", "exec-stage-partition-op",
+                         "exec-stage-merge-op", "exec-train-op", "exec-evaluate-op", "exec-register-op",
+                         "exec-cleanup-op"}
 
 
 def test_dag_edges_stage_train_evaluate_register(compiled):
@@ -66,13 +68,18 @@ def test_dag_edges_stage_train_evaluate_register(compiled):
     handler = dag(spec, "comp-exit-handler-1")
     comp, train = find(spec, "train")
     assert comp == "comp-exit-handler-1"
-    branches = [n for n in handler if n.startswith("condition-branches")]
-    assert len(branches) == 1
-    # train follows whichever stage branch ran, and takes its arguments from the settings check
-    assert sorted(train["dependentTasks"]) == sorted([branches[0], "train-config-op"])
+    stage_comp, stage = find(spec, "stage")
+    assert stage_comp == "comp-exit-handler-1"
+    # train follows the stage sub-pipeline, and takes its arguments from the settings check
+    assert sorted(train["dependentTasks"]) == sorted([stage["_name"], "train-config-op"])
     assert train["inputs"]["parameters"]["trainer_args"]["taskOutputParameter"] == {
         "outputParameterKey": "trainer_args", "producerTask": "train-config-op"}
-    assert handler[branches[0]]["dependentTasks"] == ["train-config-op"]     # staging starts after the check
+    assert stage["dependentTasks"] == ["train-config-op"]     # staging starts after the check
+    # inside it: plan, then the partitions in parallel, then the merge
+    plan_comp, _ = find(spec, "stage: plan")
+    _, merge = find(spec, "stage: merge")
+    loop = next(n for n in dag(spec, plan_comp) if n.startswith("for-loop"))
+    assert dag(spec, plan_comp)[loop]["dependentTasks"] == ["stage-plan-op"] and merge["dependentTasks"] == [loop]
     _, evaluate = find(spec, "evaluate")
     assert sorted(evaluate["dependentTasks"]) == ["train-config-op", "train-op"]
     assert evaluate["inputs"]["parameters"]["run_dir"]["taskOutputParameter"]["producerTask"] == "train-config-op"
@@ -85,44 +92,39 @@ def test_dag_edges_stage_train_evaluate_register(compiled):
     assert model_uri == "pipelinechannel--evaluate-op-model_uri"
 
 
-def test_stage_is_cached_only_for_a_pinned_version(compiled):
+def test_no_step_is_taken_from_the_cache(compiled):
+    # Staging an unchanged source only lists and compares, so it is never cached: a changed source is seen.
     _, spec, _ = compiled
-    latest_comp, latest = find(spec, "stage (latest)")
-    pinned_comp, pinned = find(spec, "stage (pinned)")
-    branches = next(c for n, c in spec["components"].items() if n.startswith("comp-condition-branches"))["dag"]["tasks"]
-    conditions = {n.removeprefix("comp-"): t["triggerPolicy"]["condition"] for n, t in
-                  [(f"comp-{k}", v) for k, v in branches.items()]}
-    cond = "inputs.parameter_values['pipelinechannel--dataset_version'] == 'latest'"
-    assert conditions[latest_comp.removeprefix("comp-")] == cond
-    assert conditions[pinned_comp.removeprefix("comp-")] == f"!({cond})"
-    assert latest["cachingOptions"].get("enableCache", False) is False
-    assert pinned["cachingOptions"]["enableCache"] is True
-    for other in ("check settings", "train", "evaluate", "register", "cleanup"):
+    for other in ("check settings", "stage", "stage: plan", "stage: partition", "stage: merge", "train",
+                  "evaluate", "register", "cleanup"):
         assert find(spec, other)[1]["cachingOptions"].get("enableCache", False) is False, other
 
 
 def test_retries_on_the_retry_safe_steps(compiled):
     _, spec, _ = compiled
     retries = {name: find(spec, name)[1].get("retryPolicy", {}).get("maxRetryCount", 0)
-               for name in ("check settings", "stage (latest)", "stage (pinned)", "train", "evaluate", "register",
-                            "cleanup")}
-    assert retries == {"check settings": 0, "stage (latest)": 3, "stage (pinned)": 3, "train": 2, "evaluate": 2,
-                       "register": 2, "cleanup": 2}
+               for name in ("check settings", "stage: plan", "stage: partition", "stage: merge", "train",
+                            "evaluate", "register", "cleanup")}
+    # The plan is not retried: what fails it (refused keys, a bad tokenizer) fails again.
+    assert retries == {"check settings": 0, "stage: plan": 0, "stage: partition": 3, "stage: merge": 2, "train": 2,
+                       "evaluate": 2, "register": 2, "cleanup": 2}
 
 
 def test_platform_spec_mounts_places_and_uses_secrets(compiled):
     _, _, executors = compiled
-    for name in ("exec-stage-op", "exec-stage-op-2", "exec-evaluate-op", "exec-register-op"):
+    for name in ("exec-stage-plan-op", "exec-stage-partition-op", "exec-stage-merge-op", "exec-evaluate-op",
+                 "exec-register-op"):
         ex = executors[name]
         (mount,) = ex["pvcMount"]
         assert mount["mountPath"] == FSX
-        assert mount["pvcNameParameter"]["componentInputParameter"] == "pipelinechannel--fsx_pvc"
+        # the pipeline's parameter, or the stage sub-pipeline's input it is passed to
+        assert mount["pvcNameParameter"]["componentInputParameter"] in ("pipelinechannel--fsx_pvc", "fsx_pvc")
         (secret,) = ex["secretAsEnv"]
         assert secret["optional"] is True
-        assert secret["secretNameParameter"]["componentInputParameter"] == "pipelinechannel--s3_secret"
+        assert secret["secretNameParameter"]["componentInputParameter"] in ("pipelinechannel--s3_secret", "s3_secret")
         assert {k["envVar"] for k in secret["keyToEnv"]} == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
-    for name in ("exec-stage-op", "exec-stage-op-2", "exec-evaluate-op", "exec-register-op", "exec-train-config-op",
-                 "exec-cleanup-op"):
+    for name in ("exec-stage-plan-op", "exec-stage-partition-op", "exec-stage-merge-op", "exec-evaluate-op",
+                 "exec-register-op", "exec-train-config-op", "exec-cleanup-op"):
         ex = executors[name]
         assert ex["tolerations"][0]["tolerationJson"]["componentInputParameter"].endswith("step_tolerations")
         assert ex["nodeSelector"]["nodeSelectorJson"]["componentInputParameter"].endswith("step_node_selector")
