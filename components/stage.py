@@ -766,9 +766,10 @@ def stage_dataset(
         except source_of.list_errors as e:
             raise StageError(f"cannot list {uri}: {e}") from e
         _, refused = check_keys([o for page in listed for o in page], raw, prefix if bucket else "")
-        refused = source_of.refused + refused
+        refused = unique_refused(source_of.refused + refused)
         if refused:
             result.refused = refused
+            log_refused(refused)
             raise StageRefused(refused_message(refused, uri), result)
         if not any(listed):
             raise StageError(f"nothing to stage: {uri} is empty" + (
@@ -783,6 +784,7 @@ def stage_dataset(
     with StageLock(state / "lock"):
         objects = sync_raw(source_of, itertools.chain([first], pages), raw, state, dest, result, progress,
                            remove_stale=True, t_start=t_start)
+        log_refused(result.refused)
         if not objects:
             raise StageError(f"nothing to stage under {uri} ({len(result.refused)} keys refused, "
                              f"{result.excluded} excluded by include/exclude)", result)
@@ -794,16 +796,54 @@ def stage_dataset(
 
 def refused_message(refused: list[dict], uri: str) -> str:
     first = refused[0]
-    return (f"{len(refused)} keys under {uri} were refused (they would land outside the destination), e.g. "
-            f"{first['key']!r}: {first['reason']}; nothing was staged. Rename or remove them at the source, or "
+    return (f"{len(refused)} keys under {uri} were refused ({refused_counts(refused)}), e.g. "
+            f"{shorten(repr(first['key']), 80)}; nothing was staged. Rename or remove them at the source, or "
             f"stage with refused_key_policy=skip to leave them out (not retryable: the same source fails the same "
             f"way)")
 
 
+def unique_refused(refused: list[dict]) -> list[dict]:
+    """Each refused key once (its first reason), in the order they were found."""
+    return list({r["key"]: r for r in reversed(refused)}.values())[::-1]
+
+
+def shorten(text: str, width: int) -> str:
+    """``text`` cut to ``width`` characters in the middle (head…tail): both ends of a key tell which it is."""
+    if len(text) <= width:
+        return text
+    head = (width - 1) // 2
+    return text[:head] + "…" + text[len(text) - (width - 1 - head):]
+
+
+def refused_counts(refused: list[dict]) -> str:
+    """``2 '..' component would escape the destination, 1 absolute path``: refused keys by reason, most first."""
+    return ", ".join(f"{n} {reason}" for reason, n in Counter(r["reason"] for r in refused).most_common())
+
+
+def refusal_lines(refused: list[dict], width: int = 120, limit: int = 50) -> list[str]:
+    """One line per refused key (the first ``limit``), the key shortened so that the line fits ``width``."""
+    lines, refused = [], unique_refused(refused)
+    for r in refused[:limit]:
+        room = max(40, width - len("refused : ") - len(r["reason"]))    # a short key is never cut
+        lines.append(f"refused {shorten(repr(r['key']), room)}: {r['reason']}")
+    if len(refused) > limit:
+        lines.append(f"... and {len(refused) - limit} more refused keys")
+    return lines
+
+
+def log_refused(refused: list[dict]) -> None:
+    # INFO: the step's log (KFP logs INFO) lists them once; the CLI prints its own lines, not these.
+    for line in refusal_lines(refused):
+        log.info("%s", line)
+
+
 def check_keys(listed: list[tuple[str, int, str]], raw: Path, prefix: str) -> tuple[list[StagedObject], list[dict]]:
     """Unsafe keys and keys that are also directories of others are refused; the rest become objects."""
-    objects, refused = [], []
+    objects, refused, seen = [], [], set()
     for key, size, etag in listed:
+        if key in seen:
+            continue
+        seen.add(key)
         rel = key[len(prefix):]
         reason = unsafe_reason(rel, raw)
         if reason:
@@ -873,7 +913,8 @@ def sync_raw(source: Source, pages: Iterator[list[tuple[str, int, str]]], raw: P
     journal = _Journal(state / JOURNAL)
     finisher = _Finisher(raw, journal, result, progress, source.verify_etag)
     objects: list[StagedObject] = []
-    submitted: set[str] = set()
+    seen: set[str] = set()               # a key the listing yields again is the same object: once is enough
+    submitted: dict[str, int] = {}       # rel -> size of every download started (the progress's totals)
     refused: list[dict] = list(source.refused)
     cut = source.key_prefix()
     if progress is not None:
@@ -885,6 +926,9 @@ def sync_raw(source: Source, pages: Iterator[list[tuple[str, int, str]]], raw: P
             try:
                 for page in pages:
                     for key, size, etag in page:
+                        if key in seen:
+                            continue
+                        seen.add(key)
                         rel = key[len(cut):]
                         reason = unsafe_reason(rel, raw)
                         if reason:
@@ -895,16 +939,14 @@ def sync_raw(source: Source, pages: Iterator[list[tuple[str, int, str]]], raw: P
                         k = known.get(rel)
                         if not (k and k.get("etag") == etag and k.get("size") == size
                                 and size_on_disk(os.path.join(raw, rel)) == size):
-                            submitted.add(rel)
+                            submitted[rel] = size
                             submit(obj)
             except source.list_errors as e:
                 raise StageError(f"cannot list the source: {e}") from e
             result.list_s = round(time.monotonic() - t_start, 3)
             # Every key is known: refuse collisions, remove what left the source, then let files into raw/.
             objects, collisions = _refuse_collisions(objects)
-            result.refused = refused + collisions
-            for r in result.refused:
-                log.warning("refused %r: %s", r["key"], r["reason"])
+            result.refused = unique_refused(refused + collisions)
             if remove_stale:
                 result.removed = remove_stale_files(raw, {o.rel for o in objects})
             finisher.release(drop={c["key"][len(cut):] for c in collisions})
@@ -912,7 +954,9 @@ def sync_raw(source: Source, pages: Iterator[list[tuple[str, int, str]]], raw: P
             result.objects = len(objects)
             result.skipped_unchanged = len(objects) - len(todo)
             if progress is not None:
-                progress.start(len(todo), sum(o.size for o in todo))
+                # Every download started is finished once (placed, failed, or dropped as a collision found
+                # at the end of the listing), so that is the total: never passed, always reached.
+                progress.start(len(submitted), sum(submitted.values()))
         # Leaving the block waited for every transfer.
     finally:
         journal.close()

@@ -25,9 +25,10 @@ from pathlib import Path
 
 from components.stage import (JOURNAL, PREVIOUS_MANIFEST, STAGE_DIR, DatasetBuilder, DatasetSettings, Source,
                               StagedObject, StageError, StageLock, StageRefused, StageResult, assemble_manifest,
-                              check_keys, dataset_dir, manifest_extra, parse_source, read_previous_manifest,
-                              refused_message, remove_stale_files, remove_unlisted_shards, retire_manifest,
-                              size_on_disk, split_globs, summarise, sync_raw, tokenize_objects)
+                              check_keys, dataset_dir, log_refused, manifest_extra, parse_source,
+                              read_previous_manifest, refused_message, remove_stale_files, remove_unlisted_shards,
+                              retire_manifest, size_on_disk, split_globs, summarise, sync_raw, tokenize_objects,
+                              unique_refused)
 from components.stage_tokenize import PACK_BYTES, partitions, plan_packs
 from components.stage_tokenizer import TokenizerInfo, check_tokenizer_source
 from trainer.data import read_manifest
@@ -104,7 +105,8 @@ def plan_stage(
     except src.list_errors as e:
         raise StageError(f"cannot list {uri}: {e}") from e
     objects, refused = check_keys(listed, dest / "raw", src.key_prefix())
-    refused = src.refused + refused
+    refused = unique_refused(src.refused + refused)
+    log_refused(refused)
     if refused and refused_key_policy == "fail":
         result.refused = refused
         raise StageRefused(refused_message(refused, uri), result)

@@ -264,8 +264,10 @@ def test_adversarial_keys_are_refused_and_nothing_escapes(s3, bucket, tmp_path):
     # The default policy (fail): every refused key is named, and nothing at all is written.
     res = CliRunner().invoke(cli, args)
     assert res.exit_code == 1, res.output
-    for key, reason in ADVERSARIAL.items():
-        assert f"refused {key!r}" in res.output and reason in res.output.split(f"refused {key!r}")[1].split("\n")[0]
+    lines = [line for line in res.output.splitlines() if line.startswith("refused ")]
+    for key, reason in ADVERSARIAL.items():       # each once; the long one cut in the middle to fit the line
+        head, tail = repr(key)[:12], repr(key)[-8:]
+        assert [reason in line for line in lines if line.startswith(f"refused {head}") and tail in line] == [True]
     assert f"{len(ADVERSARIAL)} keys under" in res.output and "not retryable" in res.output
     assert not fsx.exists()
 

@@ -3,22 +3,31 @@
 from __future__ import annotations
 
 import json
-import sys
 from pathlib import Path
 
 import click
 
 
 class _RichProgress:
-    """``components.stage.StageProgress`` drawn with rich: files and bytes, with the transfer rate."""
+    """``components.stage.StageProgress`` drawn with rich: files and bytes, with the transfer rate.
+
+    The bars appear on the first ``start``: an error found before the stage begins is the only output."""
 
     def __init__(self, progress):
         self.progress = progress
         self.files = self.bytes = None
 
+    def __enter__(self) -> "_RichProgress":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.files is not None:
+            self.progress.stop()
+
     def start(self, files: int | None, nbytes: int | None) -> None:
         # First call while listing (totals unknown), second with the totals once the listing is complete.
         if self.files is None:
+            self.progress.start()
             self.files = self.progress.add_task("objects", total=files)
             self.bytes = self.progress.add_task("bytes", total=nbytes)
         else:
@@ -91,28 +100,25 @@ def stage(source: str, fsx_root: Path, name: str, version: str, endpoint_url: st
     from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeRemainingColumn, TransferSpeedColumn)
 
-    from components.stage import StageError, stage_dataset
+    from components.stage import StageError, refused_counts, stage_dataset
 
     console = Console(stderr=True)
     columns = [TextColumn("{task.description:>8}"), BarColumn(), MofNCompleteColumn(), DownloadColumn(),
                TransferSpeedColumn(), TimeRemainingColumn()]
+    # Bad arguments raise ValueError before anything is written: the goodput group reports it (one line, exit 2).
     try:
-        with Progress(*columns, console=console, disable=quiet, transient=False) as bar:
+        with _RichProgress(Progress(*columns, console=console, disable=quiet, transient=False)) as progress:
             result = stage_dataset(source, fsx_root, name, version, endpoint_url, max_concurrency=concurrency,
                                    retry_mode=retry_mode, max_attempts=max_attempts, val_percent=val_percent,
                                    verify_etag=not no_verify_etag, fsx_dra=fsx_dra, tokenizer=tokenizer,
                                    data_format=data_format, text_field=text_field, text_column=text_column,
                                    include=include, exclude=exclude, bad_record_policy=bad_record_policy,
-                                   refused_key_policy=refused_key_policy, workers=workers,
-                                   progress=_RichProgress(bar))
-    except ValueError as e:
-        raise click.UsageError(str(e)) from None
+                                   refused_key_policy=refused_key_policy, workers=workers, progress=progress)
     except StageError as e:
         if as_json and e.result is not None:
             click.echo(json.dumps(e.result.to_dict()))
-        _report_refused(e.result.refused if e.result else [])
-        click.echo(f"error: {e}", err=True)
-        sys.exit(1)
+        _report_refused(e.result.refused if e.result else [], console.width)
+        raise                        # the goodput group prints it as one line (it names the counts), exit 1
     if as_json:
         click.echo(json.dumps(result.to_dict()))
     click.echo(f"{result.dataset_dir}: {result.objects} objects ({result.transferred} transferred, "
@@ -121,19 +127,19 @@ def stage(source: str, fsx_root: Path, name: str, version: str, endpoint_url: st
                f"{result.files} files in the dataset, train {result.train_tokens:,} / val {result.val_tokens:,} "
                f"{result.token_dtype} tokens (vocabulary {result.vocab_size:,})"
                + ("" if result.rebuilt else " (unchanged, manifest kept)"), err=as_json)
-    if result.refused:
-        _report_refused(result.refused)
-        click.echo(f"warning: {len(result.refused)} keys were refused and not staged; the dataset was built "
-                   f"without them", err=True)
     bad = result.bad_records or {}
     if bad.get("total"):
         kinds = ", ".join(f"{n} {k}" for k, n in bad["by_kind"].items())
         click.echo(f"warning: {bad['total']} bad records in {bad['files']} files were left out ({kinds}); "
                    f"see bad_records in manifest.json", err=True)
+    if result.refused:
+        _report_refused(result.refused, console.width)
+        click.echo(f"warning: {len(result.refused)} keys were refused and not staged "
+                   f"({refused_counts(result.refused)}); the dataset was built without them", err=True)
 
 
-def _report_refused(refused: list[dict]) -> None:
-    for r in refused[:50]:
-        click.echo(f"refused {r['key']!r}: {r['reason']}", err=True)
-    if len(refused) > 50:
-        click.echo(f"... and {len(refused) - 50} more refused keys", err=True)
+def _report_refused(refused: list[dict], width: int) -> None:
+    from components.stage import refusal_lines
+
+    for line in refusal_lines(refused, width):
+        click.echo(line, err=True)
