@@ -140,12 +140,28 @@ def publish_model(reg: Registry, model_name: str, version: str, spec: Any, state
 
     Returns:
         version, model_uri, metadata_uri, format.
+
+    Raises:
+        RegistrationError: the version is registered already with other weights.
     """
     import torch
 
     from trainer.models.hf import DEFAULT_MAX_SHARD_BYTES, export_state_dict
 
     base = f"{model_name}/{version}"
+    existing = reg.read_json(f"{base}/{METADATA_FILE}")
+    if existing is not None:
+        # A retried evaluate step registers the same weights again: point production at them, rewrite nothing.
+        if existing.get("params_sha256") != metadata.get("params_sha256"):
+            raise RegistrationError(f"{reg.location(base)} already holds other weights (params_sha256 "
+                                    f"{str(existing.get('params_sha256'))[:16]}..., these are "
+                                    f"{str(metadata.get('params_sha256'))[:16]}...): a registered version never "
+                                    f"changes; give the run another name or remove that version")
+        fmt = existing.get("format", TORCH_FORMAT)
+        model_uri = existing.get("model_uri") or reg.location(f"{base}/{MODEL_FILE}")
+        metadata_uri = reg.location(f"{base}/{METADATA_FILE}")
+        _point_production(reg, model_name, version, model_uri, metadata_uri, fmt, production_extra)
+        return {"version": version, "model_uri": model_uri, "metadata_uri": metadata_uri, "format": fmt}
     if spec.hf is not None:
         local = export_state_dict(state_dict, spec, tmp / "hf", tokenizer_dir=tokenizer_dir, overwrite=True,
                                   max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
@@ -164,9 +180,14 @@ def publish_model(reg: Registry, model_name: str, version: str, spec: Any, state
                                f"torch.save of its state dict; build the model with trainer.models.resolve_model"
                                f"(**model) and load_state_dict")
     metadata_uri = reg.put_json(meta, f"{base}/{METADATA_FILE}")
-    reg.put_json({"version": version, "model_uri": model_uri, "metadata_uri": metadata_uri, "format": fmt,
-                  **(production_extra or {}), "promoted_at": time.time()}, f"{model_name}/{PRODUCTION_FILE}")
+    _point_production(reg, model_name, version, model_uri, metadata_uri, fmt, production_extra)
     return {"version": version, "model_uri": model_uri, "metadata_uri": metadata_uri, "format": fmt}
+
+
+def _point_production(reg: Registry, model_name: str, version: str, model_uri: str, metadata_uri: str, fmt: str,
+                      extra: dict | None) -> None:
+    reg.put_json({"version": version, "model_uri": model_uri, "metadata_uri": metadata_uri, "format": fmt,
+                  **(extra or {}), "promoted_at": time.time()}, f"{model_name}/{PRODUCTION_FILE}")
 
 
 def load_registered_model(reg: Registry, model_name: str, version: str, meta: dict, tmp: Path):

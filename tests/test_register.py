@@ -46,8 +46,9 @@ def test_a_model_promoted_over_since_is_recorded_but_not_production(registry):
 
 
 @pytest.mark.parametrize("uri, message", [
-    ("", "is not a model.pt under"),
-    ("/elsewhere/bytegpt/v/model.pt", "is not a model.pt under"),
+    ("", "is not a registered model under"),
+    ("/elsewhere/bytegpt/v/model.pt", "is not a registered model under"),
+    ("{registry}/bytegpt/v/extra/model.pt", "is not a registered model under"),
     ("{registry}/bytegpt/missing-version/model.pt", "metadata.json is missing"),
 ])
 def test_what_evaluate_did_not_register_fails(registry, uri, message):
@@ -60,6 +61,20 @@ def test_weights_missing_fails(registry):
     (registry / "bytegpt" / "run-a-step000000060" / "model.pt").unlink()
     with pytest.raises(RegistrationError, match="model.pt is missing"):
         registered_model(uri, str(registry), "bytegpt")
+
+
+def test_a_hugging_face_directory_is_recorded_by_its_directory(registry):
+    d = registry / "bytegpt" / "run-c-step000000090"
+    d.mkdir()
+    files = ["config.json", "model.safetensors"]
+    for name in files:
+        (d / name).write_text("{}")
+    (d / "metadata.json").write_text(json.dumps({"format": "huggingface", "files": files, "step": 90}))
+    rec = registered_model(str(d), str(registry), "bytegpt", log=lambda _: None)
+    assert (rec["version"], rec["format"], rec["step"]) == ("run-c-step000000090", "huggingface", 90)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(RegistrationError, match="model.safetensors is missing"):
+        registered_model(str(d), str(registry), "bytegpt")
 
 
 def test_component_publishes_the_model_artifact(registry, tmp_path):
