@@ -85,3 +85,27 @@ def test_component_publishes_the_model_artifact(registry, tmp_path):
     register_op.python_func(model_uri=uri, registry=str(registry), model_name="bytegpt", model=model)
     assert model.metadata["version"] == "run-a-step000000060" and model.metadata["production"] is True
     assert json.loads((tmp_path / "out" / "model").read_text())["model_uri"] == uri
+
+
+def test_a_registry_from_before_pluggable_models_still_loads(tmp_path):
+    # Its metadata names no model spec, no format and no files: a ByteGPT model.pt and its model_config.
+    import dataclasses
+
+    import torch
+
+    from components.evaluate import params_sha256
+    from components.register import Registry, load_registered_model
+    from trainer.config import ModelConfig
+    from trainer.model import ByteGPT
+
+    cfg = ModelConfig(n_layer=1, n_embd=32, n_head=2, seq_len=16)
+    torch.manual_seed(4)
+    state = ByteGPT(cfg).state_dict()
+    d = tmp_path / "models" / "bytegpt" / "old-step000000010"
+    d.mkdir(parents=True)
+    torch.save(state, d / "model.pt")
+    meta = {"version": "old-step000000010", "model_config": dataclasses.asdict(cfg)}
+    spec, model = load_registered_model(Registry(str(tmp_path / "models")), "bytegpt", "old-step000000010", meta,
+                                        tmp_path / "tmp")
+    assert spec.name == "bytegpt" and spec.config == cfg
+    assert params_sha256(model.state_dict()) == params_sha256(state)
