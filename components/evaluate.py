@@ -2,30 +2,36 @@
 
     goodput evaluate --run fsx/runs/demo --data fsx/datasets/pystdlib/3.11
     goodput evaluate --run RUN --data DATA --registry s3://models-bucket/registry --threshold 2.5
+    goodput evaluate --run RUN --baseline fsx/models/llama-3.2-1b --require-beat-baseline
 
-Each committed checkpoint (``<run>/checkpoints/step_<N>/`` with ``COMMITTED``) is loaded into one
-``ByteGPT`` on the CPU (or one GPU) with ``torch.distributed.checkpoint.load(..., no_dist=True)``: only
-the ``model.*`` entries are read, no process group is needed, and a run trained with FSDP2 or DDP on
-any number of ranks loads the same way. Validation loss is the mean cross entropy (nats per token) over
-the same deterministic windows the trainer uses for ``final_val_loss`` (``trainer.data.eval_windows``);
-bits per byte = loss / ln 2 / bytes per token, where bytes per token is the validation split's text bytes
-over its tokens (the manifest's ``splits.val``; 1 for the byte vocabulary, where a token is a byte), so runs
-on datasets of different tokenizers compare. A checkpoint that is torn, misses a shard, cannot
-be read or gives a non-finite loss is reported in ``skipped`` and the others are still evaluated.
+Any model the trainer trains is evaluated the same way: the run's ``config.json`` names its spec
+(``trainer.models.spec_from_run_config``: ``bytegpt``, ``llama``, ``package.module:function``), the model
+is built whole on the CPU (``build_local``) and each committed checkpoint (``<run>/checkpoints/step_<N>/``
+with ``COMMITTED``) is loaded into it with ``torch.distributed.checkpoint.load(..., no_dist=True)``: only
+the ``model.*`` entries are read, no process group is needed, and a run trained with FSDP2 or DDP on any
+number of ranks loads the same way. Validation loss is the spec's loss (mean cross entropy, nats per
+token) over the same deterministic windows the trainer uses for ``final_val_loss``
+(``trainer.data.eval_windows``); bits per byte = loss / ln 2 / bytes per token, where bytes per token is
+the validation split's text bytes over its tokens (the manifest's ``splits.val``; 1 for the byte
+vocabulary, where a token is a byte), so runs on datasets of different tokenizers compare. A checkpoint
+that is torn, misses a shard, cannot be read or gives a non-finite loss is reported in ``skipped`` and the
+others are still evaluated.
 
-Promotion gate: the best checkpoint is promoted when its loss is below ``threshold`` and not worse than
-the current production model's loss on the same windows by more than ``tolerance`` (both in nats per
-byte). The production model is re-evaluated here rather than trusting a number recorded on other data.
+A baseline (``--baseline DIR``: a Hugging Face model directory, e.g. the one the run was initialised from)
+is scored on the same windows (``trainer.models.hf``: ``spec_for_hf_dir`` + ``load_hf_weights``); it must
+read the dataset's token ids (the same tokenizer) for the comparison to mean anything.
 
-Model registry (a directory or ``s3://bucket/prefix``)::
+Promotion gate: the best checkpoint is promoted when its loss is below ``threshold``, not worse than the
+current production model's loss on the same windows by more than ``tolerance``, and, with
+``require_beat_baseline``, below the baseline's loss. The production model is re-evaluated here rather
+than trusting a number recorded on other data.
 
-    <registry>/<model_name>/<version>/model.pt        torch.save of the full state dict (one file)
-    <registry>/<model_name>/<version>/metadata.json   source run, step, metrics, model config, params_sha256
-    <registry>/<model_name>/production.json           the current production version (written last)
-
-``version`` is ``<run name>-step<N>``. Outputs in ``out_dir`` (default ``<run>/evaluation``):
-``evaluation.json`` and ``report.html`` (the run's story: ``components.report``). This module imports
-torch only inside functions; the KFP component is ``components.evaluate_op.evaluate_op``.
+A promoted model is published to the registry by ``components.register.publish_model``: a Hugging Face
+directory (``config.json``, safetensors, the dataset's tokenizer files) that ``transformers`` and vLLM load
+as it lands, or ``model.pt`` for a model without a Hugging Face adapter (bytegpt); then ``metadata.json``,
+then ``production.json``. ``version`` is ``<run name>-step<N>``. Outputs in ``out_dir`` (default
+``<run>/evaluation``): ``evaluation.json`` and ``report.html`` (the run's story: ``components.report``).
+This module imports torch only inside functions; the KFP component is ``components.evaluate_op.evaluate_op``.
 """
 
 from __future__ import annotations
@@ -35,22 +41,19 @@ import json
 import logging
 import math
 import os
-import shutil
 import tempfile
 import time
 import warnings
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from components.register import METADATA_FILE, PRODUCTION_FILE, Registry, load_registered_model, publish_model
 from components.report import render_report
 
 log = logging.getLogger(__name__)
 
 UNIFORM_LOSS = math.log(256)      # nats per byte of a uniform guess over bytes
-MODEL_FILE = "model.pt"
-METADATA_FILE = "metadata.json"
-PRODUCTION_FILE = "production.json"
 
 
 class EvaluationError(RuntimeError):
@@ -64,13 +67,16 @@ class EvaluationResult:
     run_dir: str
     data_dir: str
     out_dir: str
+    model: dict = field(default_factory=dict)               # the run's model: name, flavor, config
+    seq_len: int = 0                                         # tokens per validation window
     checkpoints: list[dict] = field(default_factory=list)   # step, val_loss, bpb, windows, tokens, load_s, eval_s
     bytes_per_token: float = 1.0                             # of the validation split: bpb = val_loss/ln 2/this
     skipped: list[dict] = field(default_factory=list)       # step, path, reason
     best: dict | None = None
-    gate: dict = field(default_factory=dict)                 # threshold, tolerance, production, passed, reason
+    baseline: dict | None = None                             # dir, model, val_loss, bpb, windows, tokens, eval_s
+    gate: dict = field(default_factory=dict)                 # threshold, tolerance, production, baseline, reason
     promoted: bool = False
-    registered: dict | None = None                           # version, model_uri, metadata_uri
+    registered: dict | None = None                           # version, model_uri, metadata_uri, format
     summary: dict | None = None                              # the run's summary.json
     evaluation_path: str = ""
     report_path: str = ""
@@ -81,13 +87,36 @@ class EvaluationResult:
 
 
 # ------------------------------------------------------------------------------------- model I/O
-def _model_config(run_dir: Path):
-    from trainer.config import config_from_dict
-
+def read_run_config(run_dir: Path) -> dict:
+    """The run's saved ``config.json`` (a dict: its sections as the trainer wrote them)."""
     path = run_dir / "config.json"
     if not path.is_file():
         raise EvaluationError(f"{path} not found: {run_dir} is not a run directory of `goodput train`")
-    return config_from_dict(json.loads(path.read_text()))
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise EvaluationError(f"{path} is not valid JSON: {e}") from None
+
+
+def run_spec(run_config: dict):
+    """The ``ModelSpec`` a run trained, from its ``config.json`` (runs from before plug-ins: bytegpt)."""
+    from trainer.models import ModelError, spec_from_run_config
+
+    try:
+        return spec_from_run_config(run_config)
+    except ModelError as e:
+        raise EvaluationError(f"the run's config.json names a model that cannot be built: {e}") from e
+
+
+def training_seq_len(run_config: dict, spec) -> int:
+    """Tokens per window the run trained and validated on: ``data.seq_len`` or ``model.seq_len`` of its
+    config (bytegpt keeps it among its model fields), else the model's ``max_seq_len``."""
+    model = run_config.get("model", {})
+    for value in (run_config.get("data", {}).get("seq_len"), model.get("seq_len"),
+                  (model.get("config") or {}).get("seq_len")):
+        if value:
+            return int(value)
+    return spec.max_seq_len
 
 
 def params_sha256(state_dict: dict) -> str:
@@ -104,7 +133,7 @@ def params_sha256(state_dict: dict) -> str:
 
 def _checkpoint_problem(path: Path) -> str | None:
     """Cheap checks before DCP reads anything: the marker parses and every file it lists is there."""
-    from trainer.checkpoint import read_marker
+    from trainer.layout import read_marker
 
     try:
         marker = read_marker(path)
@@ -126,13 +155,14 @@ def _dcp_error(e: BaseException) -> str:
     return f"{type(e).__name__}: {lines[-1] if lines else ''}"[:400]
 
 
-def load_checkpoint_model(path: Path, model_cfg):
-    """A ``ByteGPT`` with the weights of one committed checkpoint, loaded without a process group."""
+def load_checkpoint_model(path: Path, spec):
+    """The spec's model, whole on the CPU, with the weights of one committed checkpoint (no process group)."""
     import torch.distributed.checkpoint as dcp
 
-    from trainer.model import ByteGPT
+    from trainer.models import build_local
 
-    model = ByteGPT(model_cfg)
+    # build_local also fills what a checkpoint does not hold (non-persistent buffers such as RoPE tables).
+    model = build_local(spec)
     state = {"model": model.state_dict()}
     # Only model.* is requested: the default load planner reads that subset and leaves optimizer state,
     # RNG and counters on disk.
@@ -143,16 +173,26 @@ def load_checkpoint_model(path: Path, model_cfg):
     return model.eval()
 
 
+def load_baseline_model(hf_dir: Path, name: str = "llama"):
+    """(spec, model) of a Hugging Face model directory, on the CPU, as ``--baseline`` scores it."""
+    from trainer.models import build_local
+    from trainer.models.hf import load_hf_weights, spec_for_hf_dir
+
+    spec = spec_for_hf_dir(name, hf_dir)
+    model = build_local(spec)
+    load_hf_weights(model, spec, hf_dir)
+    return spec, model.eval()
+
+
 def bits_per_byte(loss: float, bytes_per_token: float) -> float:
     """Bits per byte of text from a loss in nats per token: comparable across tokenizers."""
     return loss / math.log(2) / bytes_per_token
 
 
-def validation_loss(model, windows: list, batch_size: int = 32) -> tuple[float, int]:
-    """(mean cross entropy in nats per token, tokens) over the given (x, y) windows."""
+def validation_loss(spec, model, windows: list, batch_size: int = 32) -> tuple[float, int]:
+    """(mean of the spec's loss in nats per token, tokens) over the given (x, y) windows."""
     import numpy as np
     import torch
-    import torch.nn.functional as F
 
     total, tokens = 0.0, 0
     with torch.no_grad():
@@ -160,83 +200,28 @@ def validation_loss(model, windows: list, batch_size: int = 32) -> tuple[float, 
             chunk = windows[i:i + batch_size]
             x = torch.from_numpy(np.stack([w[0] for w in chunk]))
             y = torch.from_numpy(np.stack([w[1] for w in chunk]))
-            logits, _ = model(x)
-            total += F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), y.reshape(-1),
-                                     reduction="sum").item()
+            # The spec's loss is a batch mean: weighted by the batch's tokens, batches of any size add up.
+            total += spec.loss(model, x, y).double().item() * y.numel()
             tokens += y.numel()
     return total / tokens, tokens
 
 
-# -------------------------------------------------------------------------------------- registry
-class Registry:
-    """A model registry location: a directory or ``s3://bucket/prefix`` (boto3, standard credentials)."""
+def _check_reads(spec, data_dir: Path, seq_len: int, what: str) -> None:
+    """A model that cannot read the dataset's ids or the windows' length fails before any work."""
+    from trainer.data import check_vocab
 
-    def __init__(self, uri: str, endpoint_url: str | None = None):
-        self.uri = uri.rstrip("/")
-        self.s3 = self.uri.startswith("s3://")
-        if self.s3:
-            from components.stage import s3_client
-
-            self.bucket, _, self.prefix = self.uri[len("s3://"):].partition("/")
-            if not self.bucket:
-                raise ValueError(f"registry {uri!r}: no bucket name; expected s3://BUCKET[/PREFIX]")
-            self.client = s3_client(endpoint_url, retry_mode="standard", max_attempts=5)
-
-    def _key(self, rel: str) -> str:
-        return f"{self.prefix}/{rel}" if self.prefix else rel
-
-    def location(self, rel: str) -> str:
-        return f"{self.uri}/{rel}"
-
-    def read_json(self, rel: str) -> dict | None:
-        if self.s3:
-            try:
-                body = self.client.get_object(Bucket=self.bucket, Key=self._key(rel))["Body"].read()
-            except self.client.exceptions.NoSuchKey:
-                return None
-            return json.loads(body)
-        path = Path(self.uri) / rel
-        return json.loads(path.read_text()) if path.is_file() else None
-
-    def fetch(self, rel: str, dest: Path) -> Path:
-        if self.s3:
-            self.client.download_file(self.bucket, self._key(rel), str(dest))
-            return dest
-        return Path(self.uri) / rel
-
-    def put_file(self, src: Path, rel: str) -> str:
-        if self.s3:
-            self.client.upload_file(str(src), self.bucket, self._key(rel))
-        else:
-            dest = Path(self.uri) / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(f".{dest.name}.tmp")
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, dest)
-        return self.location(rel)
-
-    def put_json(self, obj: dict, rel: str) -> str:
-        data = json.dumps(obj, indent=1).encode()
-        if self.s3:
-            self.client.put_object(Bucket=self.bucket, Key=self._key(rel), Body=data,
-                                   ContentType="application/json")
-        else:
-            dest = Path(self.uri) / rel
-            dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(f".{dest.name}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, dest)
-        return self.location(rel)
+    try:
+        check_vocab(data_dir, spec.vocab.size)
+    except ValueError as e:
+        raise EvaluationError(f"{what}: {e}") from None
+    if seq_len > spec.max_seq_len:
+        raise EvaluationError(f"{what} reads at most {spec.max_seq_len} tokens, the validation windows have "
+                              f"{seq_len}; evaluate with a shorter seq_len")
 
 
-def _production_loss(registry: Registry, model_name: str, windows_for, tmp: Path,
+def _production_loss(registry: Registry, model_name: str, windows_for, seq_len: int, tmp: Path,
                      bytes_per_token: float) -> tuple[dict | None, str]:
     """(production record with its loss on these windows, or None; a note for the report)."""
-    import torch
-
-    from trainer.config import ModelConfig
-    from trainer.model import ByteGPT
-
     pointer = registry.location(f"{model_name}/{PRODUCTION_FILE}")
     try:
         record = registry.read_json(f"{model_name}/{PRODUCTION_FILE}")
@@ -249,16 +234,34 @@ def _production_loss(registry: Registry, model_name: str, windows_for, tmp: Path
         meta = registry.read_json(f"{model_name}/{version}/{METADATA_FILE}")
         if meta is None:
             raise FileNotFoundError(f"{registry.location(f'{model_name}/{version}/{METADATA_FILE}')} not found")
-        path = registry.fetch(f"{model_name}/{version}/{MODEL_FILE}", tmp / "production.pt")
-        model = ByteGPT(ModelConfig(**meta["model_config"]))
-        model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-        loss, _ = validation_loss(model.eval(), windows_for(model.cfg.seq_len))
+        spec, model = load_registered_model(registry, model_name, version, meta, tmp)
+        # The run's windows, cut to what the production model reads (bytegpt's context is its size).
+        loss, _ = validation_loss(spec, model, windows_for(min(seq_len, spec.max_seq_len)))
     except Exception as e:
         # Promoting over a production model that cannot be checked would be a blind promotion.
         raise EvaluationError(f"the production model {version!r} named by {pointer} cannot be evaluated "
                               f"({type(e).__name__}: {e}); repair the registry or remove {PRODUCTION_FILE}") from e
     return {"version": version, "val_loss": loss, "bpb": bits_per_byte(loss, bytes_per_token),
             "source_run": meta.get("source_run"), "step": meta.get("step")}, f"production is {version}"
+
+
+def _score_baseline(hf_dir: Path, run_spec_, data_dir: Path, windows: list, seq_len: int, batch_size: int,
+                    bytes_per_token: float) -> dict:
+    """The baseline directory's loss on the run's windows (the run's model name reads it, else llama)."""
+    from trainer.models.hf import HFError
+
+    t0 = time.monotonic()
+    try:
+        spec, model = load_baseline_model(hf_dir, run_spec_.name if run_spec_.hf is not None else "llama")
+    except (HFError, ValueError, OSError) as e:
+        raise EvaluationError(f"--baseline {hf_dir} cannot be loaded: {e}") from e
+    _check_reads(spec, data_dir, seq_len, f"--baseline {hf_dir}")
+    loss, tokens = validation_loss(spec, model, windows, batch_size)
+    if not math.isfinite(loss):
+        raise EvaluationError(f"--baseline {hf_dir} gives a non-finite validation loss ({loss})")
+    return {"dir": str(hf_dir), "model": spec.describe(), "val_loss": loss,
+            "bpb": bits_per_byte(loss, bytes_per_token), "windows": len(windows), "tokens": tokens,
+            "eval_s": round(time.monotonic() - t0, 3)}
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -281,6 +284,10 @@ def evaluate_run(
     model_name: str = "bytegpt",
     max_windows: int | None = None,
     batch_size: int = 32,
+    seq_len: int | None = None,
+    baseline: str | Path | None = None,
+    require_beat_baseline: bool = False,
+    max_shard_bytes: int | None = None,
 ) -> EvaluationResult:
     """Evaluate the committed checkpoints of a ``goodput train`` run and gate the best one.
 
@@ -289,52 +296,68 @@ def evaluate_run(
         data_dir: dataset directory whose validation split is used (default: the run's ``--data``).
         out_dir: where ``evaluation.json`` and ``report.html`` go (default ``<run_dir>/evaluation``).
         last_n: evaluate only the newest N committed checkpoints (None or 0: all).
-        threshold: promote only if the best loss (nats per byte) is below this; the default is the loss of
+        threshold: promote only if the best loss (nats per token) is below this; the default is the loss of
             a uniform guess over bytes, ln 256.
         tolerance: promote only if the best loss is at most the production model's loss plus this.
         registry: model registry, a directory or ``s3://bucket/prefix``; None: the gate is decided and
             reported, nothing is written and there is no production model to compare with.
         endpoint_url: S3-compatible endpoint for an ``s3://`` registry.
         model_name: the model's name in the registry.
-        max_windows: validation windows of ``seq_len`` bytes (default: the run's ``eval_windows``, so the
-            final checkpoint reproduces the run's ``final_val_loss``).
+        max_windows: validation windows (default: the run's ``eval_windows``, so the final checkpoint
+            reproduces the run's ``final_val_loss``).
         batch_size: windows per forward pass.
+        seq_len: tokens per window (default: the run's training sequence length).
+        baseline: a Hugging Face model directory scored on the same windows (e.g. the run's ``--init-from``).
+        require_beat_baseline: promote only if the best loss is below the baseline's.
+        max_shard_bytes: a registered Hugging Face directory is sharded above this (default 5 GB).
 
     Returns:
         The evaluation; ``evaluation.json`` and ``report.html`` are written to ``out_dir``.
 
     Raises:
-        EvaluationError: no config, no committed checkpoint, or none of them could be evaluated.
+        EvaluationError: no config, no committed checkpoint, none of them could be evaluated, or a model
+            (the run's, the baseline, production) that cannot read the dataset.
     """
-    from trainer.checkpoint import committed_steps, step_dir
     from trainer.data import Split, bytes_per_token, eval_windows, read_manifest
+    from trainer.layout import committed_steps, step_dir
+    from trainer.models.hf import dataset_tokenizer
 
     run_dir = Path(run_dir)
-    cfg = _model_config(run_dir)
-    data_dir = Path(data_dir or cfg.data.data)
-    out_dir = Path(out_dir) if out_dir else run_dir / "evaluation"
+    run_config = read_run_config(run_dir)
     if tolerance < 0:
         raise ValueError(f"tolerance must not be negative, got {tolerance}")
+    if require_beat_baseline and not baseline:
+        raise ValueError("require_beat_baseline needs a baseline model directory (--baseline DIR)")
+    if baseline and not Path(baseline).is_dir():
+        raise ValueError(f"--baseline {baseline}: no such directory (give a Hugging Face model directory)")
+    spec = run_spec(run_config)
+    data = run_config.get("data", {})
+    data_dir = Path(data_dir or data.get("data") or "")
+    if not str(data_dir) or data_dir == Path("."):
+        raise EvaluationError(f"{run_dir}/config.json names no dataset; give the dataset directory (--data)")
+    out_dir = Path(out_dir) if out_dir else run_dir / "evaluation"
     reg = Registry(registry, endpoint_url) if registry else None
     val = Split.open(data_dir, "val")       # a bad dataset fails here, before any work
     bpt = bytes_per_token(read_manifest(data_dir), "val")
-    n_windows = max_windows or cfg.data.eval_windows
+    seq_len = seq_len or training_seq_len(run_config, spec)
+    _check_reads(spec, data_dir, seq_len, f"the run's model ({spec.name})")
+    n_windows = max_windows or data.get("eval_windows") or 64
     cache: dict[int, list] = {}
 
-    def windows_for(seq_len: int) -> list:
-        if seq_len not in cache:
-            cache[seq_len] = list(eval_windows(val, seq_len, n_windows))
-            if not cache[seq_len]:
-                raise EvaluationError(f"{data_dir}: the validation split ({len(val)} bytes) is shorter than one "
-                                      f"window of {seq_len + 1} bytes")
-        return cache[seq_len]
+    def windows_for(length: int) -> list:
+        if length not in cache:
+            cache[length] = list(eval_windows(val, length, n_windows))
+            if not cache[length]:
+                raise EvaluationError(f"{data_dir}: the validation split ({len(val)} tokens) is shorter than one "
+                                      f"window of {length + 1} tokens")
+        return cache[length]
 
-    windows = windows_for(cfg.model.seq_len)
+    windows = windows_for(seq_len)
     root = run_dir / "checkpoints"
     committed = committed_steps(root)
     steps = committed[-last_n:] if last_n else committed
     result = EvaluationResult(run_dir=str(run_dir), data_dir=str(data_dir), out_dir=str(out_dir),
-                              bytes_per_token=bpt)
+                              model=spec.describe(), seq_len=seq_len, bytes_per_token=bpt)
     summary_path = run_dir / "summary.json"
     if summary_path.is_file():
         try:
@@ -352,25 +375,28 @@ def evaluate_run(
     tmp_dir = tempfile.TemporaryDirectory()
     tmp = Path(tmp_dir.name)
     try:
-        # The production model first: a registry that cannot be read fails before any checkpoint is scored.
+        # The references first: a baseline or registry that cannot be read fails before any checkpoint is scored.
+        if baseline:
+            result.baseline = _score_baseline(Path(baseline), spec, data_dir, windows, seq_len, batch_size, bpt)
         production, note = (None, "no registry given") if reg is None else \
-            _production_loss(reg, model_name, windows_for, tmp, bpt)
-        _score(result, root, steps, cfg, windows, batch_size, step_dir)
+            _production_loss(reg, model_name, windows_for, seq_len, tmp, bpt)
+        _score(result, spec, root, steps, windows, batch_size, step_dir)
         if not result.checkpoints:
             _finish(result, run_dir, out_dir)
             reasons = "; ".join(f"step {s['step']}: {s['reason']}" for s in result.skipped)
             raise EvaluationError(f"none of the {len(steps)} committed checkpoints under {root} could be "
                                   f"evaluated: {reasons}")
-        _gate(result, threshold, tolerance, production, note)
+        _gate(result, threshold, tolerance, production, note, require_beat_baseline)
         if result.promoted and reg is not None:
-            result.registered = _register(reg, model_name, run_dir, data_dir, cfg, result, tmp)
+            result.registered = _register(reg, model_name, run_dir, data_dir, spec, result, tmp,
+                                          dataset_tokenizer(data_dir), max_shard_bytes)
     finally:
         tmp_dir.cleanup()
     _finish(result, run_dir, out_dir)
     return result
 
 
-def _score(result: EvaluationResult, root: Path, steps: list[int], cfg, windows: list, batch_size: int,
+def _score(result: EvaluationResult, spec, root: Path, steps: list[int], windows: list, batch_size: int,
            step_dir) -> None:
     """Load and score each checkpoint; a bad one is reported in ``skipped`` and the rest go on. Sets
     ``result.best`` and ``result.best_state`` (only the best weights are kept in memory)."""
@@ -382,14 +408,14 @@ def _score(result: EvaluationResult, root: Path, steps: list[int], cfg, windows:
         t0 = time.monotonic()
         if problem is None:
             try:
-                model = load_checkpoint_model(path, cfg.model)
+                model = load_checkpoint_model(path, spec)
             except (KeyboardInterrupt, SystemExit):
                 raise
             except BaseException as e:  # noqa: B036 - DCP's CheckpointException derives from BaseException
                 problem = f"cannot be loaded: {_dcp_error(e)}"
         load_s, t1 = time.monotonic() - t0, time.monotonic()
         if model is not None:
-            loss, tokens = validation_loss(model, windows, batch_size)
+            loss, tokens = validation_loss(spec, model, windows, batch_size)
             if not math.isfinite(loss):
                 problem = f"non-finite validation loss ({loss})"
         if problem is not None:
@@ -409,9 +435,11 @@ def _score(result: EvaluationResult, root: Path, steps: list[int], cfg, windows:
 
 
 def _gate(result: EvaluationResult, threshold: float, tolerance: float, production: dict | None,
-          note: str) -> None:
-    best = result.best
-    gate: dict[str, Any] = {"threshold": threshold, "tolerance": tolerance, "production": production}
+          note: str, require_beat_baseline: bool = False) -> None:
+    best, base = result.best, result.baseline
+    gate: dict[str, Any] = {"threshold": threshold, "tolerance": tolerance, "production": production,
+                            "require_beat_baseline": require_beat_baseline,
+                            "baseline": None if base is None else {k: base[k] for k in ("dir", "val_loss", "bpb")}}
     if not best["val_loss"] < threshold:
         gate["passed"], gate["reason"] = False, (f"best loss {best['val_loss']:.4f} is not below the threshold "
                                                  f"{threshold:.4f}")
@@ -419,47 +447,52 @@ def _gate(result: EvaluationResult, threshold: float, tolerance: float, producti
         gate["passed"], gate["reason"] = False, (
             f"best loss {best['val_loss']:.4f} is worse than production {production['version']} "
             f"({production['val_loss']:.4f}) by more than the tolerance {tolerance:.4f}")
+    elif require_beat_baseline and not best["val_loss"] < base["val_loss"]:
+        gate["passed"], gate["reason"] = False, (
+            f"best loss {best['val_loss']:.4f} does not beat the baseline {base['dir']} ({base['val_loss']:.4f})")
     else:
         gate["passed"], gate["reason"] = True, (
             f"best loss {best['val_loss']:.4f} < threshold {threshold:.4f}; "
             + (f"production {production['version']} has {production['val_loss']:.4f} (tolerance {tolerance:.4f})"
-               if production else note))
+               if production else note)
+            + (f"; baseline {base['dir']} has {base['val_loss']:.4f}" if base else ""))
     result.gate = gate
     result.promoted = bool(gate["passed"])
 
 
-def _register(reg: Registry, model_name: str, run_dir: Path, data_dir: Path, cfg, result: EvaluationResult,
-              tmp: Path) -> dict:
-    """Write the consolidated model and its metadata, then point production.json at it (last)."""
+def _register(reg: Registry, model_name: str, run_dir: Path, data_dir: Path, spec, result: EvaluationResult,
+              tmp: Path, tokenizer_dir: Path | None, max_shard_bytes: int | None) -> dict:
+    """Publish the best weights (a Hugging Face directory, or model.pt without an adapter) and point
+    production.json at them (``components.register.publish_model``)."""
     import torch
 
     best = result.best
     version = f"{run_dir.name}-step{best['step']:09d}"
-    model_path = tmp / MODEL_FILE
-    torch.save(result.best_state, model_path)
     manifest_sha = None
     if (data_dir / "manifest.json").is_file():
         manifest_sha = hashlib.sha256((data_dir / "manifest.json").read_bytes()).hexdigest()
     metadata = {
         "model_name": model_name,
         "version": version,
-        "format": "torch.save(state_dict) of trainer.model.ByteGPT",
+        "model": spec.describe(),
         "source_run": str(run_dir.resolve()),
         "step": best["step"],
-        "metrics": {"val_loss": best["val_loss"], "bpb": best["bpb"], "windows": best["windows"]},
-        "model_config": asdict(cfg.model),
+        "metrics": {"val_loss": best["val_loss"], "bpb": best["bpb"], "windows": best["windows"],
+                    "seq_len": result.seq_len},
+        "baseline": result.gate.get("baseline"),
         "params_sha256": best["params_sha256"],
-        "data": {"dir": str(data_dir), "manifest_sha256": manifest_sha},
+        "data": {"dir": str(data_dir), "manifest_sha256": manifest_sha,
+                 "tokenizer": str(tokenizer_dir) if tokenizer_dir else None},
         "run_summary": result.summary,
         "gate": {k: v for k, v in result.gate.items() if k != "passed"},
         "created_at": time.time(),
         "torch_version": torch.__version__,
     }
-    model_uri = reg.put_file(model_path, f"{model_name}/{version}/{MODEL_FILE}")
-    metadata_uri = reg.put_json(metadata, f"{model_name}/{version}/{METADATA_FILE}")
-    reg.put_json({"version": version, "model_uri": model_uri, "metadata_uri": metadata_uri,
-                  "val_loss": best["val_loss"], "promoted_at": time.time()}, f"{model_name}/{PRODUCTION_FILE}")
-    return {"version": version, "model_uri": model_uri, "metadata_uri": metadata_uri}
+    if spec.name == "bytegpt":
+        metadata["model_config"] = spec.describe()["config"]      # what registries before plug-ins read
+    return publish_model(reg, model_name, version, spec, result.best_state, metadata, tmp,
+                         tokenizer_dir=tokenizer_dir, max_shard_bytes=max_shard_bytes,
+                         production_extra={"val_loss": best["val_loss"]})
 
 
 def _finish(result: EvaluationResult, run_dir: Path, out_dir: Path) -> None:

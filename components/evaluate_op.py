@@ -23,6 +23,8 @@ def evaluate_op(
     model_name: str = "bytegpt",
     registry: str = "",
     endpoint_url: str = "",
+    baseline: str = "",
+    require_beat_baseline: bool = False,
     *,
     dataset: Input[Dataset] = None,
     metrics: Output[Metrics],
@@ -36,19 +38,23 @@ def evaluate_op(
             else the run's own ``--data``.
         out_dir: where ``evaluation.json`` and ``report.html`` are also written; empty: ``<run_dir>/evaluation``.
         last_n: evaluate only the newest N committed checkpoints; 0: all.
-        threshold: promote only if the best validation loss (nats per byte) is below this (default ln 256,
-            a uniform guess).
+        threshold: promote only if the best validation loss (nats per token) is below this (default ln 256,
+            a uniform guess over bytes).
         tolerance: promote only if the best loss is at most the production model's loss plus this.
         model_name: the model's name in the registry.
         registry: model registry, a directory or ``s3://bucket/prefix``; empty: decide, write nothing.
         endpoint_url: S3-compatible endpoint for an ``s3://`` registry; empty for AWS (IRSA credentials).
+        baseline: a Hugging Face model directory on FSx (e.g. the run's init_from) scored on the same
+            validation windows; empty: none.
+        require_beat_baseline: promote only if the best loss is below the baseline's (needs ``baseline``).
         dataset: optional, the stage component's output; its URI is the dataset directory.
-        metrics: output; validation loss (nats per token) and bits per byte of each checkpoint and of the best,
-            and the dataset's bytes per token (bits per byte compare across tokenizers).
+        metrics: output; validation loss (nats per token) and bits per byte of each checkpoint, of the best
+            and of the baseline, and the dataset's bytes per token (bits per byte compare across tokenizers).
         report: output; the HTML report (loss against step, the run's goodput and faults, the gate).
 
     Returns:
-        promoted (the gate passed), best_step, best_val_loss, model_uri (empty unless registered).
+        promoted (the gate passed), best_step, best_val_loss, model_uri (empty unless registered: the
+        registered Hugging Face directory, or its model.pt for a model without a Hugging Face layout).
     """
     import shutil
     from collections import namedtuple
@@ -58,13 +64,17 @@ def evaluate_op(
     data = data_dir or (dataset.uri if dataset is not None else "") or None
     result = evaluate_run(run_dir, data, out_dir or None, last_n=last_n or None, threshold=threshold,
                           tolerance=tolerance, registry=registry or None, endpoint_url=endpoint_url or None,
-                          model_name=model_name)
+                          model_name=model_name, baseline=baseline or None,
+                          require_beat_baseline=require_beat_baseline)
     for c in result.checkpoints:
         metrics.log_metric(f"step_{c['step']}_val_loss", c["val_loss"])
         metrics.log_metric(f"step_{c['step']}_bpb", c["bpb"])
     metrics.log_metric("best_step", result.best["step"])
     metrics.log_metric("best_val_loss", result.best["val_loss"])
     metrics.log_metric("best_bpb", result.best["bpb"])
+    if result.baseline:
+        metrics.log_metric("baseline_val_loss", result.baseline["val_loss"])
+        metrics.log_metric("baseline_bpb", result.baseline["bpb"])
     metrics.log_metric("bytes_per_token", result.bytes_per_token)
     metrics.log_metric("checkpoints_skipped", len(result.skipped))
     metrics.log_metric("promoted", 1.0 if result.promoted else 0.0)

@@ -17,11 +17,13 @@ def register_op(model_uri: str, registry: str, model_name: str, endpoint_url: st
     """Publish the promoted, registered model as this run's Model artifact.
 
     Args:
-        model_uri: where evaluate registered the weights (its ``model_uri`` output).
+        model_uri: where evaluate registered the model (its ``model_uri`` output): a Hugging Face directory
+            (``config.json``, safetensors, tokenizer files) or, for a model without one, its ``model.pt``.
         registry: the model registry evaluate wrote to, a directory or ``s3://bucket/prefix``.
         model_name: the model's name in the registry.
         endpoint_url: S3-compatible endpoint for an ``s3://`` registry; empty for AWS.
-        model: output; metadata = the registry record, file = a JSON pointer to the registered weights.
+        model: output; metadata = the registry record (version, format, step, loss, params_sha256), file = a
+            JSON pointer to the registered model.
     """
     import json
 

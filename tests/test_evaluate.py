@@ -14,8 +14,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from components.evaluate import (EvaluationError, evaluate_run, load_checkpoint_model, params_sha256,
-                                 validation_loss)
+from components.evaluate import (EvaluationError, evaluate_run, load_checkpoint_model, params_sha256, read_run_config,
+                                 run_spec, validation_loss)
 from pipelines.cli import main as cli
 from trainer.checkpoint import COMMITTED, step_dir
 from trainer.config import ModelConfig
@@ -67,8 +67,7 @@ def test_metrics_best_and_report_from_a_real_run(trained, tmp_path):
     # distributed validation, and the loaded weights are bit-identical to what the run trained.
     last = r.checkpoints[-1]
     assert last["val_loss"] == pytest.approx(summary["final_val_loss"], rel=1e-5)
-    final = load_checkpoint_model(step_dir(run / "checkpoints", 30), ModelConfig(**json.loads(
-        (run / "config.json").read_text())["model"]))
+    final = load_checkpoint_model(step_dir(run / "checkpoints", 30), run_spec(read_run_config(run)))
     assert params_sha256(final.state_dict()) == summary["params_sha256"]
     best = min(r.checkpoints, key=lambda c: c["val_loss"])
     assert r.best["step"] == best["step"] and r.best["val_loss"] == best["val_loss"]
@@ -162,10 +161,13 @@ def test_promotion_gate_both_ways(trained, tmp_path, kind, request):
     meta = json.loads(_read(registry, f"bytegpt/{production['version']}/metadata.json", s3))
     assert (meta["step"], meta["metrics"]["val_loss"], meta["params_sha256"]) == \
         (best["step"], best["val_loss"], best["params_sha256"])
-    assert meta["source_run"] == str(run.resolve()) and meta["model_config"]["n_embd"] == 64
+    assert meta["source_run"] == str(run.resolve()) and meta["model"]["config"]["n_embd"] == 64
+    # bytegpt has no Hugging Face adapter: one model.pt, and the metadata says so.
+    assert meta["format"] == "torch.save(state_dict)" and meta["files"] == ["model.pt"]
+    assert "no Hugging Face adapter" in meta["format_note"] and production["model_uri"].endswith("/model.pt")
     model_file = tmp_path / "model.pt"
     model_file.write_bytes(_read(registry, f"bytegpt/{production['version']}/model.pt", s3))
-    model = ByteGPT(ModelConfig(**meta["model_config"]))
+    model = ByteGPT(ModelConfig(**meta["model"]["config"]))
     model.load_state_dict(torch.load(model_file, weights_only=True))      # one self-contained file
     assert params_sha256(model.state_dict()) == best["params_sha256"]
 
@@ -197,12 +199,13 @@ def test_cli_writes_evaluation_and_report_into_the_run(trained, tmp_path):
 
 def test_validation_loss_matches_a_direct_computation(trained):
     run, data = trained
-    model = load_checkpoint_model(step_dir(run / "checkpoints", 20), ModelConfig(
-        **json.loads((run / "config.json").read_text())["model"]))
+    spec = run_spec(read_run_config(run))
+    assert spec.name == "bytegpt"                    # a config.json from before plug-ins names no model
+    model = load_checkpoint_model(step_dir(run / "checkpoints", 20), spec)
     from trainer.data import Split, eval_windows
 
     windows = list(eval_windows(Split.open(data, "val"), 64, 5))
-    batched, tokens = validation_loss(model, windows, batch_size=2)
+    batched, tokens = validation_loss(spec, model, windows, batch_size=2)
     with torch.no_grad():
         one_by_one = [model(torch.from_numpy(x)[None], torch.from_numpy(y)[None])[1].item() for x, y in windows]
     assert tokens == 5 * 64 and batched == pytest.approx(sum(one_by_one) / 5, rel=1e-5)

@@ -46,8 +46,9 @@ def test_a_model_promoted_over_since_is_recorded_but_not_production(registry):
 
 
 @pytest.mark.parametrize("uri, message", [
-    ("", "is not a model.pt under"),
-    ("/elsewhere/bytegpt/v/model.pt", "is not a model.pt under"),
+    ("", "is not a registered model under"),
+    ("/elsewhere/bytegpt/v/model.pt", "is not a registered model under"),
+    ("{registry}/bytegpt/v/extra/model.pt", "is not a registered model under"),
     ("{registry}/bytegpt/missing-version/model.pt", "metadata.json is missing"),
 ])
 def test_what_evaluate_did_not_register_fails(registry, uri, message):
@@ -62,6 +63,20 @@ def test_weights_missing_fails(registry):
         registered_model(uri, str(registry), "bytegpt")
 
 
+def test_a_hugging_face_directory_is_recorded_by_its_directory(registry):
+    d = registry / "bytegpt" / "run-c-step000000090"
+    d.mkdir()
+    files = ["config.json", "model.safetensors"]
+    for name in files:
+        (d / name).write_text("{}")
+    (d / "metadata.json").write_text(json.dumps({"format": "huggingface", "files": files, "step": 90}))
+    rec = registered_model(str(d), str(registry), "bytegpt", log=lambda _: None)
+    assert (rec["version"], rec["format"], rec["step"]) == ("run-c-step000000090", "huggingface", 90)
+    (d / "model.safetensors").unlink()
+    with pytest.raises(RegistrationError, match="model.safetensors is missing"):
+        registered_model(str(d), str(registry), "bytegpt")
+
+
 def test_component_publishes_the_model_artifact(registry, tmp_path):
     uri = point_production(registry, "run-a-step000000060")
     model = dsl.Model(name="model", uri=str(tmp_path / "out" / "model"))
@@ -70,3 +85,27 @@ def test_component_publishes_the_model_artifact(registry, tmp_path):
     register_op.python_func(model_uri=uri, registry=str(registry), model_name="bytegpt", model=model)
     assert model.metadata["version"] == "run-a-step000000060" and model.metadata["production"] is True
     assert json.loads((tmp_path / "out" / "model").read_text())["model_uri"] == uri
+
+
+def test_a_registry_from_before_pluggable_models_still_loads(tmp_path):
+    # Its metadata names no model spec, no format and no files: a ByteGPT model.pt and its model_config.
+    import dataclasses
+
+    import torch
+
+    from components.evaluate import params_sha256
+    from components.register import Registry, load_registered_model
+    from trainer.config import ModelConfig
+    from trainer.model import ByteGPT
+
+    cfg = ModelConfig(n_layer=1, n_embd=32, n_head=2, seq_len=16)
+    torch.manual_seed(4)
+    state = ByteGPT(cfg).state_dict()
+    d = tmp_path / "models" / "bytegpt" / "old-step000000010"
+    d.mkdir(parents=True)
+    torch.save(state, d / "model.pt")
+    meta = {"version": "old-step000000010", "model_config": dataclasses.asdict(cfg)}
+    spec, model = load_registered_model(Registry(str(tmp_path / "models")), "bytegpt", "old-step000000010", meta,
+                                        tmp_path / "tmp")
+    assert spec.name == "bytegpt" and spec.config == cfg
+    assert params_sha256(model.state_dict()) == params_sha256(state)

@@ -18,7 +18,8 @@ import click
 @click.option("--last", "last_n", default=0, show_default=True,
               help="Only the newest N committed checkpoints (0: all).")
 @click.option("--threshold", default=math.log(256), show_default=True,
-              help="Promote only if the best validation loss (nats/byte) is below this (default: ln 256, chance).")
+              help="Promote only if the best validation loss (nats/token) is below this (default: ln 256, "
+                   "chance over bytes).")
 @click.option("--tolerance", default=0.0, show_default=True,
               help="Promote only if the best loss is at most the production model's loss plus this.")
 @click.option("--registry", default=None,
@@ -27,19 +28,33 @@ import click
 @click.option("--model-name", default="bytegpt", show_default=True, help="The model's name in the registry.")
 @click.option("--endpoint-url", default=None, help="S3-compatible endpoint for an s3:// registry.")
 @click.option("--windows", "max_windows", default=None, type=int,
-              help="Validation windows of seq_len bytes (default: the run's --eval-windows).")
+              help="Validation windows (default: the run's --eval-windows).")
+@click.option("--seq-len", default=None, type=click.IntRange(min=1),
+              help="Tokens per validation window (default: the run's training sequence length).")
+@click.option("--baseline", default=None, type=click.Path(path_type=Path, file_okay=False, exists=True),
+              help="A Hugging Face model directory (config.json + *.safetensors, e.g. the run's --init-from) "
+                   "scored on the same windows; it must use the dataset's tokenizer.")
+@click.option("--require-beat-baseline", is_flag=True,
+              help="Promote only if the best checkpoint's loss is below the baseline's (needs --baseline).")
 def evaluate(run_dir: Path, data_dir: Path | None, out_dir: Path | None, last_n: int, threshold: float,
              tolerance: float, registry: str | None, model_name: str, endpoint_url: str | None,
-             max_windows: int | None) -> None:
+             max_windows: int | None, seq_len: int | None, baseline: Path | None,
+             require_beat_baseline: bool) -> None:
     """Evaluate every committed checkpoint of RUN (or the last N), pick the best, gate promotion.
 
-    Writes evaluation.json (per-checkpoint loss and bits per byte, best, promoted) and report.html. A
-    corrupt or partial checkpoint is reported and skipped. Exit status 1 when nothing could be evaluated.
+    Any model the run trained (bytegpt, llama, your package.module:function) is rebuilt from RUN/config.json.
+    Writes evaluation.json (per-checkpoint loss and bits per byte, best, baseline, promoted) and report.html.
+    A corrupt or partial checkpoint is reported and skipped. Exit status 1 when nothing could be evaluated.
+    A promoted model is registered as a Hugging Face directory that transformers and vLLM load (model.pt
+    for a model without a Hugging Face layout, such as bytegpt).
 
     \b
     Example:
       goodput evaluate --run fsx/runs/demo --data fsx/datasets/pystdlib/3.11 --registry fsx/models
+      goodput evaluate --run fsx/runs/ft --baseline fsx/models/base --require-beat-baseline
     """
+    if require_beat_baseline and baseline is None:
+        raise click.UsageError("--require-beat-baseline needs --baseline DIR")
     from rich.console import Console
     from rich.table import Table
 
@@ -48,7 +63,8 @@ def evaluate(run_dir: Path, data_dir: Path | None, out_dir: Path | None, last_n:
     # A bad argument (exit 2) and an EvaluationError (exit 1) are reported by the `goodput` group, as one line.
     result = evaluate_run(run_dir, data_dir, out_dir, last_n=last_n or None, threshold=threshold,
                           tolerance=tolerance, registry=registry, endpoint_url=endpoint_url,
-                          model_name=model_name, max_windows=max_windows)
+                          model_name=model_name, max_windows=max_windows, seq_len=seq_len, baseline=baseline,
+                          require_beat_baseline=require_beat_baseline)
     table = Table(title=f"evaluation of {run_dir}")
     for col in ("step", "val loss", "bits/byte", ""):
         table.add_column(col, justify="right")
@@ -57,6 +73,9 @@ def evaluate(run_dir: Path, data_dir: Path | None, out_dir: Path | None, last_n:
                       "best" if c["step"] == result.best["step"] else "")
     for s in result.skipped:
         table.add_row(str(s["step"]), "-", "-", f"skipped: {s['reason']}")
+    if result.baseline:
+        table.add_row("baseline", f"{result.baseline['val_loss']:.4f}", f"{result.baseline['bpb']:.4f}",
+                      str(result.baseline["dir"]))
     Console().print(table)
     click.echo(("PROMOTED" if result.promoted else "not promoted") + f": {result.gate['reason']}")
     if result.registered:

@@ -332,15 +332,18 @@ def export_checkpoint(checkpoint_dir: str | Path, spec: ModelSpec, out_dir: str 
     return _write_hf_dir(spec, entries, load, out_dir, dtype, max_shard_bytes, tokenizer_dir, overwrite, progress)
 
 
-def _dataset_tokenizer(run_config: dict) -> Path | None:
-    """The tokenizer files staged with the run's dataset (``DATA/tokenizer/`` or ``DATA/``), if any."""
-    data = run_config.get("data", {}).get("data")
-    if not data:
-        return None
-    for candidate in (Path(data) / "tokenizer", Path(data)):
+def dataset_tokenizer(data_dir: str | Path) -> Path | None:
+    """The tokenizer files staged with a dataset (``DATA/tokenizer/`` or ``DATA/``), if any."""
+    for candidate in (Path(data_dir) / "tokenizer", Path(data_dir)):
         if any((candidate / f).is_file() for f in TOKENIZER_FILES):
             return candidate
     return None
+
+
+def _dataset_tokenizer(run_config: dict) -> Path | None:
+    """The tokenizer files staged with the run's dataset, if any."""
+    data = run_config.get("data", {}).get("data")
+    return dataset_tokenizer(data) if data else None
 
 
 def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = None, dtype: str | None = None,
