@@ -62,6 +62,8 @@ def goodput_pipeline(
     inject_fault: str = "",
     promotion_threshold: float = UNIFORM_LOSS,
     promotion_tolerance: float = 0.0,
+    baseline: str = "",
+    require_beat_baseline: bool = False,
     model_name: str = "bytegpt",
     registry: str = FSX_MOUNT + "/models",
     trainer_image: str = TRAINER_IMAGE,
@@ -131,6 +133,9 @@ def goodput_pipeline(
         inject_fault: KIND@STEP[:RANK] faults for the trainer, comma-separated (recovery drills).
         promotion_threshold: promote only below this validation loss (nats per byte).
         promotion_tolerance: and at most this much worse than the production model.
+        baseline: a Hugging Face model directory on FSx (e.g. the model the run started from) scored on the
+            same validation windows; empty = none.
+        require_beat_baseline: promote only a model strictly better than ``baseline``.
         model_name: the model's name in the registry.
         registry: model registry, a directory on FSx or s3://bucket/prefix.
         trainer_image: image of the trainer pods.
@@ -189,6 +194,7 @@ def goodput_pipeline(
 
         evaluate = evaluate_op(run_dir=config.outputs["run_dir"], threshold=promotion_threshold,
                                tolerance=promotion_tolerance, model_name=model_name, registry=registry,
+                               baseline=baseline, require_beat_baseline=require_beat_baseline,
                                endpoint_url=s3_endpoint_url)
         evaluate.after(train)                         # reads the run directory on FSx that train wrote
         with_s3_secret(placed(on_fsx(evaluate, fsx_pvc), step_node_selector, step_tolerations), s3_secret)
