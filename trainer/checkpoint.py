@@ -62,6 +62,7 @@ from .layout import COMMITTED, committed_steps, fsync_dir, read_marker, step_dir
 from .mirror import CheckpointMirror, maybe_fetch_from_mirror
 from .parallel import Dist
 from .replica import NodeReplica, replica_dir
+from .signals import STOP_SIGNALS, die_with_parent
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +70,28 @@ StateSource = dict | Callable[[], dict]   # a state dict, or a function that bui
 
 
 @contextlib.contextmanager
-def _sigterm_ignored():
+def _stop_signals_ignored():
+    """What is started inside ignores SIGTERM and SIGINT (inherited dispositions): see ``start_writer``."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+def _results_queue(context: str):
+    """NVRx's write-results queue, its manager started in the ``context`` start method, dying with the rank
+    (``PR_SET_PDEATHSIG``: a SIGKILLed rank cannot close it, and it never notices on its own)."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context(context))
+    manager.start(initializer=die_with_parent)
+    return manager.Queue()    # the proxy keeps its manager alive
 
 
 def fork_write_results_queue() -> None:
@@ -89,14 +103,12 @@ def fork_write_results_queue() -> None:
     write result. That is after every in-job restart, and where no save came between the restart and the
     end of training, the final, blocking save waited those seconds. A fork has torch already.
     """
-    import multiprocessing
-
     from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
 
     # It ignores SIGTERM, as the writers do (see start_writer); the module global is NVRx's own cache of
     # the queue, in 0.4.1 as in later releases (which take mp_mode="fork" for the same).
-    with _sigterm_ignored():
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+    with _stop_signals_ignored():
+        filesystem_async._results_queue = _results_queue("fork")
 
 
 def delete_checkpoint(path: Path) -> None:
@@ -117,6 +129,7 @@ def _children() -> set[int]:
 def _prepare_writer(module: str, rank_pid: int, companions: list[int]) -> None:
     """Runs in NVRx's persistent worker, once: tie its life to its rank's, and import the writer's module
     before the first write needs it."""
+    die_with_parent(parent=rank_pid)
     threading.Thread(target=_end_with, args=(rank_pid, companions), name="end-with-rank", daemon=True).start()
     importlib.import_module(module)
 
@@ -305,14 +318,17 @@ class CheckpointManager:
         if self.cfg.sync or self.queue is not None:
             return
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
+        from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (FileSystemWriterAsync,
                                                                                      _get_write_results_queue)
 
-        # They ignore SIGTERM (inherited through spawn): the launcher signals the rank's whole process
-        # group, and the writers must live on to finish the final checkpoint the rank writes after
-        # SIGTERM. They end when the rank closes the queue, or dies (_end_with), or by SIGKILL to the group.
-        with _sigterm_ignored():
+        # They ignore SIGTERM and SIGINT (inherited through spawn): the launcher signals the rank's whole
+        # process group, and the writers must live on to finish the final checkpoint the rank writes after
+        # it. They end when the rank closes the queue, or dies (_end_with, PR_SET_PDEATHSIG), or by SIGKILL.
+        with _stop_signals_ignored():
             started = _children()
+            if filesystem_async._results_queue is None:   # not forked with the rank (a cold start)
+                filesystem_async._results_queue = _results_queue("spawn")
             _get_write_results_queue()
             manager = _children() - started
             self.queue = AsyncCallsQueue(persistent=True)

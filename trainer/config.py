@@ -268,7 +268,7 @@ class TrainConfig:
         problems += _mirror_and_spot_problems(c, self.spot)
         problems += _metrics_problems(self.metrics)
         if problems:
-            raise ValueError("invalid trainer configuration:\n  " + "\n  ".join(problems))
+            raise ValueError("invalid trainer configuration: " + "; ".join(problems))
         return self
 
     def to_dict(self) -> dict:

@@ -390,8 +390,8 @@ def _all_reduce_interruptible(tensor: torch.Tensor) -> None:
 
 def _stop_on_sigterm(session: Session, ckpt: CheckpointManager, d: Dist, state: TrainState, app_state,
                      call_wrapper) -> None:
-    """Every rank saw the SIGTERM flag at the same step: commit a final checkpoint and return."""
-    session.events.emit("sigterm", step=state.step)
+    """Every rank saw the stop flag (SIGTERM or SIGINT) at the same step: commit a final checkpoint and return."""
+    session.events.emit("sigterm", step=state.step, signal=session.sigterm.name)
     t0 = time.monotonic()
     with session.ft.section("checkpoint"), _atomic(call_wrapper):
         ckpt.save(state.step, app_state, blocking=True)
@@ -401,7 +401,7 @@ def _stop_on_sigterm(session: Session, ckpt: CheckpointManager, d: Dist, state: 
         if took > session.cfg.checkpoint.sigterm_grace_s:
             log.warning("final checkpoint took %.1fs, over the %.0fs grace period", took,
                         session.cfg.checkpoint.sigterm_grace_s)
-        session.events.emit("exit", reason="sigterm", step=state.step, ckpt_s=round(took, 4))
+        session.events.emit("exit", reason=session.sigterm.name, step=state.step, ckpt_s=round(took, 4))
     dist.destroy_process_group()
     return None
 

@@ -27,6 +27,7 @@ import gc
 import glob
 import json
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -35,10 +36,20 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import warnings
+from pathlib import Path
+
+from .signals import parent_death_preexec
 
 ENV = "GOODPUT_WARMSTART_SOCKET"
+ZYGOTE_PID_ENV = "GOODPUT_ZYGOTE_PID"
+# Bounds on waits for the zygote (environment, seconds): a proxy for its reply to a fork request (it may still
+# be importing), and the wrapper for its exit. Past them the worker starts cold, or the zygote is killed.
+HANDOFF_TIMEOUT_S = float(os.environ.get("GOODPUT_WARMSTART_TIMEOUT_S", "120"))
+ZYGOTE_EXIT_S = 10.0
+STOPPED_S = float(os.environ.get("GOODPUT_STOPPED_S", "3"))   # a stopped (SIGSTOP) helper counts as hung after this
 forked = False          # True in a rank forked from the zygote (reported in its worker_start event)
 _MAX_MSG = 1 << 20
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -46,10 +57,16 @@ _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, sign
 
 # ---- the launch wrapper ------------------------------------------------------------------------------
 
-def run_with_zygote(command: list[str]) -> int:
-    """Start a zygote, run ``command`` with ``GOODPUT_WARMSTART_SOCKET`` pointing at it, return its exit code."""
+def run_with_zygote(command: list[str], warm: bool = True) -> int:
+    """Start a zygote, run ``command`` with ``GOODPUT_WARMSTART_SOCKET`` pointing at it, return its exit code.
+
+    ``warm=False``: the zygote imports nothing and forks nothing (the ranks start cold); it is only the
+    node's janitor: once this process is gone, however it ended, it kills what the run left (the ranks it
+    forked, the launcher's process group) and deletes the run's memory snapshots.
+    """
     workdir = tempfile.mkdtemp(prefix="goodput-warmstart-")
     path = os.path.join(workdir, "zygote.sock")
+    replicas = _replica_dirs(command)
     # Bound and listening before the zygote has finished importing: workers that connect early queue in
     # the backlog. Once the zygote holds the only copy, its death makes connects fail, i.e. a cold start.
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -58,12 +75,17 @@ def run_with_zygote(command: list[str]) -> int:
     # The zygote exits when this pipe closes, i.e. when this process is gone, however it ended.
     alive_r, alive_w = os.pipe()
     zygote = subprocess.Popen(
-        [sys.executable, "-m", "trainer.warmstart", "--serve", str(listener.fileno()), str(alive_r)],
+        [sys.executable, "-m", "trainer.warmstart", "--serve", str(listener.fileno()), str(alive_r),
+         "1" if warm else "0", *replicas],
         pass_fds=(listener.fileno(), alive_r), start_new_session=True,
         env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
     listener.close()
     os.close(alive_r)
-    proc = subprocess.Popen(command, env={**os.environ, ENV: path})
+    env = {**os.environ, ZYGOTE_PID_ENV: str(zygote.pid)}
+    if warm:
+        env[ENV] = path
+    # The launcher (and so every worker it starts) dies with this process: see signals.die_with_parent.
+    proc = subprocess.Popen(command, env=env, preexec_fn=parent_death_preexec(signal.SIGKILL))
     previous = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum)) for s in _FORWARDED}
     try:
         code = proc.wait()
@@ -71,9 +93,36 @@ def run_with_zygote(command: list[str]) -> int:
         for s, h in previous.items():
             signal.signal(s, h)
         os.close(alive_w)
-        zygote.wait()
+        try:
+            zygote.wait(timeout=ZYGOTE_EXIT_S)
+        except subprocess.TimeoutExpired:
+            # Stopped or stuck: it cannot clean up, so this process does (its forks die with their proxies).
+            print(f"warm start: the zygote (pid {zygote.pid}) did not exit within {ZYGOTE_EXIT_S:g}s; killed it",
+                  file=sys.stderr)
+            zygote.kill()
+            zygote.wait()
+            _remove(replicas)
         shutil.rmtree(workdir, ignore_errors=True)
     return code
+
+
+def _replica_dirs(command: list[str]) -> list[str]:
+    """The node-memory snapshot directories of the trainer that ``command`` runs (``-m trainer ARGS``)."""
+    if "trainer" not in command or command.index("trainer") < 1 or command[command.index("trainer") - 1] != "-m":
+        return []
+    from .config import parse_config
+    from .replica import replica_dir
+
+    try:
+        cfg = parse_config(command[command.index("trainer") + 1:])
+    except (ValueError, SystemExit, OSError):
+        return []
+    return [str(replica_dir(Path(cfg.checkpoint.memory_dir), Path(cfg.run.out) / "checkpoints"))]
+
+
+def _remove(directories: list[str]) -> None:
+    for d in directories:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # ---- the zygote --------------------------------------------------------------------------------------
@@ -105,10 +154,18 @@ def _fork_unsafe() -> str | None:
     return None
 
 
-def serve(listen_fd: int, alive_fd: int) -> None:
-    """The zygote's loop: fork a child per request, report each child's exit status to its proxy."""
+def serve(listen_fd: int, alive_fd: int, preload: bool = True, replicas: tuple[str, ...] = ()) -> None:
+    """The zygote's loop: fork a child per request, report each child's exit status to its proxy.
+
+    ``preload=False``: a janitor only (see ``run_with_zygote``); requests are refused, the ranks start cold.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the wrapper decides when the zygote ends
-    _preload()
+    wrapper = os.getppid()
+    # The launcher and its rank monitors live in the wrapper's process group when it leads one of its own
+    # (goodput train starts it so); a shell's job or a container's init may share theirs with others.
+    wrapper_group = wrapper if os.getpgid(wrapper) == wrapper and wrapper != 1 else None
+    if preload:
+        _preload()
     listener = socket.socket(fileno=listen_fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -122,17 +179,26 @@ def serve(listen_fd: int, alive_fd: int) -> None:
         for key, _ in sel.select():
             if key.fileobj is listener:
                 conn, _ = listener.accept()
+                if not preload:
+                    _send(conn, {"refused": "warm start is off"})
+                    conn.close()
+                    continue
                 pid = _fork_child(conn, close_in_child=(listen_fd, wake_r, wake_w, alive_fd))
                 if pid is not None:
                     children[pid] = conn
             elif key.fileobj == wake_r:
                 os.read(wake_r, 4096)
             elif not os.read(alive_fd, 1):
-                # The wrapper is gone, so is the launcher and every proxy: end what is left of their ranks.
+                # The wrapper is gone: end what is left of the run (its ranks, the launcher's group, which holds
+                # the rank monitors) and its memory snapshots, whether the wrapper exited or was killed.
                 for pid in children:
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
                     _kill_leftovers(pid)
+                if wrapper_group is not None:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.killpg(wrapper_group, signal.SIGKILL)
+                _remove(list(replicas))
                 return
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -211,7 +277,8 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
     from .checkpoint import fork_write_results_queue
 
     fork_write_results_queue()   # before any thread starts: forking is safe only while there is one
-    threading.Thread(target=_die_with_proxy, args=(conn,), name="warmstart-proxy-watch", daemon=True).start()
+    threading.Thread(target=_die_with_proxy, args=(conn, request["proxy"]), name="warmstart-proxy-watch",
+                     daemon=True).start()
     import torch
 
     if "OMP_NUM_THREADS" in os.environ:   # read by OpenMP when the zygote imported torch, not since
@@ -231,19 +298,49 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
     return code
 
 
-def _die_with_proxy(conn: socket.socket) -> None:
-    """The proxy never writes after its request: EOF means it died, and so must this child."""
+def _die_with_proxy(conn: socket.socket, proxy: int) -> None:
+    """The proxy never writes after its request: EOF means it died, and so must this child. A proxy stopped
+    (SIGSTOP) for ``STOPPED_S`` is killed first: it could not report this child's exit, and its launcher
+    would wait for it forever."""
+    conn.settimeout(0.5)
+    stopped_since = None
     try:
-        conn.recv(1)
+        while True:
+            try:
+                if not conn.recv(1):
+                    return
+            except socket.timeout:
+                pass
+            stopped_since = (stopped_since or time.monotonic()) if process_state(proxy) == "T" else None
+            if stopped_since is not None and time.monotonic() - stopped_since > STOPPED_S:
+                print(f"warm start: the proxy of rank pid {os.getpid()} (pid {proxy}) was stopped for "
+                      f"{STOPPED_S:g}s; killed both", file=sys.stderr)
+                os.kill(proxy, signal.SIGKILL)
+                return
     finally:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def process_state(pid: int) -> str:
+    """The process's state letter from /proc (R, S, D, T, Z, ...), "" when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return ""
 
 
 # ---- the proxy (the process the launcher started) -----------------------------------------------------
 
 def delegate(argv: list[str]) -> None:
     """Run ``python -m trainer argv`` in a child of the zygote and exit as it exited (dying of the same
-    signal if it died of one, so the launcher sees what it would have seen); return to start cold."""
+    signal if it died of one, so the launcher sees what it would have seen); return to start cold.
+
+    Every wait here is bounded: a zygote that does not answer within ``HANDOFF_TIMEOUT_S`` (or at once, when
+    it is stopped or gone) means a cold start; a child stopped for ``STOPPED_S`` is killed (the launcher then
+    restarts the group); a zygote that does not report a child's exit within ``STOPPED_S`` of it makes this
+    process exit 1.
+    """
     path = os.environ.get(ENV)
     if not path:
         return None
@@ -256,26 +353,27 @@ def delegate(argv: list[str]) -> None:
         else:
             pending.append(signum)
 
+    zygote = int(os.environ.get(ZYGOTE_PID_ENV, "0"))
     previous = {s: signal.signal(s, forward) for s in _FORWARDED}
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
-            request = {"argv": [sys.argv[0], *argv], "cwd": os.getcwd(),
+            request = {"argv": [sys.argv[0], *argv], "cwd": os.getcwd(), "proxy": os.getpid(),
                        "env": {k: v for k, v in os.environ.items() if k != ENV}}
+            conn.settimeout(STOPPED_S)     # a full backlog of a stopped zygote would block the connect
             try:
                 conn.connect(path)
                 socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
             except OSError:
                 pass                  # no zygote: the reply below is None
-            reply = _recv(conn)
+            reply, why = _await_zygote(conn, zygote)
             if reply is None or "pid" not in reply:
-                why = reply["refused"] if reply else "no zygote answered"
-                print(f"warm start: {why}; starting cold", file=sys.stderr)
+                print(f"warm start: {reply['refused'] if reply else why}; starting cold", file=sys.stderr)
                 return None
             child.append(reply["pid"])
             for s in pending:
                 os.kill(child[0], s)
-            status = _recv(conn)
-            if status is None:    # the zygote died: the child cannot report, so it must not outlive us
+            status = _await_exit(conn, child[0], zygote)
+            if status is None:    # the zygote died or hung: the child cannot report, so it must not outlive us
                 with contextlib.suppress(ProcessLookupError):   # it may have died first
                     os.kill(child[0], signal.SIGKILL)
                 return 1
@@ -283,6 +381,38 @@ def delegate(argv: list[str]) -> None:
         for s, h in previous.items():
             signal.signal(s, h)
     exit_like(status["exit"])
+
+
+def _await_zygote(conn: socket.socket, zygote: int) -> tuple[dict | None, str]:
+    """The zygote's reply to a fork request, or (None, why) once it is gone, stopped or too slow."""
+    deadline = time.monotonic() + HANDOFF_TIMEOUT_S
+    while True:
+        if select.select([conn], [], [], 0.1)[0]:
+            return _recv(conn), "no zygote answered"
+        if zygote and process_state(zygote) in ("", "Z", "T"):
+            return None, f"the zygote (pid {zygote}) is {'stopped' if process_state(zygote) == 'T' else 'gone'}"
+        if time.monotonic() > deadline:
+            return None, f"the zygote (pid {zygote}) did not answer within {HANDOFF_TIMEOUT_S:g}s"
+
+
+def _await_exit(conn: socket.socket, pid: int, zygote: int) -> dict | None:
+    """The exit status the zygote reports for its child ``pid``; None if it cannot (gone, stopped)."""
+    stopped_since = exited_at = None
+    while True:
+        if select.select([conn], [], [], 0.5)[0]:
+            return _recv(conn)
+        now, state = time.monotonic(), process_state(pid)
+        stopped_since = (stopped_since or now) if state == "T" else None
+        if stopped_since is not None and now - stopped_since > STOPPED_S:
+            print(f"warm start: rank pid {pid} was stopped for {STOPPED_S:g}s; killed it", file=sys.stderr)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            stopped_since = None
+        exited_at = (exited_at or now) if state in ("", "Z") else None
+        if exited_at is not None and now - exited_at > STOPPED_S:
+            print(f"warm start: the zygote (pid {zygote}) did not report the exit of rank pid {pid}",
+                  file=sys.stderr)
+            return None
 
 
 def exit_like(code: int) -> None:
@@ -311,11 +441,13 @@ def _recv(conn: socket.socket) -> dict | None:
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--serve"]:
-        serve(int(argv[1]), int(argv[2]))
+        serve(int(argv[1]), int(argv[2]), argv[3] == "1", tuple(argv[4:]))
+    elif argv[:1] == ["--cold"] and argv[1:]:
+        exit_like(run_with_zygote(argv[1:], warm=False))
     elif argv:
         exit_like(run_with_zygote(argv))
     else:
-        sys.exit("usage: python -m trainer.warmstart COMMAND [ARGS...]")
+        sys.exit("usage: python -m trainer.warmstart [--cold] COMMAND [ARGS...]")
 
 
 if __name__ == "__main__":
