@@ -13,6 +13,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -120,8 +121,11 @@ def _check_writable(path: Path, what: str) -> None:
         existing = existing.parent
     if not existing.is_dir():
         raise LaunchError(f"{what} {path} cannot be created: {existing} is not a directory")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise LaunchError(f"{what} {path} is not writable (no write permission on {existing})")
+    try:   # a probe, removed at once: permissions alone do not tell (root, read-only mounts, /proc)
+        tempfile.TemporaryDirectory(dir=existing, prefix=".goodput-probe-").cleanup()
+    except OSError as e:
+        raise LaunchError(f"{what} {path} is not writable: cannot create anything in {existing} "
+                          f"({e.strerror})") from None
 
 
 def _check_dataset(data: Path, cfg) -> None:
