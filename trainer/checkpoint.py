@@ -63,6 +63,7 @@ from .mirror import CheckpointMirror, maybe_fetch_from_mirror
 from .parallel import Dist
 from .replica import NodeReplica, replica_dir
 from .signals import STOP_SIGNALS, die_with_parent
+from .warmstart import STOPPED_S
 
 log = logging.getLogger(__name__)
 
@@ -148,6 +149,13 @@ def _end_with(rank_pid: int, companions: list[int]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     os._exit(1)
+
+
+class HelperHung(RuntimeError):
+    """A helper process of this rank (its checkpoint writer, its rank monitor) is gone or stopped answering.
+
+    Restarting the training function in the same process would meet the same helper, so the in-process
+    layer passes it on to the in-job one, which starts the rank and its helpers afresh."""
 
 
 class _StructureChanged(Exception):
@@ -295,6 +303,10 @@ class CheckpointManager:
         # Planning state of the current staging copy (see _StagingPlanner), replaced with it.
         self.plan_cache = self.planner = None
         self.writes_in_flight = 0   # handed to the worker and not finalized: they read the staging copy
+        self.writes_done = 0        # finished by this process's worker (none yet: it may still be booting)
+        self.writers: list[int] = []    # the worker's pid, once started
+        self.write_started = 0.0        # when the oldest write in flight was handed over
+        self.stopped_since: float | None = None
         self.copying: _Snapshot | None = None
         # Called with the blocking seconds of every interval save (the interval policy, the metrics).
         self.on_snapshot: Callable[[float], None] | None = None
@@ -337,10 +349,44 @@ class CheckpointManager:
         # The worker's niceness is set as it is born, not once it runs: its boot (importing torch, seconds
         # of CPU) would otherwise slow the steps after every restart wherever it shares cores with training.
         # Its write processes inherit it. Never lowered: that needs a privilege pods do not have.
-        for pid in _children() - started - manager:
+        self.writers = sorted(_children() - started - manager)
+        for pid in self.writers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child = psutil.Process(pid)
                 child.nice(max(child.nice(), self.cfg.writer_nice))
+
+    def _check_writer(self) -> None:
+        """Raise ``HelperHung`` (after killing the writer) if a write is running on a writer that is gone,
+        stopped (SIGSTOP) for ``STOPPED_S``, or slower than ``--ckpt-write-timeout-s``: the write would never
+        finish, and every later save and the end of training would wait for it."""
+        if not self.writes_in_flight:
+            self.stopped_since = None
+            return
+        now, why = time.monotonic(), None
+        for pid in self.writers:
+            try:
+                status = psutil.Process(pid).status()
+            except psutil.NoSuchProcess:
+                status = psutil.STATUS_DEAD
+            if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                why = f"the checkpoint writer of rank {self.d.rank} (pid {pid}) is gone"
+            elif status == psutil.STATUS_STOPPED:
+                self.stopped_since = self.stopped_since or now
+                if now - self.stopped_since > STOPPED_S:
+                    why = f"the checkpoint writer of rank {self.d.rank} (pid {pid}) was stopped for {STOPPED_S:g}s"
+        if why is None and now - self.write_started > self.cfg.write_timeout_s:
+            why = (f"a checkpoint write of rank {self.d.rank} took more than {self.cfg.write_timeout_s:g}s "
+                   f"(--ckpt-write-timeout-s)")
+        if why is not None:
+            self.abandon_writer()
+            raise HelperHung(why)
+
+    def abandon_writer(self) -> None:
+        """Kill the writer and forget its queue: nothing may wait for it again (close skips it)."""
+        for pid in self.writers:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        self.queue, self.writers, self.writes_in_flight = None, [], 0
 
     # ----------------------------------------------------------------------------------------- load
     def restore(self, state: dict) -> tuple[int | None, str, dict]:
@@ -548,6 +594,8 @@ class CheckpointManager:
             results = writer.retrieve_write_results()
             write_atomic(path / f".rank{self.d.rank}.done", pickle.dumps(results))
             self.writes_in_flight -= 1
+            self.writes_done += 1
+            self.write_started = time.monotonic()   # the next one in flight, if any, has been running since
 
         copy = self._start_copy(pairs)
         now = time.monotonic()
@@ -578,6 +626,8 @@ class CheckpointManager:
             return waited
         self.snapshot, self.snapshot_step = s.state, s.step
         self.queue.schedule_async_request(s.request)
+        if not self.writes_in_flight:
+            self.write_started = time.monotonic()
         self.writes_in_flight += 1
         self.pending.append(s.pending)
         waited = time.monotonic() - t0
@@ -628,7 +678,14 @@ class CheckpointManager:
             self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
             if not (self.writes_in_flight if writes_only else self.queue.get_num_unfinalized_calls()):
                 return
+            self._check_writer()
             time.sleep(0.005)
+
+    @property
+    def cold(self) -> bool:
+        """No write has finished since this process started its writer: one in flight may still wait for the
+        writer's boot (a spawned interpreter importing torch), and a save after it would wait for that too."""
+        return not self.cfg.sync and self.writes_done == 0
 
     @property
     def writing(self) -> bool:
@@ -640,6 +697,7 @@ class CheckpointManager:
         if self.queue is None:
             return
         self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
+        self._check_writer()
         self._maybe_commit()
 
     def wait(self) -> None:

@@ -19,12 +19,15 @@ import contextlib
 import json
 import logging
 import os
+import socket
+
+from .checkpoint import HelperHung
 
 log = logging.getLogger(__name__)
 
 
 class FTManager:
-    def __init__(self, calc_after_steps: int, min_step_timeout_s: float):
+    def __init__(self, calc_after_steps: int, min_step_timeout_s: float, ipc_timeout_s: float = 30.0):
         self.calc_after_steps, self.min_step_timeout_s = calc_after_steps, min_step_timeout_s
         self.client = None
         self.steps_seen = 0
@@ -36,7 +39,19 @@ class FTManager:
         from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
         self.client = RankMonitorClient()
-        self.client.init_workload_monitoring()
+        # NVRx's IPC waits for each reply without a limit: a stopped or stuck monitor would hang the rank in
+        # every section change, with nothing left to notice. Bounded, it is a HelperHung (see section).
+        previous = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(ipc_timeout_s)
+        try:
+            self.client.init_workload_monitoring()
+        except Exception as e:
+            raise HelperHung(f"the rank monitor of rank {os.environ.get('RANK')} did not answer its "
+                             f"connection within {ipc_timeout_s:g}s (--ft-ipc-timeout-s): {e}") from e
+        finally:
+            socket.setdefaulttimeout(previous)
+        self.client.rank_monitor_socket.settimeout(ipc_timeout_s)
+        self.ipc_timeout_s = ipc_timeout_s
         self.safety_factor = self.client.cfg.safety_factor
 
     @property
@@ -48,9 +63,21 @@ class FTManager:
         if self.client is None:
             yield
             return
-        self.client.start_section(name)
+        self._call(self.client.start_section, name)
         yield
-        self.client.end_section(name)
+        self._call(self.client.end_section, name)
+
+    def _call(self, fn, *args, **kwargs):
+        """A call to the rank monitor; ``HelperHung`` if it is gone or does not answer in time (the rank then
+        restarts in-job, and the launcher reports the monitor)."""
+        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClientError
+
+        try:
+            return fn(*args, **kwargs)
+        except RankMonitorClientError as e:
+            self.client = None     # its socket is in an unknown state: never used again
+            raise HelperHung(f"the rank monitor of rank {os.environ.get('RANK')} stopped answering "
+                             f"(--ft-ipc-timeout-s {self.ipc_timeout_s:g}): {e}") from e
 
     def reset(self) -> None:
         """After an in-process restart: close whatever the failed attempt left open."""
@@ -73,8 +100,8 @@ class FTManager:
         self.calculated = True
         configured = self.client.section_timeouts.section.get("step") or float("inf")
         # Collective (NVRx synchronizes the measured times across ranks), so every rank sets the same value.
-        if not self.client.calculate_and_set_section_timeouts(selected_sections=["step"], calc_out_of_section=False,
-                                                              skip_if_not_ready=True):
+        if not self._call(self.client.calculate_and_set_section_timeouts, selected_sections=["step"],
+                          calc_out_of_section=False, skip_if_not_ready=True):
             return None
         learned = self.client.section_timeouts.section["step"]
         # Tightening: never under the floor, never looser than the launcher's flag.
@@ -83,7 +110,7 @@ class FTManager:
             # Set through the client's public state round trip, the path a restored checkpoint takes.
             state = self.client.state_dict()
             state[self.client.CURRENT_TIMEOUTS_STATE_KEY]["section"]["section"]["step"] = timeout
-            self.client.load_state_dict(state)
+            self._call(self.client.load_state_dict, state)
         log.info("rank monitor: step timeout set to %.1fs (%.1fx the longest of %d steps is %.1fs; floor %gs)",
                  timeout, self.safety_factor, self.steps_seen, learned, self.min_step_timeout_s)
         return timeout
@@ -95,7 +122,7 @@ class FTManager:
     def load_state_json(self, state: str) -> None:
         if self.client is not None and state:
             loaded = json.loads(state)
-            self.client.load_state_dict(loaded)
+            self._call(self.client.load_state_dict, loaded)
             self.calculated = self.calculated or bool(loaded.get(self.client.CURRENT_TIMEOUTS_STATE_KEY))
 
     def close(self) -> None:

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from .checkpoint import HelperHung
 from .config import RestartConfig
 from .parallel import free_port, wait_until_listening
 
@@ -75,7 +76,11 @@ def run_with_inprocess_restart(fn: Callable, cfg: RestartConfig, cuda: bool):
     from nvidia_resiliency_ext import inprocess
 
     def attempt(call_wrapper: Optional[inprocess.CallWrapper] = None):
-        return fn(call_wrapper)
+        try:
+            return fn(call_wrapper)
+        except HelperHung as e:
+            # The same processes would meet the same helper: the in-job layer restarts them, helpers included.
+            raise inprocess.exception.RestartAbort(str(e)) from e
 
     return build_wrapper(cfg, cuda)(attempt)()
 

@@ -166,7 +166,8 @@ class Session:
                                     self.events_path,
                                     chaos_seed=cfg.faults.chaos_seed if cfg.faults.chaos_seed >= 0 else None,
                                     fault_every_s=cfg.faults.fault_every)
-        self.ft = FTManager(cfg.restart.ft_calc_after_steps, cfg.restart.ft_min_step_timeout_s)
+        self.ft = FTManager(cfg.restart.ft_calc_after_steps, cfg.restart.ft_min_step_timeout_s,
+                            cfg.restart.ft_ipc_timeout_s)
         # --metrics-port: Prometheus endpoint on port + LOCAL_RANK; the data-starvation warning either way.
         self.metrics = build_metrics(cfg.metrics, rank=self.rank, world_size=self.world_size, events=self.events,
                                      events_path=self.events_path)
@@ -269,6 +270,7 @@ def train(session: Session, call_wrapper=None) -> dict | None:
         ckpt.on_snapshot = observe_checkpoint
         snapshot_wait_s = 0.0
         writers_busy = False    # any rank's checkpoint write was running at the start of the last step
+        writers_cold = True     # and some rank's writer had not finished a write yet (it may be booting)
 
         def before_update() -> None:
             """Between backward and the optimizer step, which changes the state."""
@@ -302,18 +304,19 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 # Sync point, once per step: mean loss, any rank's SIGTERM, rank 0's checkpoint and memory
                 # snapshot decisions and whether any rank's checkpoint writer is busy travel in one
                 # all-reduce, so every rank takes the same decisions at the same step.
-                due = d.is_main and policy.due(state.step, cfg.run.max_steps, writers_busy or ckpt.writing)
+                due = d.is_main and policy.due(state.step, cfg.run.max_steps, writers_busy or ckpt.writing,
+                                               writers_cold or ckpt.cold)
                 # A spot interruption notice seen on this rank's node makes a checkpoint due (any rank: SUM below).
                 due = session.spot.maybe_due(state.step, cfg.run.max_steps) or due
                 # Between checkpoints, a copy in memory bounds what a restart redoes.
                 to_memory = d.is_main and not due and policy.memory_due(state.step, cfg.run.max_steps,
                                                                         ckpt.replica_copy_s)
                 flags = torch.cat([loss.float().reshape(1),
-                                   torch.tensor([session.sigterm.is_set, due, ckpt.writing, to_memory],
+                                   torch.tensor([session.sigterm.is_set, due, ckpt.writing, to_memory, ckpt.cold],
                                                 dtype=torch.float32, device=d.device)])
                 _all_reduce_interruptible(flags)
                 loss_mean, stop, due = flags[0].item() / d.world_size, flags[1].item() > 0, flags[2].item() > 0
-                writers_busy, to_memory = flags[3].item() > 0, flags[4].item() > 0
+                writers_busy, to_memory, writers_cold = flags[3].item() > 0, flags[4].item() > 0, flags[5].item() > 0
                 # A wait for the checkpoint copy is the checkpoint's blocking time, not the step's.
                 step_s = time.monotonic() - t0 - snapshot_wait_s
             policy.observe_step(step_s, writing=writers_busy)

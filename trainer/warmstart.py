@@ -160,10 +160,6 @@ def serve(listen_fd: int, alive_fd: int, preload: bool = True, replicas: tuple[s
     ``preload=False``: a janitor only (see ``run_with_zygote``); requests are refused, the ranks start cold.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the wrapper decides when the zygote ends
-    wrapper = os.getppid()
-    # The launcher and its rank monitors live in the wrapper's process group when it leads one of its own
-    # (goodput train starts it so); a shell's job or a container's init may share theirs with others.
-    wrapper_group = wrapper if os.getpgid(wrapper) == wrapper and wrapper != 1 else None
     if preload:
         _preload()
     listener = socket.socket(fileno=listen_fd)
@@ -189,15 +185,14 @@ def serve(listen_fd: int, alive_fd: int, preload: bool = True, replicas: tuple[s
             elif key.fileobj == wake_r:
                 os.read(wake_r, 4096)
             elif not os.read(alive_fd, 1):
-                # The wrapper is gone: end what is left of the run (its ranks, the launcher's group, which holds
-                # the rank monitors) and its memory snapshots, whether the wrapper exited or was killed.
+                # The wrapper is gone: end what is left of the run (its ranks, then every process that inherited
+                # the launcher's environment: the rank monitors, cold ranks and their helpers) and its memory
+                # snapshots, whether the wrapper exited or was killed.
                 for pid in children:
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
                     _kill_leftovers(pid)
-                if wrapper_group is not None:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.killpg(wrapper_group, signal.SIGKILL)
+                _kill_leftovers(marker=f"{ZYGOTE_PID_ENV}={os.getpid()}".encode())
                 _remove(list(replicas))
                 return
         while children:
@@ -211,18 +206,23 @@ def serve(listen_fd: int, alive_fd: int, preload: bool = True, replicas: tuple[s
                 conn.close()
 
 
-def _kill_leftovers(pgid: int) -> None:
-    """SIGKILL what a dead rank left in its process group: NVRx's checkpoint workers and result-queue
-    manager ignore SIGTERM and never notice their parent's death, so each killed rank would leak them,
-    with their share of the checkpoint staging memory, for as long as the node runs. Multiprocessing's
-    resource tracker is spared: it exits by itself once they are gone, unlinking what they registered."""
+def _kill_leftovers(pgid: int | None = None, marker: bytes | None = None) -> None:
+    """SIGKILL what a dead rank left in its process group ``pgid`` (or every process whose environment holds
+    ``marker``): NVRx's checkpoint workers and result-queue manager ignore SIGTERM and never notice their
+    parent's death, so each killed rank would leak them, with their share of the checkpoint staging memory,
+    for as long as the node runs. Multiprocessing's resource tracker is spared: it exits by itself once they
+    are gone, unlinking what they registered."""
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
-            with open(stat, "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            if int(fields[2]) != pgid:
-                continue
             pid = int(stat.split("/")[2])
+            if pgid is not None:
+                with open(stat, "rb") as f:
+                    if int(f.read().rsplit(b")", 1)[1].split()[2]) != pgid:
+                        continue
+            if marker is not None:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if marker not in f.read().split(b"\0"):
+                        continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if b"resource_tracker" in f.read():
                     continue
