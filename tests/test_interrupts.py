@@ -6,89 +6,14 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
 
-from trainer.events import read_events
 from trainer.layout import committed_steps
-from trainer.replica import replica_dir
 
-from .conftest import TINY
-
-GOODPUT = [sys.executable, "-c", "from pipelines.cli import main; main()"]
-MARK = "GOODPUT_TEST_RUN"
-
-
-def marked(value: str) -> list[int]:
-    """Live processes whose environment carries ``MARK=value`` (every process of the run inherits it)."""
-    needle = f"{MARK}={value}".encode()
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if needle in (proc / "environ").read_bytes().split(b"\0") and \
-                    (proc / "stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z":
-                found.append(int(proc.name))
-        except (OSError, IndexError):
-            continue
-    return found
-
-
-def until(condition, timeout: float) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
-class Train:
-    """``goodput train`` in a session of its own (its pid is its process group), marked by environment."""
-
-    def __init__(self, tmp_path: Path, dataset: Path, *args: str):
-        self.out, self.mark = tmp_path / "run", uuid.uuid4().hex
-        self.log = open(tmp_path / "log", "w+")
-        self.proc = subprocess.Popen(
-            [*GOODPUT, "train", "--data", str(dataset), "--out", str(self.out), *TINY, *args],
-            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
-            env={**os.environ, MARK: self.mark})
-
-    def events(self) -> list[dict]:
-        return read_events(self.out / "events.jsonl")
-
-    def wait_for(self, event: str, timeout: float = 180) -> None:
-        assert until(lambda: any(e["event"] == event for e in self.events()) or self.proc.poll() is not None,
-                     timeout) and self.proc.poll() is None, self.output()
-
-    def output(self) -> str:
-        self.log.seek(0)
-        return self.log.read()[-4000:]
-
-    def replica(self) -> Path:
-        return replica_dir(Path("/dev/shm"), self.out / "checkpoints")
-
-    def close(self) -> None:
-        for pid in marked(self.mark):
-            os.kill(pid, signal.SIGKILL)
-        self.proc.wait()
-
-
-@pytest.fixture
-def train(tmp_path, dataset):
-    runs: list[Train] = []
-
-    def start(*args: str) -> Train:
-        runs.append(Train(tmp_path, dataset, *args))
-        return runs[-1]
-
-    yield start
-    for run in runs:
-        run.close()
+from .conftest import marked, until
 
 
 @pytest.mark.timeout(300)

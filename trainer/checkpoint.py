@@ -84,6 +84,9 @@ def _stop_signals_ignored():
             signal.signal(s, handler)
 
 
+_forked_managers: list[int] = []   # the write-results manager forked with a warm rank (fork_write_results_queue)
+
+
 def _results_queue(context: str):
     """NVRx's write-results queue, its manager started in the ``context`` start method, dying with the rank
     (``PR_SET_PDEATHSIG``: a SIGKILLed rank cannot close it, and it never notices on its own)."""
@@ -109,7 +112,9 @@ def fork_write_results_queue() -> None:
     # It ignores SIGTERM, as the writers do (see start_writer); the module global is NVRx's own cache of
     # the queue, in 0.4.1 as in later releases (which take mp_mode="fork" for the same).
     with _stop_signals_ignored():
+        before = _children()
         filesystem_async._results_queue = _results_queue("fork")
+        _forked_managers.extend(_children() - before)
 
 
 def delete_checkpoint(path: Path) -> None:
@@ -305,6 +310,7 @@ class CheckpointManager:
         self.writes_in_flight = 0   # handed to the worker and not finalized: they read the staging copy
         self.writes_done = 0        # finished by this process's worker (none yet: it may still be booting)
         self.writers: list[int] = []    # the worker's pid, once started
+        self.helpers: list[int] = []    # the worker's and the write-results manager's
         self.write_started = 0.0        # when the oldest write in flight was handed over
         self.stopped_since: float | None = None
         self.copying: _Snapshot | None = None
@@ -350,6 +356,8 @@ class CheckpointManager:
         # of CPU) would otherwise slow the steps after every restart wherever it shares cores with training.
         # Its write processes inherit it. Never lowered: that needs a privilege pods do not have.
         self.writers = sorted(_children() - started - manager)
+        # A write ends once its results reach the manager: a stopped or dead manager hangs it as well.
+        self.helpers = [*self.writers, *sorted(manager), *_forked_managers]
         for pid in self.writers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child = psutil.Process(pid)
@@ -363,17 +371,18 @@ class CheckpointManager:
             self.stopped_since = None
             return
         now, why = time.monotonic(), None
-        for pid in self.writers:
+        for pid in self.helpers:
             try:
                 status = psutil.Process(pid).status()
             except psutil.NoSuchProcess:
                 status = psutil.STATUS_DEAD
             if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-                why = f"the checkpoint writer of rank {self.d.rank} (pid {pid}) is gone"
+                why = f"the checkpoint {self._helper(pid)} of rank {self.d.rank} (pid {pid}) is gone"
             elif status == psutil.STATUS_STOPPED:
                 self.stopped_since = self.stopped_since or now
                 if now - self.stopped_since > STOPPED_S:
-                    why = f"the checkpoint writer of rank {self.d.rank} (pid {pid}) was stopped for {STOPPED_S:g}s"
+                    why = (f"the checkpoint {self._helper(pid)} of rank {self.d.rank} (pid {pid}) was stopped for "
+                           f"{STOPPED_S:g}s")
         if why is None and now - self.write_started > self.cfg.write_timeout_s:
             why = (f"a checkpoint write of rank {self.d.rank} took more than {self.cfg.write_timeout_s:g}s "
                    f"(--ckpt-write-timeout-s)")
@@ -381,12 +390,16 @@ class CheckpointManager:
             self.abandon_writer()
             raise HelperHung(why)
 
+    def _helper(self, pid: int) -> str:
+        return "writer" if pid in self.writers else "write-results manager"
+
     def abandon_writer(self) -> None:
-        """Kill the writer and forget its queue: nothing may wait for it again (close skips it)."""
-        for pid in self.writers:
+        """Kill the writer and its manager, and forget the queue: nothing may wait for them again (close skips
+        it)."""
+        for pid in self.helpers:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-        self.queue, self.writers, self.writes_in_flight = None, [], 0
+        self.queue, self.writers, self.helpers, self.writes_in_flight = None, [], [], 0
 
     # ----------------------------------------------------------------------------------------- load
     def restore(self, state: dict) -> tuple[int | None, str, dict]:

@@ -19,7 +19,9 @@ import contextlib
 import json
 import logging
 import os
+import signal
 import socket
+import struct
 
 from .checkpoint import HelperHung
 
@@ -46,6 +48,7 @@ class FTManager:
         try:
             self.client.init_workload_monitoring()
         except Exception as e:
+            self._abandon()
             raise HelperHung(f"the rank monitor of rank {os.environ.get('RANK')} did not answer its "
                              f"connection within {ipc_timeout_s:g}s (--ft-ipc-timeout-s): {e}") from e
         finally:
@@ -75,9 +78,19 @@ class FTManager:
         try:
             return fn(*args, **kwargs)
         except RankMonitorClientError as e:
-            self.client = None     # its socket is in an unknown state: never used again
+            self._abandon()
             raise HelperHung(f"the rank monitor of rank {os.environ.get('RANK')} stopped answering "
                              f"(--ft-ipc-timeout-s {self.ipc_timeout_s:g}): {e}") from e
+
+    def _abandon(self) -> None:
+        """Never use the client again, and SIGKILL its monitor: stopped or stuck, it holds up the launcher's
+        shutdown (which joins it) and watches nothing; dead, the launcher's next rounds fail to connect and the
+        run ends with this rank's message."""
+        sock, self.client = getattr(self.client, "rank_monitor_socket", None), None
+        with contextlib.suppress(OSError, AttributeError, TypeError):
+            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            if pid > 0:
+                os.kill(pid, signal.SIGKILL)
 
     def reset(self) -> None:
         """After an in-process restart: close whatever the failed attempt left open."""

@@ -9,19 +9,17 @@ nvidia-resiliency-ext 0.4.1 and later releases all accept are used (no ``--ft-pa
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import parse_config
 from .data import default_dataset_dir, ensure_default_dataset
 from .signals import STOP_SIGNALS, parent_death_preexec
-from .warmstart import STOPPED_S, process_state
+from .warmstart import wait_unless_stopped
 
 
 @dataclass
@@ -211,30 +209,19 @@ def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: 
 
     previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     try:
-        code = _wait(proc)
+        code = wait_unless_stopped(proc, "goodput train: the launch wrapper")
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
     if stopped_by:
         return 128 + stopped_by[0], None
+    if code < 0:
+        print(f"goodput train: the launch wrapper (pid {proc.pid}) died of {signal.Signals(-code).name}",
+              file=sys.stderr)
+        code = 128 - code
     summary_path = Path(cfg.run.out) / "summary.json"
     summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.exists() else None
     return code, summary
-
-
-def _wait(proc: subprocess.Popen) -> int:
-    """The launcher's exit code; a launcher stopped (SIGSTOP) for a while is hung: killed, and the run fails."""
-    stopped_since = None
-    while True:
-        try:
-            return proc.wait(timeout=0.5)
-        except subprocess.TimeoutExpired:
-            pass
-        stopped_since = (stopped_since or time.monotonic()) if process_state(proc.pid) == "T" else None
-        if stopped_since is not None and time.monotonic() - stopped_since > STOPPED_S:
-            print(f"goodput train: the launcher (pid {proc.pid}) was stopped for {STOPPED_S:g}s; killed it",
-                  file=sys.stderr)
-            os.killpg(proc.pid, signal.SIGKILL)
 
 
 def last_stop(trainer_args: list[str], since: float) -> int | None:

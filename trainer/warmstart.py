@@ -88,7 +88,9 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
     proc = subprocess.Popen(command, env=env, preexec_fn=parent_death_preexec(signal.SIGKILL))
     previous = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum)) for s in _FORWARDED}
     try:
-        code = proc.wait()
+        code = wait_unless_stopped(proc, "warm start: the launcher")
+        if code < 0:
+            print(f"warm start: the launcher (pid {proc.pid}) died of {signal.Signals(-code).name}", file=sys.stderr)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
@@ -104,6 +106,24 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
             _remove(replicas)
         shutil.rmtree(workdir, ignore_errors=True)
     return code
+
+
+def wait_unless_stopped(proc: subprocess.Popen, what: str) -> int:
+    """``proc``'s exit code; a ``proc`` stopped (SIGSTOP) for ``STOPPED_S`` is hung: it is SIGKILLed (with
+    its process group, when it leads one) and its death reported as ``what``, so nothing waits forever."""
+    stopped_since = None
+    while True:
+        try:
+            return proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+        stopped_since = (stopped_since or time.monotonic()) if process_state(proc.pid) == "T" else None
+        if stopped_since is not None and time.monotonic() - stopped_since > STOPPED_S:
+            print(f"{what} (pid {proc.pid}) was stopped for {STOPPED_S:g}s; killed it", file=sys.stderr)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if os.getpgid(proc.pid) == proc.pid:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.kill()
 
 
 def _replica_dirs(command: list[str]) -> list[str]:
@@ -363,9 +383,9 @@ def delegate(argv: list[str]) -> None:
             try:
                 conn.connect(path)
                 socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+                reply, why = _await_zygote(conn, zygote)
             except OSError:
-                pass                  # no zygote: the reply below is None
-            reply, why = _await_zygote(conn, zygote)
+                reply, why = None, "no zygote answered"
             if reply is None or "pid" not in reply:
                 print(f"warm start: {reply['refused'] if reply else why}; starting cold", file=sys.stderr)
                 return None
