@@ -21,7 +21,7 @@ from trainer.data import ensure_default_dataset
 from trainer.events import read_events
 from trainer.launch import LaunchConfig, local_launcher_command
 from trainer.parallel import Dist
-from trainer.replica import replica_dir
+from trainer.layout import replica_dir
 
 # A model small enough that a step takes ~0.1 s on one CPU core.
 TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8",
@@ -111,11 +111,13 @@ class Run:
 
 @pytest.fixture
 def start_run(dataset):
-    """Start a 2-rank run: ``start_run(out, *trainer_args, max_restarts=0)``; all are killed at teardown."""
+    """Start a 2-rank run: ``start_run(out, *trainer_args, max_restarts=0, data=None)`` (``data``: another
+    dataset than the default); all are killed at teardown."""
     runs: list[Run] = []
 
-    def start(out: Path, *args: str, max_restarts: int = 0, nproc: int = 2, **launch) -> Run:
-        run = Run(out, ["--data", str(dataset), *TINY, "--out", str(out), *args],
+    def start(out: Path, *args: str, max_restarts: int = 0, nproc: int = 2, data: Path | None = None,
+              **launch) -> Run:
+        run = Run(out, ["--data", str(data or dataset), *TINY, "--out", str(out), *args],
                   LaunchConfig(nproc_per_node=nproc, max_restarts=max_restarts, **launch))
         runs.append(run)
         return run

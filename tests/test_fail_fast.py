@@ -80,3 +80,32 @@ def test_the_core_raises_launch_error_a_value_error_that_no_layer_retries(tmp_pa
     with pytest.raises(LaunchError, match="manifest.json not found") as e:
         run_local_training(["--data", str(data), "--out", str(tmp_path / "run")], LaunchConfig(), tmp_path / "fsx")
     assert isinstance(e.value, ValueError) and not (tmp_path / "run").exists()
+
+
+def _tiny_dataset(path):
+    """A dataset whose train split is too small for 2 ranks of 64-byte windows (the trainer finds out when
+    it builds its batch sampler, inside the in-process layer)."""
+    from trainer.data import FORMAT
+
+    path.mkdir()
+    for split, size in (("train", 100), ("val", 1000)):
+        (path / f"{split}_00000.bin").write_bytes(bytes(range(256))[:size] * (size // 256 + 1))
+    (path / "manifest.json").write_text(json.dumps({"format": FORMAT, "splits": {
+        split: {"shards": [{"path": f"{split}_00000.bin"}], "tokens": 100} for split in ("train", "val")}}))
+    return path
+
+
+@pytest.mark.parametrize("layers", ["both", "injob"])
+def test_an_error_that_would_recur_inside_the_ranks_is_retried_by_no_layer(tmp_path, start_run, layers):
+    """Past the checks before launch (here the launcher is started directly): the in-process layer passes the
+    error on, the rank reports it, and the launch wrapper stops the launcher instead of letting it restart
+    the group: exit 2 at the first attempt."""
+    run = start_run(tmp_path / "run", "--max-steps", "5", "--restart-layers", layers, max_restarts=2,
+                    data=_tiny_dataset(tmp_path / "tiny"))
+    assert run.wait(timeout=240) == 2, run.tail()
+    events = run.events()
+    assert len([e for e in events if e["event"] == "worker_start"]) == 2      # one attempt, no restart
+    assert not [e for e in events if e["event"] == "restart"]
+    (reason,) = {e["reason"] for e in events if e["event"] == "fatal"}
+    assert reason.startswith("ValueError: each rank's slice of the data holds 50 tokens")
+    assert "no layer retries an error that would come back" in run.tail(200)

@@ -58,10 +58,10 @@ from torch.distributed.tensor import DTensor
 
 from .config import CheckpointConfig
 from .events import EventLog
-from .layout import COMMITTED, committed_steps, fsync_dir, read_marker, step_dir, step_of, write_atomic
+from .layout import COMMITTED, committed_steps, fsync_dir, read_marker, replica_dir, step_dir, step_of, write_atomic
 from .mirror import CheckpointMirror, maybe_fetch_from_mirror
 from .parallel import Dist
-from .replica import NodeReplica, replica_dir
+from .replica import NodeReplica
 from .signals import STOP_SIGNALS, die_with_parent
 from .warmstart import STOPPED_S
 
@@ -157,7 +157,7 @@ def _end_with(rank_pid: int, companions: list[int]) -> None:
 
 
 class HelperHung(RuntimeError):
-    """A helper process of this rank (its checkpoint writer, its rank monitor) is gone or stopped answering.
+    """A helper process of this rank (its rank monitor) is gone or stopped answering.
 
     Restarting the training function in the same process would meet the same helper, so the in-process
     layer passes it on to the in-job one, which starts the rank and its helpers afresh."""
@@ -312,7 +312,6 @@ class CheckpointManager:
         self.writers: list[int] = []    # the worker's pid, once started
         self.helpers: list[int] = []    # the worker's and the write-results manager's
         self.write_started = 0.0        # when the oldest write in flight was handed over
-        self.stopped_since: float | None = None
         self.copying: _Snapshot | None = None
         # Called with the blocking seconds of every interval save (the interval policy, the metrics).
         self.on_snapshot: Callable[[float], None] | None = None
@@ -358,48 +357,51 @@ class CheckpointManager:
         self.writers = sorted(_children() - started - manager)
         # A write ends once its results reach the manager: a stopped or dead manager hangs it as well.
         self.helpers = [*self.writers, *sorted(manager), *_forked_managers]
+        threading.Thread(target=self._watch_writer, name="ckpt-writer-watch", daemon=True).start()
         for pid in self.writers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child = psutil.Process(pid)
                 child.nice(max(child.nice(), self.cfg.writer_nice))
 
-    def _check_writer(self) -> None:
-        """Raise ``HelperHung`` (after killing the writer) if a write is running on a writer that is gone,
-        stopped (SIGSTOP) for ``STOPPED_S``, or slower than ``--ckpt-write-timeout-s``: the write would never
-        finish, and every later save and the end of training would wait for it."""
-        if not self.writes_in_flight:
-            self.stopped_since = None
-            return
-        now, why = time.monotonic(), None
-        for pid in self.helpers:
-            try:
-                status = psutil.Process(pid).status()
-            except psutil.NoSuchProcess:
-                status = psutil.STATUS_DEAD
-            if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
-                why = f"the checkpoint {self._helper(pid)} of rank {self.d.rank} (pid {pid}) is gone"
-            elif status == psutil.STATUS_STOPPED:
-                self.stopped_since = self.stopped_since or now
-                if now - self.stopped_since > STOPPED_S:
-                    why = (f"the checkpoint {self._helper(pid)} of rank {self.d.rank} (pid {pid}) was stopped for "
-                           f"{STOPPED_S:g}s")
-        if why is None and now - self.write_started > self.cfg.write_timeout_s:
-            why = (f"a checkpoint write of rank {self.d.rank} took more than {self.cfg.write_timeout_s:g}s "
-                   f"(--ckpt-write-timeout-s)")
-        if why is not None:
-            self.abandon_writer()
-            raise HelperHung(why)
+    def _watch_writer(self) -> None:
+        """Thread: end this rank if a write is running on a helper (the writer, the write-results manager)
+        that is gone or stopped (SIGSTOP) for ``STOPPED_S``, or on a write slower than
+        ``--ckpt-write-timeout-s``: the write would never finish, and the loop would wait for it in NVRx's
+        finalize (a blocking read of its results), at the next save or at the end of training. Ended like
+        a dead rank (SIGKILL, after a ``helper_hung`` event), the in-job layer restarts it with new helpers."""
+        stopped_since = None
+        while self.helpers:
+            time.sleep(0.5)
+            if not self.writes_in_flight:
+                stopped_since = None
+                continue
+            now, why, stopped = time.monotonic(), None, False
+            for pid in list(self.helpers):
+                try:
+                    status = psutil.Process(pid).status()
+                except psutil.NoSuchProcess:
+                    status = psutil.STATUS_DEAD
+                if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                    why = f"the checkpoint {self._helper(pid)} of rank {self.d.rank} (pid {pid}) is gone"
+                elif status == psutil.STATUS_STOPPED:
+                    stopped, stopped_since = True, stopped_since or now
+                    if now - stopped_since > STOPPED_S:
+                        why = (f"the checkpoint {self._helper(pid)} of rank {self.d.rank} (pid {pid}) was stopped "
+                               f"for {STOPPED_S:g}s")
+            stopped_since = stopped_since if stopped else None
+            if why is None and now - self.write_started > self.cfg.write_timeout_s:
+                why = (f"a checkpoint write of rank {self.d.rank} took more than {self.cfg.write_timeout_s:g}s "
+                       f"(--ckpt-write-timeout-s)")
+            if why is not None:
+                log.error("%s: ending this rank so that the in-job layer restarts it with new helpers", why)
+                self.events.emit("helper_hung", reason=why)
+                for pid in self.helpers:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
 
     def _helper(self, pid: int) -> str:
         return "writer" if pid in self.writers else "write-results manager"
-
-    def abandon_writer(self) -> None:
-        """Kill the writer and its manager, and forget the queue: nothing may wait for them again (close skips
-        it)."""
-        for pid in self.helpers:
-            with contextlib.suppress(ProcessLookupError):
-                os.kill(pid, signal.SIGKILL)
-        self.queue, self.writers, self.helpers, self.writes_in_flight = None, [], [], 0
 
     # ----------------------------------------------------------------------------------------- load
     def restore(self, state: dict) -> tuple[int | None, str, dict]:
@@ -691,7 +693,6 @@ class CheckpointManager:
             self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
             if not (self.writes_in_flight if writes_only else self.queue.get_num_unfinalized_calls()):
                 return
-            self._check_writer()
             time.sleep(0.005)
 
     @property
@@ -710,7 +711,6 @@ class CheckpointManager:
         if self.queue is None:
             return
         self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
-        self._check_writer()
         self._maybe_commit()
 
     def wait(self) -> None:
@@ -739,6 +739,7 @@ class CheckpointManager:
     def close(self) -> None:
         self.finish_snapshot()
         self.copier.shutdown()
+        self.helpers = []   # ends the watch: the writers exit now
         if self.queue is not None:
             # Rank-local finalize first: NVRx's own close() would synchronize ranks through CUDA.
             self._finalize()

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import math
 import os
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -44,7 +45,7 @@ from .live_state import LiveStateDict
 from .metrics import build_metrics
 from .model import ByteGPT
 from .parallel import Dist, ensure_launcher_env, init_distributed, parallelize
-from .restart import abort_process_group, iteration_store, run_with_inprocess_restart
+from .restart import RECURRING, abort_process_group, iteration_store, run_with_inprocess_restart
 from .signals import SigtermFlag
 from .spot import build_spot_watcher
 from .summary import summarize, write_summary
@@ -420,11 +421,26 @@ def run(cfg: TrainConfig) -> dict | None:
     # are not scanned by full collections, and the in-process Wrapper runs those until nothing is left
     # before every restart: 0.4-0.5 s each on these objects here, twice per restart.
     gc.freeze()
-    session = Session(cfg)
     try:
-        if cfg.restart.restart in ("inprocess", "both"):
-            return run_with_inprocess_restart(lambda call_wrapper: train(session, call_wrapper), cfg.restart,
-                                              cuda=torch.cuda.is_available())
-        return train(session)
-    finally:
-        session.close()
+        session = Session(cfg)
+        try:
+            if cfg.restart.restart in ("inprocess", "both"):
+                return run_with_inprocess_restart(lambda call_wrapper: train(session, call_wrapper), cfg.restart,
+                                                  cuda=torch.cuda.is_available())
+            return train(session)
+        finally:
+            session.close()
+    except BaseException as e:
+        recurring = e if isinstance(e, RECURRING) else e.__cause__ if isinstance(e.__cause__, RECURRING) else None
+        if recurring is None:
+            raise
+        # Settings or data that no restart changes: said once, as a "fatal" event the launch wrapper stops the
+        # launcher on (it would restart the group for nothing), and exit status 2.
+        reason = f"{type(recurring).__name__}: {recurring}"
+        rank = int(os.environ.get("RANK", "0"))
+        with contextlib.suppress(OSError):
+            log_ = EventLog(Path(cfg.run.out) / "events.jsonl", rank)
+            log_.emit("fatal", reason=reason)
+            log_.close()
+        print(f"error: rank {rank}: {reason} (not retried: it would fail the same way)", file=sys.stderr)
+        raise SystemExit(2) from None

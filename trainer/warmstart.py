@@ -41,6 +41,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+from .layout import replica_dir
 from .signals import parent_death_preexec
 
 ENV = "GOODPUT_WARMSTART_SOCKET"
@@ -62,11 +63,14 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
 
     ``warm=False``: the zygote imports nothing and forks nothing (the ranks start cold); it is only the
     node's janitor: once this process is gone, however it ended, it kills what the run left (the ranks it
-    forked, the launcher's process group) and deletes the run's memory snapshots.
+    forked, every process that inherited the launcher's environment) and deletes the run's memory snapshots.
+    A rank's ``fatal`` event (an error no restart changes) stops the launcher: exit status 2.
     """
     workdir = tempfile.mkdtemp(prefix="goodput-warmstart-")
     path = os.path.join(workdir, "zygote.sock")
-    replicas = _replica_dirs(command)
+    cfg = _trainer_config(command)
+    replicas = [str(replica_dir(Path(cfg.checkpoint.memory_dir), Path(cfg.run.out) / "checkpoints"))] if cfg else []
+    fatal = _FatalWatch(Path(cfg.run.out) / "events.jsonl" if cfg else None)
     # Bound and listening before the zygote has finished importing: workers that connect early queue in
     # the backlog. Once the zygote holds the only copy, its death makes connects fail, i.e. a cold start.
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -88,8 +92,10 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
     proc = subprocess.Popen(command, env=env, preexec_fn=parent_death_preexec(signal.SIGKILL))
     previous = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum)) for s in _FORWARDED}
     try:
-        code = wait_unless_stopped(proc, "warm start: the launcher")
-        if code < 0:
+        code = wait_unless_stopped(proc, "warm start: the launcher", poll=lambda: fatal.check(proc))
+        if fatal.reason is not None:
+            code = 2
+        elif code < 0:
             print(f"warm start: the launcher (pid {proc.pid}) died of {signal.Signals(-code).name}", file=sys.stderr)
     finally:
         for s, h in previous.items():
@@ -108,15 +114,18 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
     return code
 
 
-def wait_unless_stopped(proc: subprocess.Popen, what: str) -> int:
+def wait_unless_stopped(proc: subprocess.Popen, what: str, poll=None) -> int:
     """``proc``'s exit code; a ``proc`` stopped (SIGSTOP) for ``STOPPED_S`` is hung: it is SIGKILLed (with
-    its process group, when it leads one) and its death reported as ``what``, so nothing waits forever."""
+    its process group, when it leads one) and its death reported as ``what``, so nothing waits forever.
+    ``poll`` is called every half second meanwhile."""
     stopped_since = None
     while True:
         try:
             return proc.wait(timeout=0.5)
         except subprocess.TimeoutExpired:
             pass
+        if poll is not None:
+            poll()
         stopped_since = (stopped_since or time.monotonic()) if process_state(proc.pid) == "T" else None
         if stopped_since is not None and time.monotonic() - stopped_since > STOPPED_S:
             print(f"{what} (pid {proc.pid}) was stopped for {STOPPED_S:g}s; killed it", file=sys.stderr)
@@ -126,18 +135,42 @@ def wait_unless_stopped(proc: subprocess.Popen, what: str) -> int:
                 proc.kill()
 
 
-def _replica_dirs(command: list[str]) -> list[str]:
-    """The node-memory snapshot directories of the trainer that ``command`` runs (``-m trainer ARGS``)."""
+def _trainer_config(command: list[str]):
+    """The config of the trainer that ``command`` runs (``-m trainer ARGS``), or None."""
     if "trainer" not in command or command.index("trainer") < 1 or command[command.index("trainer") - 1] != "-m":
-        return []
+        return None
     from .config import parse_config
-    from .replica import replica_dir
 
     try:
-        cfg = parse_config(command[command.index("trainer") + 1:])
+        return parse_config(command[command.index("trainer") + 1:])
     except (ValueError, SystemExit, OSError):
-        return []
-    return [str(replica_dir(Path(cfg.checkpoint.memory_dir), Path(cfg.run.out) / "checkpoints"))]
+        return None
+
+
+class _FatalWatch:
+    """Stops the launcher once a rank reported an error no restart changes (a ``fatal`` event, see
+    ``trainer.train.run``): the launcher would restart the group for nothing, up to its last attempt."""
+
+    def __init__(self, events: Path | None):
+        self.events, self.reason = events, None
+        self.offset = events.stat().st_size if events is not None and events.exists() else 0
+
+    def check(self, proc: subprocess.Popen) -> None:
+        if self.events is None or self.reason is not None or not self.events.exists():
+            return
+        with open(self.events, "rb") as f:
+            f.seek(self.offset)
+            new = f.read()
+        self.offset += new.rfind(b"\n") + 1
+        for line in new[:new.rfind(b"\n") + 1].splitlines():
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if event.get("event") == "fatal":
+                    self.reason = event["reason"]
+                    print(f"goodput: rank {event['rank']}: {self.reason}; the launcher is stopped, no layer "
+                          f"retries an error that would come back", file=sys.stderr)
+                    proc.send_signal(signal.SIGTERM)
+                    return
 
 
 def _remove(directories: list[str]) -> None:
