@@ -51,8 +51,8 @@ DEMO_ARGUMENTS = {
     "n_embd": 64,
     "seq_len": 64,
     "batch_size": 8,
-    "max_steps": 600,
-    "ckpt_every": 150,
+    "max_steps": 800,
+    "ckpt_every": 200,
 }
 
 
