@@ -48,7 +48,7 @@ class FTManager:
         try:
             self.client.init_workload_monitoring()
         except Exception as e:
-            self._abandon()
+            self._abandon(kill=isinstance(e, TimeoutError) or isinstance(e.__context__, TimeoutError))
             raise HelperHung(f"the rank monitor of rank {os.environ.get('RANK')} did not answer its "
                              f"connection within {ipc_timeout_s:g}s (--ft-ipc-timeout-s): {e}") from e
         finally:
@@ -78,15 +78,18 @@ class FTManager:
         try:
             return fn(*args, **kwargs)
         except RankMonitorClientError as e:
-            self._abandon()
+            self._abandon(kill=isinstance(e.__context__, TimeoutError))
             raise HelperHung(f"the rank monitor of rank {os.environ.get('RANK')} stopped answering "
                              f"(--ft-ipc-timeout-s {self.ipc_timeout_s:g}): {e}") from e
 
-    def _abandon(self) -> None:
-        """Never use the client again, and SIGKILL its monitor: stopped or stuck, it holds up the launcher's
-        shutdown (which joins it) and watches nothing; dead, the launcher's next rounds fail to connect and the
-        run ends with this rank's message."""
+    def _abandon(self, kill: bool) -> None:
+        """Never use the client again; with ``kill`` (it did not answer in time) SIGKILL its monitor: stopped or
+        stuck, it would hold up the launcher's shutdown (which joins it) and watches nothing; dead, the
+        launcher's next rounds fail to connect and the run ends with this rank's message. A closed connection
+        is no hang: the launcher closes it when it restarts the group."""
         sock, self.client = getattr(self.client, "rank_monitor_socket", None), None
+        if not kill:
+            return
         with contextlib.suppress(OSError, AttributeError, TypeError):
             pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
             if pid > 0:

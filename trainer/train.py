@@ -415,6 +415,9 @@ def _atomic(call_wrapper):
     return call_wrapper.atomic() if call_wrapper is not None else contextlib.nullcontext()
 
 
+FATAL_WAIT_S = 30.0   # how long a rank with an error that would recur waits for the launch wrapper to stop the run
+
+
 def run(cfg: TrainConfig) -> dict | None:
     """Entry point: train under the configured recovery layers."""
     # The modules imported so far (torch: about 300k objects) live as long as the process. Frozen, they
@@ -443,4 +446,8 @@ def run(cfg: TrainConfig) -> dict | None:
             log_.emit("fatal", reason=reason)
             log_.close()
         print(f"error: rank {rank}: {reason} (not retried: it would fail the same way)", file=sys.stderr)
+        if warmstart.ZYGOTE_PID_ENV in os.environ:
+            # Under the launch wrapper, which stops the launcher on that event within a second: exiting now
+            # would have the launcher restart the group first. SIGTERM (its default action) ends the wait.
+            time.sleep(FATAL_WAIT_S)
         raise SystemExit(2) from None
