@@ -76,18 +76,6 @@ def test_interval_policy_by_steps_and_auto(tmp_path):
     assert fixed.due(5, 20, writers_busy=True)
 
 
-def test_a_fixed_interval_save_never_waits_for_a_booting_writer(tmp_path):
-    """While a write runs on a writer that has not finished one yet (it may be booting: seconds after every
-    start and in-job restart), a due save would wait for that boot: it is owed, taken at the first step after
-    that write, and the interval goes on from the multiples."""
-    fixed = IntervalPolicy(CheckpointConfig(ckpt_every="5"), tmp_path / "events.jsonl")
-    cold = {10: True, 11: True, 12: True}       # steps at which the step-5 write was still on a cold writer
-    due = [s for s in range(1, 31) if fixed.due(s, 30, writers_busy=s in cold, writers_cold=s in cold)]
-    assert due == [5, 13, 15, 20, 25]
-    warm = IntervalPolicy(CheckpointConfig(ckpt_every="5"), tmp_path / "events.jsonl")
-    assert warm.due(10, 30, writers_busy=True, writers_cold=False)    # steady state: kept exactly
-
-
 def test_memory_snapshots_are_spaced_by_time_and_by_their_own_cost(tmp_path, monkeypatch):
     clock = [100.0]
     monkeypatch.setattr("trainer.goodput.time.monotonic", lambda: clock[0])

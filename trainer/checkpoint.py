@@ -653,13 +653,13 @@ class CheckpointManager:
             self.on_write_started(s.step)
         return waited
 
-    def snapshot_to_memory(self, step: int, state: StateSource) -> None:
+    def snapshot_to_memory(self, step: int, state: StateSource) -> dict:
         """Copy ``state`` into the in-memory replica (node-local shared memory; nothing is written to disk).
 
         Like ``save``: the copy runs on the copier thread, and ``finish_snapshot`` must be called before
         the state changes. It costs no disk, no writer and no collective, so it can be taken far more often
         than checkpoints: a restart in the same process or on the same node then redoes only the steps
-        since the last one.
+        since the last one. Returns the copy (``save`` can write it later, as this step's checkpoint).
         """
         t0 = time.monotonic()
         self.finish_snapshot()
@@ -669,6 +669,7 @@ class CheckpointManager:
                                                             lambda s: self.node.buffer(s, slot))
         copy = self._start_copy(pairs)
         self.copying = _Snapshot(step, snapshot, copy, None, None, time.monotonic() - t0, {}, slot)
+        return snapshot   # whole once finish_snapshot returned; kept until the next copy but one
 
     def drop_replica(self) -> None:
         """Forget the replica and free its memory on the node (a committed checkpoint supersedes it)."""

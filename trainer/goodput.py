@@ -66,7 +66,6 @@ class IntervalPolicy:
         self.writing_step_s: deque[float] = deque(maxlen=self.window)
         self.quiet_step_s: deque[float] = deque(maxlen=self.window)
         self.writing_steps = 0
-        self.owed = False   # a fixed-interval save put off while the writers were cold (see due)
 
     def observe_step(self, step_s: float, writing: bool = False) -> None:
         """A step's duration; ``writing``: a checkpoint write was running when it started."""
@@ -130,15 +129,12 @@ class IntervalPolicy:
         self.last_memory_time = now
         return True
 
-    def due(self, step: int, max_steps: int, writers_busy: bool = False, writers_cold: bool = False) -> bool:
-        """Whether to checkpoint after ``step``. ``writers_busy``: a rank's previous write is still running;
-        ``writers_cold``: some rank's writer has not finished a write since it started (it may be booting).
+    def due(self, step: int, max_steps: int, writers_busy: bool = False) -> bool:
+        """Whether to checkpoint after ``step``. ``writers_busy``: a rank's previous write is still running.
 
-        A fixed step interval is kept exactly (that save waits for the writers), except while a write is
-        running on a cold writer: a save then would wait for the writer's boot (seconds, after every start
-        and in-job restart), so it is owed and taken at the first step after that write. An ``auto`` or
-        time-based save is postponed while the writers are busy, so it never blocks on them: Young-Daly with
-        a tiny blocking cost can ask for saves more often than the writers can write them.
+        A fixed step interval is kept exactly (that save waits for the writers). An ``auto`` or time-based
+        save is postponed while the writers are busy, so it never blocks on them: Young-Daly with a tiny
+        blocking cost can ask for saves more often than the writers can write them.
         """
         if step >= max_steps:
             return False  # the final checkpoint is written by the teardown
@@ -147,12 +143,9 @@ class IntervalPolicy:
         else:
             by_steps = self.every > 0 and step % self.every == 0
         by_time = self.cfg.ckpt_every_s > 0 and time.monotonic() - self.last_time >= self.cfg.ckpt_every_s
-        exact = (by_steps and not self.auto) or self.owed
-        if exact and writers_busy and writers_cold:
-            self.owed = True
-            return False
+        exact = by_steps and not self.auto
         if exact or ((by_steps or by_time) and not writers_busy):
-            self.last_step, self.owed = step, False
+            self.last_step = step
             return True
         return False
 

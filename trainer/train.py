@@ -272,6 +272,7 @@ def train(session: Session, call_wrapper=None) -> dict | None:
         snapshot_wait_s = 0.0
         writers_busy = False    # any rank's checkpoint write was running at the start of the last step
         writers_cold = True     # and some rank's writer had not finished a write yet (it may be booting)
+        owed: list = []   # (step, copy in node memory) of checkpoints due while the writers were cold
 
         def before_update() -> None:
             """Between backward and the optimizer step, which changes the state."""
@@ -305,13 +306,12 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 # Sync point, once per step: mean loss, any rank's SIGTERM, rank 0's checkpoint and memory
                 # snapshot decisions and whether any rank's checkpoint writer is busy travel in one
                 # all-reduce, so every rank takes the same decisions at the same step.
-                due = d.is_main and policy.due(state.step, cfg.run.max_steps, writers_busy or ckpt.writing,
-                                               writers_cold or ckpt.cold)
+                due = d.is_main and policy.due(state.step, cfg.run.max_steps, writers_busy or ckpt.writing)
                 # A spot interruption notice seen on this rank's node makes a checkpoint due (any rank: SUM below).
                 due = session.spot.maybe_due(state.step, cfg.run.max_steps) or due
                 # Between checkpoints, a copy in memory bounds what a restart redoes.
-                to_memory = d.is_main and not due and policy.memory_due(state.step, cfg.run.max_steps,
-                                                                        ckpt.replica_copy_s)
+                to_memory = d.is_main and not due and not owed and policy.memory_due(
+                    state.step, cfg.run.max_steps, ckpt.replica_copy_s)
                 flags = torch.cat([loss.float().reshape(1),
                                    torch.tensor([session.sigterm.is_set, due, ckpt.writing, to_memory, ckpt.cold],
                                                 dtype=torch.float32, device=d.device)])
@@ -333,13 +333,24 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                              step_s * 1e3, tokens_per_step / step_s)
             if stop:
                 return _stop_on_sigterm(session, ckpt, d, state, app_state, call_wrapper)
-            if due:
+            if due and writers_busy and writers_cold and len(owed) < 2:
+                # The save would wait for the previous write, which runs on a writer that has not finished one
+                # yet: it may still be booting (seconds, after every start and in-job restart). The state is
+                # copied to node memory now (one of its two slots) and that copy written once the writer is
+                # warm: the checkpoint is this step's, and the loop waits for no boot. (Flags all-reduced:
+                # every rank agrees.)
+                with _atomic(call_wrapper):
+                    owed.append((state.step, ckpt.snapshot_to_memory(state.step, app_state)))
+            elif due:
                 with ft.section("checkpoint"), _atomic(call_wrapper):
                     if writers_busy:
                         # The save will wait for the previous write (on every rank: the flag was all-reduced).
                         # Copied to node memory first, this step is what a restart meanwhile resumes from.
                         ckpt.snapshot_to_memory(state.step, app_state)
                     ckpt.save(state.step, app_state)
+            elif owed and not (writers_busy and writers_cold):
+                with ft.section("checkpoint"), _atomic(call_wrapper):
+                    ckpt.save(*owed.pop(0))
             elif to_memory:
                 with _atomic(call_wrapper):
                     ckpt.snapshot_to_memory(state.step, app_state)
@@ -359,6 +370,10 @@ def train(session: Session, call_wrapper=None) -> dict | None:
     # ---- teardown: the final checkpoint, validation, identity of the weights
     with ft.section("checkpoint"):
         ckpt.maybe_finalize()
+        for step, copy in owed:
+            with _atomic(call_wrapper):
+                ckpt.save(step, copy)
+                ckpt.finish_snapshot()
         if not (step_dir(ckpt.root, state.step) / COMMITTED).exists():
             with _atomic(call_wrapper):
                 ckpt.save(state.step, app_state, blocking=True)
