@@ -271,7 +271,7 @@ def train(session: Session, call_wrapper=None) -> dict | None:
         ckpt.on_snapshot = observe_checkpoint
         snapshot_wait_s = 0.0
         writers_busy = False    # any rank's checkpoint write was running at the start of the last step
-        writers_cold = True     # and some rank's writer had not finished a write yet (it may be booting)
+        writers_cold = False    # and some rank's first write since its writer started was still running
         owed: list = []   # (step, copy in node memory) of checkpoints due while the writers were cold
 
         def before_update() -> None:
@@ -313,7 +313,8 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 to_memory = d.is_main and not due and not owed and policy.memory_due(
                     state.step, cfg.run.max_steps, ckpt.replica_copy_s)
                 flags = torch.cat([loss.float().reshape(1),
-                                   torch.tensor([session.sigterm.is_set, due, ckpt.writing, to_memory, ckpt.cold],
+                                   torch.tensor([session.sigterm.is_set, due, ckpt.writing, to_memory,
+                                                 ckpt.cold and ckpt.writes_in_flight > 0],
                                                 dtype=torch.float32, device=d.device)])
                 _all_reduce_interruptible(flags)
                 loss_mean, stop, due = flags[0].item() / d.world_size, flags[1].item() > 0, flags[2].item() > 0
@@ -332,6 +333,10 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                     log.info("step %d/%d loss %.4f %.0f ms %.0f tok/s", state.step, cfg.run.max_steps, loss_mean,
                              step_s * 1e3, tokens_per_step / step_s)
             if stop:
+                for step, copy in owed:   # due before the stop: taken from their copies in memory
+                    with ft.section("checkpoint"), _atomic(call_wrapper):
+                        ckpt.save(step, copy)
+                        ckpt.finish_snapshot()
                 return _stop_on_sigterm(session, ckpt, d, state, app_state, call_wrapper)
             if due and writers_busy and writers_cold and len(owed) < 2:
                 # The save would wait for the previous write, which runs on a writer that has not finished one
