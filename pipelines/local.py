@@ -38,7 +38,11 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-# Pipeline arguments of the local demo, sized for 2 CPU cores (about 2 minutes); -p overrides any.
+from trainer.events import read_events
+
+# Pipeline arguments of the local demo, sized for 2 CPU cores: about 30 s of training steps, so that its
+# goodput figure means something (a few seconds of startup and teardown are most of a shorter run), and
+# under 2 minutes in all; -p overrides any.
 DEMO_ARGUMENTS = {
     "backend": "local",
     "local_nproc": 2,
@@ -47,8 +51,8 @@ DEMO_ARGUMENTS = {
     "n_embd": 64,
     "seq_len": 64,
     "batch_size": 8,
-    "max_steps": 60,
-    "ckpt_every": 20,
+    "max_steps": 800,
+    "ckpt_every": 200,
 }
 
 
@@ -61,6 +65,7 @@ class LocalRun:
     run_root: Path | None = None            # <pipeline root>/<pipeline>-<time>: the steps' outputs
     log_path: Path | None = None
     error: str = ""
+    interrupted: int | None = None                   # the signal that stopped the run (SIGINT, SIGTERM)
     train: dict = field(default_factory=dict)        # Model metadata + Metrics of the train step
     evaluate: dict = field(default_factory=dict)     # outputs of the evaluate step
     register: dict = field(default_factory=dict)     # Model metadata of the register step (if promoted)
@@ -104,13 +109,23 @@ def local_arguments(fsx_root: Path, overrides: dict) -> dict:
     return args
 
 
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+# The last line of a traceback (``pkg.mod.SomeError: message``): what a failed step says about why.
+_REASON = re.compile(r"^\s*(?:[\w.]+\.)?(?P<type>\w*(?:Error|Exception|Exit|Interrupt)\w*)(?::\s*(?P<msg>.*))?$")
+# Errors that come back the same on every attempt (settings, data format, a path): a retry only delays them.
+_DETERMINISTIC = {"ValueError", "LaunchError", "ParamError", "UsageError", "BadParameter", "TypeError", "KeyError",
+                  "FileNotFoundError", "NotADirectoryError", "IsADirectoryError", "PermissionError"}
+
+
 class _Progress(io.TextIOBase):
     """stdout while kfp.local runs: everything into the log file, the readable part to the terminal.
 
-    Left out on the terminal (all of it stays in the log): kfp's executor preamble (the executor input
-    as JSON, "Looking for component", ...), the listing of each task's outputs (the summary shows what
-    matters), and what a CPU-only machine says over and over: gloo's socket polls, the pynvml
-    deprecation warning, NVRx's NVML/InfiniBand health-check tracebacks.
+    Left out on the terminal unless ``verbose`` (all of it stays in the log): kfp's executor preamble (the
+    executor input as JSON, "Looking for component", ...), the listing of each task's outputs (the summary
+    shows what matters), ft_launcher's and the rank monitors' banners and INFO lines, NVRx's own log lines,
+    and what a CPU-only machine says over and over: gloo's socket polls, the pynvml deprecation warning,
+    NVRx's NVML/InfiniBand health-check tracebacks, asyncio tracebacks of rank monitors whose rank went away,
+    multiprocessing's leaked-semaphore warnings. Colours only on a terminal.
     """
 
     _DROP = re.compile(
@@ -119,18 +134,31 @@ class _Progress(io.TextIOBase):
         r"|The pynvml package is deprecated|^\s*import pynvml"
         r"|GPU Health checks disabled|Health checks are disabled|gpu_ib_map|gpu_pci_map|/sys/class/infiniband"
         r"|NIC health|Failed to shut down NVML"
-        r"|Streamed logs:$")
+        r"|Streamed logs:$"
+        # ft_launcher and its rank monitors (their errors stay), NVRx's loggers
+        r"|\] \[(INFO|WARNING|ALWAYS|DEBUG)\] \[(ft_launcher|RankMonServer)"
+        r"|^\s*\*{10,}\s*$|^\s*Rendezvous info:|^\s*--rdzv-backend=|^\s*Setting OMP_NUM_THREADS"
+        r"|^\s*(entrypoint|min_nodes|max_nodes|nproc_per_node|run_id|rdzv_backend|rdzv_endpoint|rdzv_configs"
+        r"|max_restarts|restart_policy|monitor_interval|log_dir|metrics_cfg)\s+: "
+        r"|\[nvidia_resiliency_ext[\w.]*\]|Exception while read_obj_from_ipc_socket"
+        r"|resource_tracker: There appear to be \d+ leaked|^\s*warnings\.warn\(")
     _BLOCKS = (  # (first line, last line) of multi-line noise
         (re.compile(r"Got executor_input"), re.compile(r"^    }$")),
         (re.compile(r"NVML Error: NVML Shared Library Not Found"), re.compile(r"NVMLError_LibraryNotFound")),
     )
+    _TRACEBACK = re.compile(r"^\s*Traceback \(most recent call last\):")
+    _NOISE_TRACEBACK = re.compile(r"pynvml|NVML|asyncio|CancelledError|read_obj_from_ipc")
     _OUTPUTS = re.compile(r"Task .* (outputs:|has no outputs)")
     _KFP_LINE = re.compile(r"^\d\d:\d\d:\d\d\.\d+ - ")
 
-    def __init__(self, out, log):
-        self.out, self.log, self.buf = out, log, ""
+    def __init__(self, out, log, verbose: bool = False):
+        self.out, self.log, self.verbose, self.buf = out, log, verbose, ""
+        self.colour = bool(getattr(out, "isatty", lambda: False)())
         self.block_end: re.Pattern | None = None
         self.in_outputs = False
+        self.traceback: list[str] | None = None   # a traceback being read: shown whole or dropped whole
+        self.traceback_indent = 0
+        self.reason = ""       # the last exception line a step printed: why it failed
 
     def writable(self) -> bool:
         return True
@@ -140,17 +168,45 @@ class _Progress(io.TextIOBase):
         self.buf += s
         while "\n" in self.buf:
             line, self.buf = self.buf.split("\n", 1)
-            if self.show(line):
-                self.out.write(line + "\n")
+            for shown in self.lines(line):
+                self.out.write((shown if self.colour else _ANSI.sub("", shown)) + "\n")
         self.out.flush()
         return len(s)
+
+    def say(self, line: str) -> None:
+        """A line of goodput's own, on the terminal and in the log."""
+        self.log.write(line + "\n")
+        self.out.write(line + "\n")
+        self.out.flush()
 
     def flush(self) -> None:
         self.log.flush()
         self.out.flush()
 
-    def show(self, line: str) -> bool:
-        plain = re.sub(r"\x1b\[[0-9;]*m", "", line).rstrip()
+    def lines(self, line: str) -> list[str]:
+        """What of ``line`` goes to the terminal (a traceback comes out whole, at its end, or not at all)."""
+        plain = _ANSI.sub("", line).rstrip()
+        m = _REASON.match(plain)
+        if m and not plain.startswith(" " * 8):
+            self.reason = f"{m['type']}: {m['msg']}" if m["msg"] else m["type"]
+        if self.verbose:
+            return [line]
+        indent = len(plain) - len(plain.lstrip())
+        if self.block_end is not None:    # inside known noise, tracebacks included
+            return [line] if self.show(plain) else []
+        if self.traceback is not None:
+            self.traceback.append(line)
+            if not plain or indent > self.traceback_indent:
+                return []
+            # Back at the traceback's own indentation: its last line, the exception.
+            block, self.traceback = self.traceback, None
+            return [] if self._NOISE_TRACEBACK.search("\n".join(block)) else block
+        if self._TRACEBACK.match(plain):
+            self.traceback, self.traceback_indent = [line], indent
+            return []
+        return [line] if self.show(plain) else []
+
+    def show(self, plain: str) -> bool:
         if self.block_end is not None:
             if self.block_end.search(plain):
                 self.block_end = None
@@ -169,21 +225,99 @@ class _Progress(io.TextIOBase):
         return bool(plain) and not self._DROP.search(plain)
 
 
+class _Stop(threading.Event):
+    """Set by the first SIGINT or SIGTERM of ``goodput run --local``: no step starts or is retried after it."""
+
+    signum: int | None = None
+
+
 @contextlib.contextmanager
-def _sigterm_raises():
-    """SIGTERM ends the run like Ctrl-C does, so that cleanup runs (main thread only)."""
-    def stop(signum, _frame):
-        raise KeyboardInterrupt(f"signal {signum}")
+def _stopped_by_signals(stop: _Stop):
+    """SIGINT (Ctrl-C) and SIGTERM stop the run: the step that runs is sent SIGTERM (the train step's ranks
+    commit a checkpoint first) and ends; nothing after it runs (see ``_told_retries``). A second signal stops
+    at once. Main thread only."""
+    import psutil
+
+    def handle(signum, _frame):
+        if stop.is_set():
+            raise KeyboardInterrupt(f"signal {signum}")
+        stop.signum = signum
+        stop.set()
+        for step in psutil.Process().children():    # the steps kfp.local runs; a Ctrl-C reached them already
+            with contextlib.suppress(psutil.NoSuchProcess):
+                step.send_signal(signal.SIGTERM)
 
     try:
-        previous = signal.signal(signal.SIGTERM, stop)
+        previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
     except ValueError:                  # not the main thread
         yield
         return
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
+
+
+class _NotRetried(RuntimeError):
+    """A step failed with an error that would come back on every attempt."""
+
+
+@contextlib.contextmanager
+def _told_retries(progress: _Progress, stop: _Stop):
+    """kfp.local honours each task's retry policy, silently: say "retrying <step> in N s (attempt k/n):
+    <reason>"; retry nothing after an interrupt (its backoff ends with it); and never retry an error that
+    comes back the same every time (``_DETERMINISTIC``). kfp.local 2.17's task executor is patched for it,
+    while the run lasts; without the internals this patches, retries stay as kfp.local does them."""
+    try:
+        from kfp.local import status
+        from kfp.local.orchestrator import task_executor
+        dispatch = task_executor.task_dispatcher.run_single_task_implementation
+        saved = task_executor.logging, task_executor.time
+    except (ImportError, AttributeError):
+        yield
+        return
+    retrying = re.compile(r"Task (?P<task>\S+) failed \(attempt (?P<k>\d+)/(?P<n>\d+)\)\. "
+                          r"Retrying in (?P<delay>[\d.]+)s")
+
+    def attempt(*args, **kwargs):
+        if stop.is_set():
+            raise KeyboardInterrupt
+        progress.reason = ""
+        outputs, state = dispatch(*args, **kwargs)
+        if stop.is_set():
+            raise KeyboardInterrupt      # an interrupted step is not retried, and nothing runs after it
+        if state != status.Status.SUCCESS and progress.reason.split(":")[0] in _DETERMINISTIC:
+            name = kwargs.get("component_name") or "a step"
+            raise _NotRetried(f"{name} failed with {progress.reason} (not retried: it would fail the same way)")
+        return outputs, state
+
+    class Logging:
+        def __getattr__(self, name):
+            return getattr(saved[0], name)
+
+        def info(self, msg, *args, **kwargs):
+            m = retrying.match(str(msg))
+            if m:
+                progress.say(f"retrying {m['task']} in {float(m['delay']):g} s (attempt {int(m['k']) + 1}/"
+                             f"{m['n']}): {progress.reason or 'it failed'}")
+            return saved[0].info(msg, *args, **kwargs)
+
+    class Time:
+        def __getattr__(self, name):
+            return getattr(saved[1], name)
+
+        def sleep(self, seconds: float) -> None:
+            if stop.wait(seconds):
+                raise KeyboardInterrupt
+
+    task_executor.task_dispatcher.run_single_task_implementation = attempt
+    task_executor.logging, task_executor.time = Logging(), Time()
+    try:
+        yield
+    finally:
+        task_executor.task_dispatcher.run_single_task_implementation = dispatch
+        task_executor.logging, task_executor.time = saved
 
 
 @contextlib.contextmanager
@@ -341,11 +475,13 @@ def _collect(run: LocalRun) -> None:
             run.evaluation = json.loads(ev.read_text())
 
 
-def run_local(arguments: dict, *, pipeline_root: Path, package: Path | None = None, out=None) -> LocalRun:
+def run_local(arguments: dict, *, pipeline_root: Path, package: Path | None = None, out=None,
+              verbose: bool = False) -> LocalRun:
     """Compile the pipeline (unless ``package``), run it on kfp.local, and collect what it produced.
 
-    Progress goes to ``out`` (default stdout); everything kfp.local prints is also kept in
-    ``<pipeline_root>/<pipeline>-<time>.log``.
+    Progress goes to ``out`` (default stdout; all of the steps' output with ``verbose``); everything
+    kfp.local prints is also kept in ``<pipeline_root>/<pipeline>-<time>.log``. SIGINT and SIGTERM stop it
+    (``LocalRun.interrupted``).
     """
     from kfp import components, local
 
@@ -363,24 +499,29 @@ def run_local(arguments: dict, *, pipeline_root: Path, package: Path | None = No
         local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(pipeline_root),
                    raise_on_error=True)
         error = ""
-        with open(log_path, "w") as log, _sigterm_raises():
-            progress = _Progress(out, log)
+        stop = _Stop()
+        with open(log_path, "w") as log, _stopped_by_signals(stop):
+            progress = _Progress(out, log, verbose=verbose)
             saved = sys.stdout
             sys.stdout = progress     # kfp.local prints the steps' logs and creates its log handler on stdout
             try:
-                with warnings.catch_warnings(), _RunProcesses(log=log), _named_outputs_in_conditions():
-                    # Expected here: display names, retries, caching and images have no local effect.
+                with warnings.catch_warnings(), _RunProcesses(log=log), _named_outputs_in_conditions(), \
+                        _told_retries(progress, stop):
+                    # Expected here: display names, caching and images have no local effect.
                     warnings.filterwarnings("ignore", message=r".*(have no effect in the current local runner|"
                                                               r"custom or non-Python base image)")
                     pipeline(**arguments)
-            except RuntimeError as e:  # kfp.local: "Pipeline ... finished with status FAILURE ..."
-                error = re.sub(r"\x1b\[[0-9;]*m", "", str(e))
+            except RuntimeError as e:  # kfp.local: "Pipeline ... finished with status FAILURE ..."; _NotRetried
+                error = _ANSI.sub("", str(e))
+            except KeyboardInterrupt:
+                error = "interrupted"
             finally:
                 sys.stdout = saved
                 progress.flush()
     new = sorted((p for p in set(pipeline_root.iterdir()) - before if p.is_dir()), key=lambda p: p.stat().st_mtime)
+    interrupted = stop.signum or (signal.SIGINT if error == "interrupted" else None)
     run = LocalRun(ok=not error, wall_s=round(time.monotonic() - t0, 1), run_root=new[-1] if new else None,
-                   log_path=log_path, error=error)
+                   log_path=log_path, error=error, interrupted=interrupted)
     _collect(run)
     return run
 
@@ -401,7 +542,14 @@ def render_summary(run: LocalRun, console) -> None:
     table = Table(title="goodput run --local", show_header=False, title_justify="left")
     table.add_column(style="bold", no_wrap=True)
     table.add_column(overflow="fold")               # paths are printed whole, never cut short
-    table.add_row("result", "[green]succeeded[/]" if run.ok else f"[red]failed[/]: {run.error}")
+    if run.interrupted:
+        stopped = _stopped_at(run)
+        result = (f"[yellow]interrupted[/] ({signal.Signals(run.interrupted).name}): "
+                  + (f"the ranks committed a checkpoint at step {stopped}, " if stopped is not None else "")
+                  + "no step was retried, nothing was registered")
+    else:
+        result = "[green]succeeded[/]" if run.ok else f"[red]failed[/]: {run.error}"
+    table.add_row("result", result)
     table.add_row("steps", _fmt(s.get("steps")))
     table.add_row("train loss (final)", _fmt(s.get("final_train_loss")))
     table.add_row("val loss (final)", _fmt(s.get("final_val_loss")))
@@ -413,10 +561,15 @@ def render_summary(run: LocalRun, console) -> None:
                 for k in ("restarts", "restarts_inprocess", "restarts_injob") if k in s]
     table.add_row("restarts", ", ".join(restarts) or "-")
     table.add_row("lost steps", _fmt(s.get("lost_steps")))
-    goodput = s.get("goodput")
-    table.add_row("goodput", f"{goodput:.1%}" if isinstance(goodput, float) else _fmt(goodput))
-    table.add_row("checkpoints", f"{_fmt(s.get('checkpoints_committed'))} committed, the loop blocked "
-                                 f"{_fmt(s.get('ckpt_block_s_p50'), 3)} s (median)")
+    goodput, parts = s.get("goodput"), s.get("goodput_breakdown") or {}
+    table.add_row("goodput", (f"{goodput:.1%}" if isinstance(goodput, (int, float)) else _fmt(goodput)) + (
+        f" of {parts['wall_s']:.1f} s: " + ", ".join(f"{label} {parts[key]:.1f} s" for key, label in (
+            ("productive_s", "steps kept"), ("startup_s", "startup"), ("ckpt_block_s", "checkpoint blocking"),
+            ("restart_s", "restarts"), ("redone_s", "redone steps"), ("other_s", "other")))
+        if "wall_s" in parts else ""))
+    table.add_row("checkpoints", f"{_fmt(s.get('checkpoints_committed'))} committed; {_fmt(s.get('ckpt_saves'))} "
+                                 f"saves blocked the loop {_fmt(s.get('ckpt_block_s_p50'), 3)} s each (median, "
+                                 f"max {_fmt(s.get('ckpt_block_s_max'), 3)} s, final save included)")
     best = ev.get("best") or {}
     table.add_row("best checkpoint", f"step {best.get('step')}, val loss {_fmt(best.get('val_loss'))}" if best else "-")
     promoted = run.evaluate.get("promoted")
@@ -437,7 +590,17 @@ def render_summary(run: LocalRun, console) -> None:
         console.print(f"report: {report}", soft_wrap=True)
 
 
-def run_local_cli(*, params, params_file, inject_faults, fsx_root: Path, package: Path | None) -> int:
+def _stopped_at(run: LocalRun) -> int | None:
+    """The step the ranks committed when an interrupt stopped training (the train step wrote no outputs)."""
+    runs = Path(run.run_root).parent.parent / "runs" if run.run_root else None
+    ends = []
+    for events in (runs.glob("*/events.jsonl") if runs and runs.is_dir() else []):
+        ends += [e for e in read_events(events) if e["event"] == "exit" and e["t"] >= time.time() - run.wall_s]
+    return max(ends, key=lambda e: e["t"])["step"] if ends else None
+
+
+def run_local_cli(*, params, params_file, inject_faults, fsx_root: Path, package: Path | None,
+                  verbose: bool = False) -> int:
     """``goodput run --local``: arguments checked before anything runs, the run, its summary; exit code."""
     import click
     from rich.console import Console
@@ -460,10 +623,9 @@ def run_local_cli(*, params, params_file, inject_faults, fsx_root: Path, package
         console.print(f"[bold]goodput run --local[/]: FSx stand-in {arguments['fsx_root']}, dataset "
                       f"{arguments['dataset_name']}/{arguments['dataset_version']} from {arguments['dataset_source']}"
                       + (f", faults {arguments['inject_fault']}" if arguments.get("inject_fault") else ""))
-        try:
-            run = run_local(arguments, pipeline_root=Path(arguments["fsx_root"]) / "pipeline-root", package=pkg)
-        except KeyboardInterrupt:
-            console.print("[yellow]interrupted[/]: the steps and the trainer's ranks were stopped")
-            return 130
+        run = run_local(arguments, pipeline_root=Path(arguments["fsx_root"]) / "pipeline-root", package=pkg,
+                        verbose=verbose)
     render_summary(run, console)
+    if run.interrupted:
+        return 128 + run.interrupted
     return 0 if run.ok else 1

@@ -8,7 +8,9 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from trainer.data import ensure_default_dataset
 from trainer.events import read_events
 from trainer.launch import LaunchConfig, local_launcher_command
 from trainer.parallel import Dist
+from trainer.layout import replica_dir
 
 # A model small enough that a step takes ~0.1 s on one CPU core.
 TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8",
@@ -108,11 +111,13 @@ class Run:
 
 @pytest.fixture
 def start_run(dataset):
-    """Start a 2-rank run: ``start_run(out, *trainer_args, max_restarts=0)``; all are killed at teardown."""
+    """Start a 2-rank run: ``start_run(out, *trainer_args, max_restarts=0, data=None)`` (``data``: another
+    dataset than the default); all are killed at teardown."""
     runs: list[Run] = []
 
-    def start(out: Path, *args: str, max_restarts: int = 0, nproc: int = 2, **launch) -> Run:
-        run = Run(out, ["--data", str(dataset), *TINY, "--out", str(out), *args],
+    def start(out: Path, *args: str, max_restarts: int = 0, nproc: int = 2, data: Path | None = None,
+              **launch) -> Run:
+        run = Run(out, ["--data", str(data or dataset), *TINY, "--out", str(out), *args],
                   LaunchConfig(nproc_per_node=nproc, max_restarts=max_restarts, **launch))
         runs.append(run)
         return run
@@ -120,6 +125,80 @@ def start_run(dataset):
     yield start
     for run in runs:
         run.kill()
+
+
+GOODPUT = [sys.executable, "-c", "from pipelines.cli import main; main()"]
+MARK = "GOODPUT_TEST_RUN"
+
+
+def marked(value: str) -> list[int]:
+    """Live processes whose environment carries ``MARK=value`` (every process of the run inherits it)."""
+    needle = f"{MARK}={value}".encode()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (proc / "environ").read_bytes().split(b"\0") and \
+                    (proc / "stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z":
+                found.append(int(proc.name))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+def until(condition, timeout: float) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+class Train:
+    """``goodput train`` in a session of its own (its pid is its process group), marked by environment."""
+
+    def __init__(self, tmp_path: Path, dataset: Path, *args: str, name: str = "run"):
+        self.out, self.mark = tmp_path / name, uuid.uuid4().hex
+        self.log = open(tmp_path / f"{name}.log", "w+")
+        self.proc = subprocess.Popen(
+            [*GOODPUT, "train", "--data", str(dataset), "--out", str(self.out), *TINY, *args],
+            stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, MARK: self.mark})
+
+    def events(self) -> list[dict]:
+        return read_events(self.out / "events.jsonl")
+
+    def wait_for(self, event: str, timeout: float = 180) -> None:
+        assert until(lambda: any(e["event"] == event for e in self.events()) or self.proc.poll() is not None,
+                     timeout) and self.proc.poll() is None, self.output()
+
+    def output(self) -> str:
+        self.log.seek(0)
+        return self.log.read()[-4000:]
+
+    def summary_sha(self) -> str:
+        return json.loads((self.out / "summary.json").read_text())["params_sha256"]
+
+    def replica(self) -> Path:
+        return replica_dir(Path("/dev/shm"), self.out / "checkpoints")
+
+    def close(self) -> None:
+        for pid in marked(self.mark):
+            os.kill(pid, signal.SIGKILL)
+        self.proc.wait()
+
+
+@pytest.fixture
+def train(tmp_path, dataset):
+    runs: list[Train] = []
+
+    def start(*args: str, name: str = "run") -> Train:
+        runs.append(Train(tmp_path, dataset, *args, name=name))
+        return runs[-1]
+
+    yield start
+    for run in runs:
+        run.close()
 
 
 @pytest.fixture(scope="session")

@@ -58,8 +58,10 @@ def test_fault_is_recovered_by_the_right_layer(tmp_path, start_run, clean_sha, f
         # The torn step-8 checkpoint is never used: the restart loads the step-4 one, or a newer copy in
         # the node's memory taken before the crash (of step 8 itself when its save had to wait for the
         # previous write: that copy is whole, only the directory is torn).
+        # (A save due while the first write ran on a booting writer is written later from a copy in memory:
+        # that copy, and a newer one, are whole too; the weights at the end say the restart was exact.)
         last = [(e["source"], e["step"]) for e in run.events() if e["event"] == "ckpt_loaded"][-1]
-        assert last == ("checkpoint", 4) or (last[0] == "memory" and 4 <= last[1] <= 8), last
+        assert last == ("checkpoint", 4) or (last[0] == "memory" and last[1] >= 4), last
 
 
 def test_an_exception_under_ddp_is_recovered_in_process(tmp_path, start_run, clean_sha):

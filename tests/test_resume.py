@@ -49,9 +49,10 @@ def test_torn_checkpoint_is_never_used_and_is_cleaned_up(tmp_path, start_run, cl
     assert rerun.wait() == 0, rerun.tail()
     events = rerun.events()
     # It resumes from the step-4 checkpoint, or from a whole copy in the node's memory (of step 8 itself
-    # when that save had to wait for the previous write); never from the torn step-8 directory.
+    # when that save had to wait for the previous write, or a newer one when it was written from such a
+    # copy later); never from the torn step-8 directory.
     loaded = [(e["source"], e["step"]) for e in events if e["event"] == "ckpt_loaded"]
-    assert loaded[-1] == ("checkpoint", 4) or (loaded[-1][0] == "memory" and 4 <= loaded[-1][1] <= 8), loaded
+    assert loaded[-1] == ("checkpoint", 4) or (loaded[-1][0] == "memory" and loaded[-1][1] >= 4), loaded
     assert any(e["event"] == "ckpt_torn_deleted" and e["step"] == 8 for e in events)
     assert rerun.summary()["params_sha256"] == clean_sha("fsdp")
 

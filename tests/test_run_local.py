@@ -7,18 +7,22 @@ cores. A killed rank (``kill@STEP:RANK``, recovered by the in-job layer) leaves 
 that path is covered by ``test_orphaned_workers_of_a_killed_process_do_not_outlive_the_run``.
 """
 
+import io
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
 
 from pipelines.cli import main
+from trainer.layout import committed_steps
 
 GOODPUT = [sys.executable, "-c", "from pipelines.cli import main; main()"]
 
@@ -121,3 +125,164 @@ def test_orphaned_workers_of_a_killed_process_do_not_outlive_the_run():
             time.sleep(0.1)
         assert worker in run.killed and worker not in run.processes()
     assert run.processes() == {}                          # the resource tracker went at the end
+
+
+# ---- retries: said, and not made where they cannot help --------------------------------------------------
+
+def _retry_pipeline(tmp_path, fail_with: str, backoff: str):
+    """A one-step pipeline whose step fails with ``fail_with`` on its first attempt only."""
+    from kfp import compiler, dsl
+
+    @dsl.component(base_image="python:3.11", install_kfp_package=False)
+    def flaky(marker: str, error: str):
+        import os
+        if not os.path.exists(marker):
+            open(marker, "w").close()
+            raise {"RuntimeError": RuntimeError, "ValueError": ValueError}[error]("the first attempt fails")
+
+    @dsl.pipeline(name="retries")
+    def pipe(marker: str, error: str):
+        flaky(marker=marker, error=error).set_retry(2, backoff_duration=backoff)
+
+    package = tmp_path / "retries.yaml"
+    compiler.Compiler().compile(pipe, str(package))
+    return package, {"marker": str(tmp_path / "attempted"), "error": fail_with}
+
+
+def test_a_retried_step_says_when_and_why(tmp_path):
+    from pipelines.local import run_local
+
+    package, arguments = _retry_pipeline(tmp_path, "RuntimeError", "1s")
+    out = io.StringIO()
+    run = run_local(arguments, pipeline_root=tmp_path / "root", package=package, out=out)
+    assert run.ok, out.getvalue()
+    assert "retrying flaky in 1 s (attempt 2/3): RuntimeError: the first attempt fails" in out.getvalue()
+
+
+def test_an_error_that_would_recur_is_not_retried(tmp_path):
+    """A ValueError (settings, data format) fails the run at once; with a 600 s backoff a retry would show."""
+    from pipelines.local import run_local
+
+    package, arguments = _retry_pipeline(tmp_path, "ValueError", "600s")
+    out = io.StringIO()
+    run = run_local(arguments, pipeline_root=tmp_path / "root", package=package, out=out)
+    assert not run.ok and "not retried" in run.error and "ValueError: the first attempt fails" in run.error
+    assert "retrying" not in out.getvalue() and out.getvalue().count("Executing task 'flaky'") == 1
+
+
+# ---- Ctrl-C ----------------------------------------------------------------------------------------------
+
+def _marked(value: str) -> list[int]:
+    needle = f"GOODPUT_TEST_RUN={value}".encode()
+    found = []
+    for proc in Path("/proc").glob("[0-9]*"):
+        try:
+            if needle in (proc / "environ").read_bytes().split(b"\0") and \
+                    (proc / "stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z":
+                found.append(int(proc.name))
+        except (OSError, IndexError):
+            continue
+    return found
+
+
+@pytest.mark.timeout(400)
+def test_ctrl_c_commits_a_checkpoint_retries_nothing_registers_nothing_and_exits_130(tmp_path):
+    fsx, mark = tmp_path / "fsx", uuid.uuid4().hex
+    proc = subprocess.Popen([*GOODPUT, "run", "--local", "--fsx-root", str(fsx), "-p", "max_steps=100000"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "COLUMNS": "200", "GOODPUT_TEST_RUN": mark})
+    try:
+        deadline = time.monotonic() + 300
+        while not any('"step": 20,' in p.read_text() for p in fsx.glob("runs/*/events.jsonl")):
+            assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0][-4000:]
+            time.sleep(0.2)
+        os.killpg(proc.pid, signal.SIGINT)        # a terminal's Ctrl-C: the whole foreground process group
+        out, _ = proc.communicate(timeout=90)
+        assert proc.returncode == 130, out[-4000:]
+        assert "interrupted (SIGINT)" in out and "nothing was registered" in out
+        (events,) = fsx.glob("runs/*/events.jsonl")
+        (stop,) = [json.loads(line) for line in events.read_text().splitlines() if '"exit"' in line]
+        assert committed_steps(events.parent / "checkpoints") == [stop["step"]]
+        assert f"committed a checkpoint at step {stop['step']}" in out
+        (log,) = (fsx / "pipeline-root").glob("*.log")
+        text = re.sub(r"\x1b\[[0-9;]*m", "", log.read_text())
+        assert text.count("Executing task 'train-op'") == 1, "the train step was retried"
+        assert "Executing task 'evaluate-op'" not in text
+        assert not (fsx / "models").exists() or not list((fsx / "models").rglob("production.json"))
+        deadline = time.monotonic() + 20
+        while _marked(mark) and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert not _marked(mark)
+    finally:
+        for pid in _marked(mark):
+            os.kill(pid, signal.SIGKILL)
+        if proc.poll() is None:
+            proc.kill()
+
+
+# ---- the console -----------------------------------------------------------------------------------------
+
+# What a train step printed on this machine (abridged): kfp's status lines, launcher banners and INFO lines,
+# NVML and asyncio tracebacks, NVRx's logger, leaked-semaphore warnings, and the trainer's own lines.
+STEP_OUTPUT = """\
+09:29:38.712 - INFO - Executing task \x1b[96m'train-op'\x1b[0m
+    local training: 2 ranks under ft_launcher, --max-steps 600
+    [2026-12-01 09:29:43,486] [INFO] [ft_launcher25888@vm] Using nproc_per_node=2.
+    *****************************************
+    Setting OMP_NUM_THREADS environment variable for each process to be 1 in default
+    *****************************************
+      entrypoint       : trainer
+      rdzv_configs     : {'timeout': 900}
+    [2026-12-01 09:29:43,900] [ERROR] [ft_launcher25888@vm] NVML Error: NVML Shared Library Not Found
+    Traceback (most recent call last):
+      File "/x/pynvml.py", line 3190, in _LoadNvmlLibrary
+        nvmlLib = CDLL("libnvidia-ml.so.1")
+    OSError: libnvidia-ml.so.1: cannot open shared object file: No such file or directory
+
+    During handling of the above exception, another exception occurred:
+
+    Traceback (most recent call last):
+      File "/x/pynvml.py", line 1116, in _nvmlCheckReturn
+        raise NVMLError(ret)
+    pynvml.NVMLError_LibraryNotFound: NVML Shared Library Not Found
+
+    [2026-12-01 09:29:44,519] [ALWAYS] [RankMonServer.Restarter] [NestedRestarter] name=[InJob] state=initialize
+    2026-12-01 09:29:45,876 [trainer] model 0.14M params, fsdp on 2 x cpu, 1024 tokens/step, fresh start
+    2026-12-01 09:29:45,044 [nvidia_resiliency_ext.checkpointing.async_ckpt.core] PersistentAsyncCaller: 1, Starting
+    2026-12-01 09:29:46,037 [trainer] step 10/600 loss 5.5472 159 ms 6437 tok/s
+    Traceback (most recent call last):
+      File "/x/rank_monitor_server.py", line 348, in _handle_ipc_connection
+        await self._waiter
+    asyncio.exceptions.CancelledError
+    /x/resource_tracker.py:254: UserWarning: resource_tracker: There appear to be 6 leaked semaphore objects
+      warnings.warn('resource_tracker: There appear to be %d '
+    Traceback (most recent call last):
+      File "/x/components/train.py", line 120, in _train_local
+        raise RuntimeError("local training failed")
+    RuntimeError: local training failed
+09:30:55.181 - ERROR - Task \x1b[96m'train-op'\x1b[0m finished with status \x1b[91mFAILURE\x1b[0m
+"""
+
+
+def test_the_console_shows_progress_and_step_lines_and_the_log_keeps_everything():
+    from pipelines.local import _Progress
+
+    out, log = io.StringIO(), io.StringIO()
+    progress = _Progress(out, log)
+    progress.write(STEP_OUTPUT)
+    shown = out.getvalue()
+    assert log.getvalue() == STEP_OUTPUT
+    assert shown == (
+        "09:29:38.712 - INFO - Executing task 'train-op'\n"
+        "    local training: 2 ranks under ft_launcher, --max-steps 600\n"
+        "    2026-12-01 09:29:45,876 [trainer] model 0.14M params, fsdp on 2 x cpu, 1024 tokens/step, fresh start\n"
+        "    2026-12-01 09:29:46,037 [trainer] step 10/600 loss 5.5472 159 ms 6437 tok/s\n"
+        "    Traceback (most recent call last):\n"
+        "      File \"/x/components/train.py\", line 120, in _train_local\n"
+        "        raise RuntimeError(\"local training failed\")\n"
+        "    RuntimeError: local training failed\n"
+        "09:30:55.181 - ERROR - Task 'train-op' finished with status FAILURE\n"), shown
+    assert progress.reason == "RuntimeError: local training failed"
+    verbose = io.StringIO()
+    _Progress(verbose, io.StringIO(), verbose=True).write(STEP_OUTPUT)
+    assert verbose.getvalue() == re.sub(r"\x1b\[[0-9;]*m", "", STEP_OUTPUT)   # colours only on a terminal

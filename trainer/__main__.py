@@ -1,11 +1,13 @@
 """``python -m trainer``: parse the config, train, exit. See ``trainer.train`` for launch commands."""
 
 import logging
+import os
 import sys
 import warnings
 
 from . import warmstart
 from .config import parse_config
+from .signals import die_with_parent
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -16,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if argv is None and "TORCHELASTIC_RESTART_COUNT" in os.environ:
+        # Started by a launcher (ft_launcher, torchrun), which puts every worker in a session of its own:
+        # a launcher killed outright (SIGKILL) must not leave its workers running.
+        die_with_parent()
     if argv is None:
         warmstart.delegate(sys.argv[1:])   # under ``trainer.warmstart``: run in a fork of the zygote, exit
     from .train import run   # torch is imported only once the arguments are known to be good

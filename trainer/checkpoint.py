@@ -58,10 +58,12 @@ from torch.distributed.tensor import DTensor
 
 from .config import CheckpointConfig
 from .events import EventLog
-from .layout import COMMITTED, committed_steps, fsync_dir, read_marker, step_dir, step_of, write_atomic
+from .layout import COMMITTED, committed_steps, fsync_dir, read_marker, replica_dir, step_dir, step_of, write_atomic
 from .mirror import CheckpointMirror, maybe_fetch_from_mirror
 from .parallel import Dist
-from .replica import NodeReplica, replica_dir
+from .replica import NodeReplica
+from .signals import STOP_SIGNALS, die_with_parent
+from .warmstart import STOPPED_S
 
 log = logging.getLogger(__name__)
 
@@ -69,15 +71,31 @@ StateSource = dict | Callable[[], dict]   # a state dict, or a function that bui
 
 
 @contextlib.contextmanager
-def _sigterm_ignored():
+def _stop_signals_ignored():
+    """What is started inside ignores SIGTERM and SIGINT (inherited dispositions): see ``start_writer``."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+_forked_managers: list[int] = []   # the write-results manager forked with a warm rank (fork_write_results_queue)
+
+
+def _results_queue(context: str):
+    """NVRx's write-results queue, its manager started in the ``context`` start method, dying with the rank
+    (``PR_SET_PDEATHSIG``: a SIGKILLed rank cannot close it, and it never notices on its own)."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context(context))
+    manager.start(initializer=die_with_parent)
+    return manager.Queue()    # the proxy keeps its manager alive
 
 
 def fork_write_results_queue() -> None:
@@ -89,14 +107,14 @@ def fork_write_results_queue() -> None:
     write result. That is after every in-job restart, and where no save came between the restart and the
     end of training, the final, blocking save waited those seconds. A fork has torch already.
     """
-    import multiprocessing
-
     from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
 
     # It ignores SIGTERM, as the writers do (see start_writer); the module global is NVRx's own cache of
     # the queue, in 0.4.1 as in later releases (which take mp_mode="fork" for the same).
-    with _sigterm_ignored():
-        filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
+    with _stop_signals_ignored():
+        before = _children()
+        filesystem_async._results_queue = _results_queue("fork")
+        _forked_managers.extend(_children() - before)
 
 
 def delete_checkpoint(path: Path) -> None:
@@ -117,6 +135,7 @@ def _children() -> set[int]:
 def _prepare_writer(module: str, rank_pid: int, companions: list[int]) -> None:
     """Runs in NVRx's persistent worker, once: tie its life to its rank's, and import the writer's module
     before the first write needs it."""
+    die_with_parent(parent=rank_pid)
     threading.Thread(target=_end_with, args=(rank_pid, companions), name="end-with-rank", daemon=True).start()
     importlib.import_module(module)
 
@@ -135,6 +154,13 @@ def _end_with(rank_pid: int, companions: list[int]) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
     os._exit(1)
+
+
+class HelperHung(RuntimeError):
+    """A helper process of this rank (its rank monitor) is gone or stopped answering.
+
+    Restarting the training function in the same process would meet the same helper, so the in-process
+    layer passes it on to the in-job one, which starts the rank and its helpers afresh."""
 
 
 class _StructureChanged(Exception):
@@ -282,6 +308,10 @@ class CheckpointManager:
         # Planning state of the current staging copy (see _StagingPlanner), replaced with it.
         self.plan_cache = self.planner = None
         self.writes_in_flight = 0   # handed to the worker and not finalized: they read the staging copy
+        self.writes_done = 0        # finished by this process's worker (none yet: it may still be booting)
+        self.writers: list[int] = []    # the worker's pid, once started
+        self.helpers: list[int] = []    # the worker's and the write-results manager's
+        self.write_started = 0.0        # when the oldest write in flight was handed over
         self.copying: _Snapshot | None = None
         # Called with the blocking seconds of every interval save (the interval policy, the metrics).
         self.on_snapshot: Callable[[float], None] | None = None
@@ -305,14 +335,17 @@ class CheckpointManager:
         if self.cfg.sync or self.queue is not None:
             return
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
+        from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (FileSystemWriterAsync,
                                                                                      _get_write_results_queue)
 
-        # They ignore SIGTERM (inherited through spawn): the launcher signals the rank's whole process
-        # group, and the writers must live on to finish the final checkpoint the rank writes after
-        # SIGTERM. They end when the rank closes the queue, or dies (_end_with), or by SIGKILL to the group.
-        with _sigterm_ignored():
+        # They ignore SIGTERM and SIGINT (inherited through spawn): the launcher signals the rank's whole
+        # process group, and the writers must live on to finish the final checkpoint the rank writes after
+        # it. They end when the rank closes the queue, or dies (_end_with, PR_SET_PDEATHSIG), or by SIGKILL.
+        with _stop_signals_ignored():
             started = _children()
+            if filesystem_async._results_queue is None:   # not forked with the rank (a cold start)
+                filesystem_async._results_queue = _results_queue("spawn")
             _get_write_results_queue()
             manager = _children() - started
             self.queue = AsyncCallsQueue(persistent=True)
@@ -321,10 +354,54 @@ class CheckpointManager:
         # The worker's niceness is set as it is born, not once it runs: its boot (importing torch, seconds
         # of CPU) would otherwise slow the steps after every restart wherever it shares cores with training.
         # Its write processes inherit it. Never lowered: that needs a privilege pods do not have.
-        for pid in _children() - started - manager:
+        self.writers = sorted(_children() - started - manager)
+        # A write ends once its results reach the manager: a stopped or dead manager hangs it as well.
+        self.helpers = [*self.writers, *sorted(manager), *_forked_managers]
+        threading.Thread(target=self._watch_writer, name="ckpt-writer-watch", daemon=True).start()
+        for pid in self.writers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child = psutil.Process(pid)
                 child.nice(max(child.nice(), self.cfg.writer_nice))
+
+    def _watch_writer(self) -> None:
+        """Thread: end this rank if a write is running on a helper (the writer, the write-results manager)
+        that is gone or stopped (SIGSTOP) for ``STOPPED_S``, or on a write slower than
+        ``--ckpt-write-timeout-s``: the write would never finish, and the loop would wait for it in NVRx's
+        finalize (a blocking read of its results), at the next save or at the end of training. Ended like
+        a dead rank (SIGKILL, after a ``helper_hung`` event), the in-job layer restarts it with new helpers."""
+        stopped_since = None
+        while self.helpers:
+            time.sleep(0.5)
+            if not self.writes_in_flight:
+                stopped_since = None
+                continue
+            now, why, stopped = time.monotonic(), None, False
+            for pid in list(self.helpers):
+                try:
+                    status = psutil.Process(pid).status()
+                except psutil.NoSuchProcess:
+                    status = psutil.STATUS_DEAD
+                if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                    why = f"the checkpoint {self._helper(pid)} of rank {self.d.rank} (pid {pid}) is gone"
+                elif status == psutil.STATUS_STOPPED:
+                    stopped, stopped_since = True, stopped_since or now
+                    if now - stopped_since > STOPPED_S:
+                        why = (f"the checkpoint {self._helper(pid)} of rank {self.d.rank} (pid {pid}) was stopped "
+                               f"for {STOPPED_S:g}s")
+            stopped_since = stopped_since if stopped else None
+            if why is None and now - self.write_started > self.cfg.write_timeout_s:
+                why = (f"a checkpoint write of rank {self.d.rank} took more than {self.cfg.write_timeout_s:g}s "
+                       f"(--ckpt-write-timeout-s)")
+            if why is not None:
+                log.error("%s: ending this rank so that the in-job layer restarts it with new helpers", why)
+                self.events.emit("helper_hung", reason=why)
+                for pid in self.helpers:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def _helper(self, pid: int) -> str:
+        return "writer" if pid in self.writers else "write-results manager"
 
     # ----------------------------------------------------------------------------------------- load
     def restore(self, state: dict) -> tuple[int | None, str, dict]:
@@ -532,6 +609,8 @@ class CheckpointManager:
             results = writer.retrieve_write_results()
             write_atomic(path / f".rank{self.d.rank}.done", pickle.dumps(results))
             self.writes_in_flight -= 1
+            self.writes_done += 1
+            self.write_started = time.monotonic()   # the next one in flight, if any, has been running since
 
         copy = self._start_copy(pairs)
         now = time.monotonic()
@@ -562,6 +641,8 @@ class CheckpointManager:
             return waited
         self.snapshot, self.snapshot_step = s.state, s.step
         self.queue.schedule_async_request(s.request)
+        if not self.writes_in_flight:
+            self.write_started = time.monotonic()
         self.writes_in_flight += 1
         self.pending.append(s.pending)
         waited = time.monotonic() - t0
@@ -572,13 +653,13 @@ class CheckpointManager:
             self.on_write_started(s.step)
         return waited
 
-    def snapshot_to_memory(self, step: int, state: StateSource) -> None:
+    def snapshot_to_memory(self, step: int, state: StateSource) -> dict:
         """Copy ``state`` into the in-memory replica (node-local shared memory; nothing is written to disk).
 
         Like ``save``: the copy runs on the copier thread, and ``finish_snapshot`` must be called before
         the state changes. It costs no disk, no writer and no collective, so it can be taken far more often
         than checkpoints: a restart in the same process or on the same node then redoes only the steps
-        since the last one.
+        since the last one. Returns the copy (``save`` can write it later, as this step's checkpoint).
         """
         t0 = time.monotonic()
         self.finish_snapshot()
@@ -588,6 +669,7 @@ class CheckpointManager:
                                                             lambda s: self.node.buffer(s, slot))
         copy = self._start_copy(pairs)
         self.copying = _Snapshot(step, snapshot, copy, None, None, time.monotonic() - t0, {}, slot)
+        return snapshot   # whole once finish_snapshot returned; kept until the next copy but one
 
     def drop_replica(self) -> None:
         """Forget the replica and free its memory on the node (a committed checkpoint supersedes it)."""
@@ -613,6 +695,12 @@ class CheckpointManager:
             if not (self.writes_in_flight if writes_only else self.queue.get_num_unfinalized_calls()):
                 return
             time.sleep(0.005)
+
+    @property
+    def cold(self) -> bool:
+        """No write has finished since this process started its writer: one in flight may still wait for the
+        writer's boot (a spawned interpreter importing torch), and a save after it would wait for that too."""
+        return not self.cfg.sync and self.writes_done == 0
 
     @property
     def writing(self) -> bool:
@@ -652,6 +740,7 @@ class CheckpointManager:
     def close(self) -> None:
         self.finish_snapshot()
         self.copier.shutdown()
+        self.helpers = []   # ends the watch: the writers exit now
         if self.queue is not None:
             # Rank-local finalize first: NVRx's own close() would synchronize ranks through CUDA.
             self._finalize()

@@ -81,6 +81,9 @@ class CheckpointConfig:
                               "steps (their start after every restart imports torch), but writes take longer "
                               "and a save is postponed while the previous write runs; on idle host cores it "
                               "changes nothing", flag="--ckpt-writer-nice")
+    write_timeout_s: float = _f(300.0, "a checkpoint write (or the writer's boot before its first one) that takes "
+                                       "longer counts as hung: the writer is killed and the rank restarted "
+                                       "in-job", flag="--ckpt-write-timeout-s")
     sigterm_grace_s: float = _f(30.0, "seconds the final checkpoint after SIGTERM may take before the "
                                       "pod's grace period runs out; exceeding it is logged")
     # Mirror of committed checkpoints in S3 (trainer/mirror.py): survives the loss of FSx, its AZ or the cluster.
@@ -137,6 +140,8 @@ class RestartConfig:
                                   "(the in-job layer takes over)", flag="--inprocess-max-rank-faults")
     ft_calc_after_steps: int = _f(20, "steps measured before the rank monitor's step timeout is tightened")
     ft_min_step_timeout_s: float = _f(30.0, "the tightened step timeout never goes below this")
+    ft_ipc_timeout_s: float = _f(30.0, "a rank monitor that does not answer the rank within this many seconds counts "
+                                       "as hung: the rank restarts in-job (NVRx's client would wait forever)")
 
 
 @dataclass
@@ -268,7 +273,7 @@ class TrainConfig:
         problems += _mirror_and_spot_problems(c, self.spot)
         problems += _metrics_problems(self.metrics)
         if problems:
-            raise ValueError("invalid trainer configuration:\n  " + "\n  ".join(problems))
+            raise ValueError("invalid trainer configuration: " + "; ".join(problems))
         return self
 
     def to_dict(self) -> dict:

@@ -19,12 +19,17 @@ import contextlib
 import json
 import logging
 import os
+import signal
+import socket
+import struct
+
+from .checkpoint import HelperHung
 
 log = logging.getLogger(__name__)
 
 
 class FTManager:
-    def __init__(self, calc_after_steps: int, min_step_timeout_s: float):
+    def __init__(self, calc_after_steps: int, min_step_timeout_s: float, ipc_timeout_s: float = 30.0):
         self.calc_after_steps, self.min_step_timeout_s = calc_after_steps, min_step_timeout_s
         self.client = None
         self.steps_seen = 0
@@ -36,7 +41,20 @@ class FTManager:
         from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
         self.client = RankMonitorClient()
-        self.client.init_workload_monitoring()
+        # NVRx's IPC waits for each reply without a limit: a stopped or stuck monitor would hang the rank in
+        # every section change, with nothing left to notice. Bounded, it is a HelperHung (see section).
+        previous = socket.getdefaulttimeout()
+        socket.setdefaulttimeout(ipc_timeout_s)
+        try:
+            self.client.init_workload_monitoring()
+        except Exception as e:
+            self._abandon(kill=isinstance(e, TimeoutError) or isinstance(e.__context__, TimeoutError))
+            raise HelperHung(f"the rank monitor of rank {os.environ.get('RANK')} did not answer its "
+                             f"connection within {ipc_timeout_s:g}s (--ft-ipc-timeout-s): {e}") from e
+        finally:
+            socket.setdefaulttimeout(previous)
+        self.client.rank_monitor_socket.settimeout(ipc_timeout_s)
+        self.ipc_timeout_s = ipc_timeout_s
         self.safety_factor = self.client.cfg.safety_factor
 
     @property
@@ -48,9 +66,34 @@ class FTManager:
         if self.client is None:
             yield
             return
-        self.client.start_section(name)
+        self._call(self.client.start_section, name)
         yield
-        self.client.end_section(name)
+        self._call(self.client.end_section, name)
+
+    def _call(self, fn, *args, **kwargs):
+        """A call to the rank monitor; ``HelperHung`` if it is gone or does not answer in time (the rank then
+        restarts in-job, and the launcher reports the monitor)."""
+        from nvidia_resiliency_ext.fault_tolerance import RankMonitorClientError
+
+        try:
+            return fn(*args, **kwargs)
+        except RankMonitorClientError as e:
+            self._abandon(kill=isinstance(e.__context__, TimeoutError))
+            raise HelperHung(f"the rank monitor of rank {os.environ.get('RANK')} stopped answering "
+                             f"(--ft-ipc-timeout-s {self.ipc_timeout_s:g}): {e}") from e
+
+    def _abandon(self, kill: bool) -> None:
+        """Never use the client again; with ``kill`` (it did not answer in time) SIGKILL its monitor: stopped or
+        stuck, it would hold up the launcher's shutdown (which joins it) and watches nothing; dead, the
+        launcher's next rounds fail to connect and the run ends with this rank's message. A closed connection
+        is no hang: the launcher closes it when it restarts the group."""
+        sock, self.client = getattr(self.client, "rank_monitor_socket", None), None
+        if not kill:
+            return
+        with contextlib.suppress(OSError, AttributeError, TypeError):
+            pid = struct.unpack("3i", sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))[0]
+            if pid > 0:
+                os.kill(pid, signal.SIGKILL)
 
     def reset(self) -> None:
         """After an in-process restart: close whatever the failed attempt left open."""
@@ -73,8 +116,8 @@ class FTManager:
         self.calculated = True
         configured = self.client.section_timeouts.section.get("step") or float("inf")
         # Collective (NVRx synchronizes the measured times across ranks), so every rank sets the same value.
-        if not self.client.calculate_and_set_section_timeouts(selected_sections=["step"], calc_out_of_section=False,
-                                                              skip_if_not_ready=True):
+        if not self._call(self.client.calculate_and_set_section_timeouts, selected_sections=["step"],
+                          calc_out_of_section=False, skip_if_not_ready=True):
             return None
         learned = self.client.section_timeouts.section["step"]
         # Tightening: never under the floor, never looser than the launcher's flag.
@@ -83,7 +126,7 @@ class FTManager:
             # Set through the client's public state round trip, the path a restored checkpoint takes.
             state = self.client.state_dict()
             state[self.client.CURRENT_TIMEOUTS_STATE_KEY]["section"]["section"]["step"] = timeout
-            self.client.load_state_dict(state)
+            self._call(self.client.load_state_dict, state)
         log.info("rank monitor: step timeout set to %.1fs (%.1fx the longest of %d steps is %.1fs; floor %gs)",
                  timeout, self.safety_factor, self.steps_seen, learned, self.min_step_timeout_s)
         return timeout
@@ -95,7 +138,7 @@ class FTManager:
     def load_state_json(self, state: str) -> None:
         if self.client is not None and state:
             loaded = json.loads(state)
-            self.client.load_state_dict(loaded)
+            self._call(self.client.load_state_dict, loaded)
             self.calculated = self.calculated or bool(loaded.get(self.client.CURRENT_TIMEOUTS_STATE_KEY))
 
     def close(self) -> None:

@@ -12,11 +12,14 @@ import json
 import signal
 import subprocess
 import sys
+import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .config import parse_config
 from .data import default_dataset_dir, ensure_default_dataset
+from .signals import STOP_SIGNALS, parent_death_preexec
+from .warmstart import wait_unless_stopped
 
 
 @dataclass
@@ -73,8 +76,8 @@ def launcher_command(launch: LaunchConfig, trainer_args: list[str], *, executabl
     """
     launch.validate()
     head = [executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher"] if executable else ["ft_launcher"]
-    if launch.warm_start:
-        head = [executable or "python", "-m", "trainer.warmstart", *head]
+    # Cold too, the wrapper's zygote is the node's janitor: it ends what a killed launcher leaves behind.
+    head = [executable or "python", "-m", "trainer.warmstart", *([] if launch.warm_start else ["--cold"]), *head]
     rdzv = (["--standalone"] if not launch.rdzv_endpoint else
             ["--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id])
     sections = (f"setup:{launch.setup_timeout_s:g},step:{launch.step_timeout_s:g},"
@@ -101,31 +104,134 @@ def local_launcher_command(launch: LaunchConfig, trainer_args: list[str]) -> lis
     return launcher_command(launch, trainer_args, executable=sys.executable)
 
 
-def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: Path) -> tuple[int, dict | None]:
-    """Validate, build the default dataset if needed, launch, wait; return (exit code, summary or None).
+class LaunchError(ValueError):
+    """A run that cannot work as asked (settings, data, output directory): found before any process starts.
 
-    The core of ``goodput train`` without click, used by the local training backend too.
+    It would fail the same way every time, so no layer retries it."""
+
+
+def _check_writable(path: Path, what: str) -> None:
+    """``path`` is, or can be created as, a writable directory (nothing is created here)."""
+    existing = path
+    while not existing.exists():
+        if existing.parent == existing:
+            break
+        existing = existing.parent
+    if not existing.is_dir():
+        raise LaunchError(f"{what} {path} cannot be created: {existing} is not a directory")
+    try:   # a probe, removed at once: permissions alone do not tell (root, read-only mounts, /proc)
+        tempfile.TemporaryDirectory(dir=existing, prefix=".goodput-probe-").cleanup()
+    except OSError as e:
+        raise LaunchError(f"{what} {path} is not writable: cannot create anything in {existing} "
+                          f"({e.strerror})") from None
+
+
+def _check_dataset(data: Path, cfg) -> None:
+    """The manifest exists, parses, has the format and splits the trainer reads, and each rank gets a window."""
+    from .data import Split
+
+    try:
+        splits = [Split.open(data, split) for split in ("train", "val")]
+    except json.JSONDecodeError as e:
+        raise LaunchError(f"dataset {data}: manifest.json is not valid JSON ({e}); rebuild it with "
+                          "`python -m trainer.data` or `goodput stage`") from None
+    except (OSError, ValueError) as e:
+        raise LaunchError(f"dataset {data}: {e}") from None
+    except (KeyError, TypeError) as e:
+        raise LaunchError(f"dataset {data}: manifest.json lacks {e} (is it a goodput dataset?)") from None
+    if len(splits[0]) < cfg.model.seq_len + 2:
+        raise LaunchError(f"dataset {data}: the train split holds {len(splits[0])} tokens, fewer than one "
+                          f"sequence of {cfg.model.seq_len + 1}")
+
+
+def check_faults(specs: list[str], world_size: int, max_steps: int) -> None:
+    """Refuse an injected fault that could never fire: a rank the run does not have, a step after the last."""
+    from .faults import Fault
+
+    for f in map(Fault.parse, specs):
+        if f.rank >= world_size:
+            raise LaunchError(f"--inject-fault {f.id}: rank {f.rank} does not exist in a run of {world_size} "
+                              f"rank(s) (ranks are 0..{world_size - 1})")
+        if f.step > max_steps:
+            raise LaunchError(f"--inject-fault {f.id}: step {f.step} comes after the last step ({max_steps})")
+
+
+def validate_launch(trainer_args: list[str], launch: LaunchConfig, fsx_root: Path) -> tuple[list[str], object]:
+    """Everything about a local run that can be checked before any process starts or anything is written.
+
+    Returns the trainer arguments (with the default dataset's ``--data`` added when there is none) and the
+    parsed config; raises ``LaunchError`` with one line that says what to fix.
     """
     args = list(trainer_args)
     default_data = "--data" not in args
     if default_data:
         args += ["--data", str(default_dataset_dir(fsx_root))]
-    cfg = parse_config(args)          # a bad flag fails here, before anything is written or started
-    launch.validate()
-    if default_data:
-        ensure_default_dataset(fsx_root)
-    proc = subprocess.Popen(local_launcher_command(launch, args))
-
-    def forward(signum, _frame):
-        # The launcher forwards to its workers, which commit a checkpoint and exit.
-        proc.send_signal(signum)
-
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGTERM, signal.SIGINT)}
     try:
-        code = proc.wait()
+        cfg = parse_config(args)
+        launch.validate()
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
+    check_faults(cfg.faults.inject_fault, launch.nproc_per_node * launch.nnodes, cfg.run.max_steps)
+    _check_writable(Path(cfg.run.out), "--out")
+    if default_data:
+        if not (default_dataset_dir(fsx_root) / "manifest.json").is_file():   # to be built
+            _check_writable(default_dataset_dir(fsx_root), "--fsx-root: the default dataset directory")
+    else:
+        _check_dataset(Path(cfg.data.data), cfg)
+    return args, cfg
+
+
+def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: Path) -> tuple[int, dict | None]:
+    """Validate, build the default dataset if needed, launch, wait; return (exit code, summary or None).
+
+    The core of ``goodput train`` without click, used by the local training backend too. ``LaunchError``
+    before anything starts. SIGINT and SIGTERM stop the run: the ranks commit a checkpoint and exit, and the
+    exit code is 130 or 143 (128 + the signal) with no summary.
+    """
+    args, cfg = validate_launch(trainer_args, launch, fsx_root)
+    if "--data" not in trainer_args:
+        try:
+            ensure_default_dataset(fsx_root)
+        except OSError as e:
+            raise LaunchError(f"cannot build the default dataset under {fsx_root}: {e}") from None
+        _check_dataset(Path(cfg.data.data), cfg)
+    # Its own session: a terminal's Ctrl-C reaches this process only, which stops the run once, with SIGTERM
+    # (ft_launcher would pass SIGINT on to every process group of its workers, where NVRx's helpers die of
+    # it). The launcher's tree dies with this process, whatever ends it: SIGTERM, so the ranks checkpoint.
+    proc = subprocess.Popen(local_launcher_command(launch, args), start_new_session=True,
+                            preexec_fn=parent_death_preexec(signal.SIGTERM))
+    stopped_by: list[int] = []
+
+    def stop(signum, _frame):
+        if not stopped_by:
+            stopped_by.append(signum)
+            proc.send_signal(signal.SIGTERM)
+
+    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
+    try:
+        code = wait_unless_stopped(proc, "goodput train: the launch wrapper")
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+    if stopped_by:
+        return 128 + stopped_by[0], None
+    if code < 0:
+        print(f"goodput train: the launch wrapper (pid {proc.pid}) died of {signal.Signals(-code).name}",
+              file=sys.stderr)
+        code = 128 - code
     summary_path = Path(cfg.run.out) / "summary.json"
     summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.exists() else None
     return code, summary
+
+
+def last_stop(trainer_args: list[str], since: float) -> int | None:
+    """The step of the checkpoint the ranks committed when a stop signal ended their run after ``since``
+    (wall clock), from ``--out``'s events; None if they were stopped before they trained."""
+    from .events import read_events
+
+    try:
+        out = Path(parse_config(trainer_args + (["--data", "-"] if "--data" not in trainer_args else [])).run.out)
+    except ValueError:
+        return None
+    exits = [e for e in read_events(out / "events.jsonl") if e["event"] == "exit" and e["t"] >= since]
+    return exits[-1]["step"] if exits else None

@@ -6,6 +6,7 @@ and the durable file writes that every writer of the run directory and of datase
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
@@ -56,3 +57,9 @@ def fsync_dir(path: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def replica_dir(root: Path, out: Path) -> Path:
+    """A run's memory-snapshot directory under ``root`` (``trainer/replica.py``), named after its checkpoint
+    directory ``out`` (several runs share a node)."""
+    return root / f"goodput-{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}"

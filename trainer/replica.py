@@ -19,7 +19,6 @@ the restart has just built.
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import pickle
@@ -41,11 +40,6 @@ class _Leaf:
 
     def __init__(self, index: int):
         self.index = index
-
-
-def replica_dir(root: Path, out: Path) -> Path:
-    """This run's directory under ``root``, named after its output directory (several runs share a node)."""
-    return root / f"goodput-{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}"
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

@@ -22,8 +22,13 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from .checkpoint import HelperHung
 from .config import RestartConfig
 from .parallel import free_port, wait_until_listening
+
+
+# Errors that come back the same on every attempt (settings, data format, paths): no layer retries them.
+RECURRING = (ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
 def build_wrapper(cfg: RestartConfig, cuda: bool):
@@ -75,7 +80,13 @@ def run_with_inprocess_restart(fn: Callable, cfg: RestartConfig, cuda: bool):
     from nvidia_resiliency_ext import inprocess
 
     def attempt(call_wrapper: Optional[inprocess.CallWrapper] = None):
-        return fn(call_wrapper)
+        try:
+            return fn(call_wrapper)
+        except HelperHung as e:
+            # The same processes would meet the same helper: the in-job layer restarts them, helpers included.
+            raise inprocess.exception.RestartAbort(str(e)) from e
+        except RECURRING as e:
+            raise inprocess.exception.RestartAbort(f"{type(e).__name__}: {e}") from e   # see trainer.train.run
 
     return build_wrapper(cfg, cuda)(attempt)()
 

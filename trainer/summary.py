@@ -14,9 +14,8 @@ def summarize(events: list[dict], *, steps: int, tokens: int, final_val_loss: fl
               n_params: int) -> dict:
     starts = [e for e in events if e["event"] == "run_start"]
     step_events = [e for e in events if e["event"] == "step"]
-    snapshots = [e for e in events if e["event"] == "ckpt_snapshot"]
-    # Blocking of interval checkpoints; the final and SIGTERM ones block by design.
-    interval = [e["block_s"] for e in snapshots if not e.get("sync")] or [e["block_s"] for e in snapshots]
+    # Every save the loop waited for, the final (synchronous) one and those after SIGTERM included.
+    blocks = sorted(e["block_s"] for e in events if e["event"] == "ckpt_snapshot")
     t_end = max(e["t"] for e in events)
     return {
         "steps": steps,
@@ -25,8 +24,10 @@ def summarize(events: list[dict], *, steps: int, tokens: int, final_val_loss: fl
         "final_train_loss": step_events[-1]["loss"] if step_events else None,
         "final_val_loss": final_val_loss,
         "checkpoints_committed": sum(e["event"] == "ckpt_committed" for e in events),
-        "ckpt_block_s_p50": statistics.median(interval) if interval else 0.0,
-        "ckpt_block_s_max": max(interval) if interval else 0.0,
+        "ckpt_saves": len(blocks),
+        # A save's own figure (the lower middle one of an even count), not the mean of two.
+        "ckpt_block_s_p50": statistics.median_low(blocks) if blocks else 0.0,
+        "ckpt_block_s_max": blocks[-1] if blocks else 0.0,
         "restarts": max(0, len(starts) - 1),
         "wall_s": round(t_end - starts[0]["t"], 3) if starts else 0.0,
         "params_sha256": params_sha256,

@@ -23,6 +23,7 @@ import hashlib
 import logging
 import math
 import os
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -44,7 +45,7 @@ from .live_state import LiveStateDict
 from .metrics import build_metrics
 from .model import ByteGPT
 from .parallel import Dist, ensure_launcher_env, init_distributed, parallelize
-from .restart import abort_process_group, iteration_store, run_with_inprocess_restart
+from .restart import RECURRING, abort_process_group, iteration_store, run_with_inprocess_restart
 from .signals import SigtermFlag
 from .spot import build_spot_watcher
 from .summary import summarize, write_summary
@@ -166,7 +167,8 @@ class Session:
                                     self.events_path,
                                     chaos_seed=cfg.faults.chaos_seed if cfg.faults.chaos_seed >= 0 else None,
                                     fault_every_s=cfg.faults.fault_every)
-        self.ft = FTManager(cfg.restart.ft_calc_after_steps, cfg.restart.ft_min_step_timeout_s)
+        self.ft = FTManager(cfg.restart.ft_calc_after_steps, cfg.restart.ft_min_step_timeout_s,
+                            cfg.restart.ft_ipc_timeout_s)
         # --metrics-port: Prometheus endpoint on port + LOCAL_RANK; the data-starvation warning either way.
         self.metrics = build_metrics(cfg.metrics, rank=self.rank, world_size=self.world_size, events=self.events,
                                      events_path=self.events_path)
@@ -269,6 +271,8 @@ def train(session: Session, call_wrapper=None) -> dict | None:
         ckpt.on_snapshot = observe_checkpoint
         snapshot_wait_s = 0.0
         writers_busy = False    # any rank's checkpoint write was running at the start of the last step
+        writers_cold = False    # and some rank's first write since its writer started was still running
+        owed: list = []   # (step, copy in node memory) of checkpoints due while the writers were cold
 
         def before_update() -> None:
             """Between backward and the optimizer step, which changes the state."""
@@ -306,14 +310,15 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 # A spot interruption notice seen on this rank's node makes a checkpoint due (any rank: SUM below).
                 due = session.spot.maybe_due(state.step, cfg.run.max_steps) or due
                 # Between checkpoints, a copy in memory bounds what a restart redoes.
-                to_memory = d.is_main and not due and policy.memory_due(state.step, cfg.run.max_steps,
-                                                                        ckpt.replica_copy_s)
+                to_memory = d.is_main and not due and not owed and policy.memory_due(
+                    state.step, cfg.run.max_steps, ckpt.replica_copy_s)
                 flags = torch.cat([loss.float().reshape(1),
-                                   torch.tensor([session.sigterm.is_set, due, ckpt.writing, to_memory],
+                                   torch.tensor([session.sigterm.is_set, due, ckpt.writing, to_memory,
+                                                 ckpt.cold and ckpt.writes_in_flight > 0],
                                                 dtype=torch.float32, device=d.device)])
                 _all_reduce_interruptible(flags)
                 loss_mean, stop, due = flags[0].item() / d.world_size, flags[1].item() > 0, flags[2].item() > 0
-                writers_busy, to_memory = flags[3].item() > 0, flags[4].item() > 0
+                writers_busy, to_memory, writers_cold = flags[3].item() > 0, flags[4].item() > 0, flags[5].item() > 0
                 # A wait for the checkpoint copy is the checkpoint's blocking time, not the step's.
                 step_s = time.monotonic() - t0 - snapshot_wait_s
             policy.observe_step(step_s, writing=writers_busy)
@@ -328,14 +333,29 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                     log.info("step %d/%d loss %.4f %.0f ms %.0f tok/s", state.step, cfg.run.max_steps, loss_mean,
                              step_s * 1e3, tokens_per_step / step_s)
             if stop:
+                for step, copy in owed:   # due before the stop: taken from their copies in memory
+                    with ft.section("checkpoint"), _atomic(call_wrapper):
+                        ckpt.save(step, copy)
+                        ckpt.finish_snapshot()
                 return _stop_on_sigterm(session, ckpt, d, state, app_state, call_wrapper)
-            if due:
+            if due and writers_busy and writers_cold and len(owed) < 2:
+                # The save would wait for the previous write, which runs on a writer that has not finished one
+                # yet: it may still be booting (seconds, after every start and in-job restart). The state is
+                # copied to node memory now (one of its two slots) and that copy written once the writer is
+                # warm: the checkpoint is this step's, and the loop waits for no boot. (Flags all-reduced:
+                # every rank agrees.)
+                with _atomic(call_wrapper):
+                    owed.append((state.step, ckpt.snapshot_to_memory(state.step, app_state)))
+            elif due:
                 with ft.section("checkpoint"), _atomic(call_wrapper):
                     if writers_busy:
                         # The save will wait for the previous write (on every rank: the flag was all-reduced).
                         # Copied to node memory first, this step is what a restart meanwhile resumes from.
                         ckpt.snapshot_to_memory(state.step, app_state)
                     ckpt.save(state.step, app_state)
+            elif owed and not (writers_busy and writers_cold):
+                with ft.section("checkpoint"), _atomic(call_wrapper):
+                    ckpt.save(*owed.pop(0))
             elif to_memory:
                 with _atomic(call_wrapper):
                     ckpt.snapshot_to_memory(state.step, app_state)
@@ -355,6 +375,10 @@ def train(session: Session, call_wrapper=None) -> dict | None:
     # ---- teardown: the final checkpoint, validation, identity of the weights
     with ft.section("checkpoint"):
         ckpt.maybe_finalize()
+        for step, copy in owed:
+            with _atomic(call_wrapper):
+                ckpt.save(step, copy)
+                ckpt.finish_snapshot()
         if not (step_dir(ckpt.root, state.step) / COMMITTED).exists():
             with _atomic(call_wrapper):
                 ckpt.save(state.step, app_state, blocking=True)
@@ -390,8 +414,8 @@ def _all_reduce_interruptible(tensor: torch.Tensor) -> None:
 
 def _stop_on_sigterm(session: Session, ckpt: CheckpointManager, d: Dist, state: TrainState, app_state,
                      call_wrapper) -> None:
-    """Every rank saw the SIGTERM flag at the same step: commit a final checkpoint and return."""
-    session.events.emit("sigterm", step=state.step)
+    """Every rank saw the stop flag (SIGTERM or SIGINT) at the same step: commit a final checkpoint and return."""
+    session.events.emit("sigterm", step=state.step, signal=session.sigterm.name)
     t0 = time.monotonic()
     with session.ft.section("checkpoint"), _atomic(call_wrapper):
         ckpt.save(state.step, app_state, blocking=True)
@@ -401,7 +425,7 @@ def _stop_on_sigterm(session: Session, ckpt: CheckpointManager, d: Dist, state: 
         if took > session.cfg.checkpoint.sigterm_grace_s:
             log.warning("final checkpoint took %.1fs, over the %.0fs grace period", took,
                         session.cfg.checkpoint.sigterm_grace_s)
-        session.events.emit("exit", reason="sigterm", step=state.step, ckpt_s=round(took, 4))
+        session.events.emit("exit", reason=session.sigterm.name, step=state.step, ckpt_s=round(took, 4))
     dist.destroy_process_group()
     return None
 
@@ -411,17 +435,39 @@ def _atomic(call_wrapper):
     return call_wrapper.atomic() if call_wrapper is not None else contextlib.nullcontext()
 
 
+FATAL_WAIT_S = 30.0   # how long a rank with an error that would recur waits for the launch wrapper to stop the run
+
+
 def run(cfg: TrainConfig) -> dict | None:
     """Entry point: train under the configured recovery layers."""
     # The modules imported so far (torch: about 300k objects) live as long as the process. Frozen, they
     # are not scanned by full collections, and the in-process Wrapper runs those until nothing is left
     # before every restart: 0.4-0.5 s each on these objects here, twice per restart.
     gc.freeze()
-    session = Session(cfg)
     try:
-        if cfg.restart.restart in ("inprocess", "both"):
-            return run_with_inprocess_restart(lambda call_wrapper: train(session, call_wrapper), cfg.restart,
-                                              cuda=torch.cuda.is_available())
-        return train(session)
-    finally:
-        session.close()
+        session = Session(cfg)
+        try:
+            if cfg.restart.restart in ("inprocess", "both"):
+                return run_with_inprocess_restart(lambda call_wrapper: train(session, call_wrapper), cfg.restart,
+                                                  cuda=torch.cuda.is_available())
+            return train(session)
+        finally:
+            session.close()
+    except BaseException as e:
+        recurring = e if isinstance(e, RECURRING) else e.__cause__ if isinstance(e.__cause__, RECURRING) else None
+        if recurring is None:
+            raise
+        # Settings or data that no restart changes: said once, as a "fatal" event the launch wrapper stops the
+        # launcher on (it would restart the group for nothing), and exit status 2.
+        reason = f"{type(recurring).__name__}: {recurring}"
+        rank = int(os.environ.get("RANK", "0"))
+        with contextlib.suppress(OSError):
+            log_ = EventLog(Path(cfg.run.out) / "events.jsonl", rank)
+            log_.emit("fatal", reason=reason)
+            log_.close()
+        print(f"error: rank {rank}: {reason} (not retried: it would fail the same way)", file=sys.stderr)
+        if warmstart.ZYGOTE_PID_ENV in os.environ:
+            # Under the launch wrapper, which stops the launcher on that event within a second: exiting now
+            # would have the launcher restart the group first. SIGTERM (its default action) ends the wait.
+            time.sleep(FATAL_WAIT_S)
+        raise SystemExit(2) from None

@@ -27,6 +27,7 @@ import gc
 import glob
 import json
 import os
+import select
 import selectors
 import shutil
 import signal
@@ -35,10 +36,21 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import warnings
+from pathlib import Path
+
+from .layout import replica_dir
+from .signals import parent_death_preexec
 
 ENV = "GOODPUT_WARMSTART_SOCKET"
+ZYGOTE_PID_ENV = "GOODPUT_ZYGOTE_PID"
+# Bounds on waits for the zygote (environment, seconds): a proxy for its reply to a fork request (it may still
+# be importing), and the wrapper for its exit. Past them the worker starts cold, or the zygote is killed.
+HANDOFF_TIMEOUT_S = float(os.environ.get("GOODPUT_WARMSTART_TIMEOUT_S", "120"))
+ZYGOTE_EXIT_S = 10.0
+STOPPED_S = float(os.environ.get("GOODPUT_STOPPED_S", "3"))   # a stopped (SIGSTOP) helper counts as hung after this
 forked = False          # True in a rank forked from the zygote (reported in its worker_start event)
 _MAX_MSG = 1 << 20
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
@@ -46,10 +58,19 @@ _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, sign
 
 # ---- the launch wrapper ------------------------------------------------------------------------------
 
-def run_with_zygote(command: list[str]) -> int:
-    """Start a zygote, run ``command`` with ``GOODPUT_WARMSTART_SOCKET`` pointing at it, return its exit code."""
+def run_with_zygote(command: list[str], warm: bool = True) -> int:
+    """Start a zygote, run ``command`` with ``GOODPUT_WARMSTART_SOCKET`` pointing at it, return its exit code.
+
+    ``warm=False``: the zygote imports nothing and forks nothing (the ranks start cold); it is only the
+    node's janitor: once this process is gone, however it ended, it kills what the run left (the ranks it
+    forked, every process that inherited the launcher's environment) and deletes the run's memory snapshots.
+    A rank's ``fatal`` event (an error no restart changes) stops the launcher: exit status 2.
+    """
     workdir = tempfile.mkdtemp(prefix="goodput-warmstart-")
     path = os.path.join(workdir, "zygote.sock")
+    cfg = _trainer_config(command)
+    replicas = [str(replica_dir(Path(cfg.checkpoint.memory_dir), Path(cfg.run.out) / "checkpoints"))] if cfg else []
+    fatal = _FatalWatch(Path(cfg.run.out) / "events.jsonl" if cfg else None)
     # Bound and listening before the zygote has finished importing: workers that connect early queue in
     # the backlog. Once the zygote holds the only copy, its death makes connects fail, i.e. a cold start.
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -58,22 +79,103 @@ def run_with_zygote(command: list[str]) -> int:
     # The zygote exits when this pipe closes, i.e. when this process is gone, however it ended.
     alive_r, alive_w = os.pipe()
     zygote = subprocess.Popen(
-        [sys.executable, "-m", "trainer.warmstart", "--serve", str(listener.fileno()), str(alive_r)],
+        [sys.executable, "-m", "trainer.warmstart", "--serve", str(listener.fileno()), str(alive_r),
+         "1" if warm else "0", *replicas],
         pass_fds=(listener.fileno(), alive_r), start_new_session=True,
         env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
     listener.close()
     os.close(alive_r)
-    proc = subprocess.Popen(command, env={**os.environ, ENV: path})
+    env = {**os.environ, ZYGOTE_PID_ENV: str(zygote.pid)}
+    if warm:
+        env[ENV] = path
+    # The launcher (and so every worker it starts) dies with this process: see signals.die_with_parent.
+    proc = subprocess.Popen(command, env=env, preexec_fn=parent_death_preexec(signal.SIGKILL))
     previous = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum)) for s in _FORWARDED}
     try:
-        code = proc.wait()
+        code = wait_unless_stopped(proc, "warm start: the launcher", poll=lambda: fatal.check(proc))
+        if fatal.reason is not None:
+            code = 2
+        elif code < 0:
+            print(f"warm start: the launcher (pid {proc.pid}) died of {signal.Signals(-code).name}", file=sys.stderr)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
         os.close(alive_w)
-        zygote.wait()
+        try:
+            zygote.wait(timeout=ZYGOTE_EXIT_S)
+        except subprocess.TimeoutExpired:
+            # Stopped or stuck: it cannot clean up, so this process does (its forks die with their proxies).
+            print(f"warm start: the zygote (pid {zygote.pid}) did not exit within {ZYGOTE_EXIT_S:g}s; killed it",
+                  file=sys.stderr)
+            zygote.kill()
+            zygote.wait()
+            _remove(replicas)
         shutil.rmtree(workdir, ignore_errors=True)
     return code
+
+
+def wait_unless_stopped(proc: subprocess.Popen, what: str, poll=None) -> int:
+    """``proc``'s exit code; a ``proc`` stopped (SIGSTOP) for ``STOPPED_S`` is hung: it is SIGKILLed (with
+    its process group, when it leads one) and its death reported as ``what``, so nothing waits forever.
+    ``poll`` is called every half second meanwhile."""
+    stopped_since = None
+    while True:
+        try:
+            return proc.wait(timeout=0.5)
+        except subprocess.TimeoutExpired:
+            pass
+        if poll is not None:
+            poll()
+        stopped_since = (stopped_since or time.monotonic()) if process_state(proc.pid) == "T" else None
+        if stopped_since is not None and time.monotonic() - stopped_since > STOPPED_S:
+            print(f"{what} (pid {proc.pid}) was stopped for {STOPPED_S:g}s; killed it", file=sys.stderr)
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                if os.getpgid(proc.pid) == proc.pid:
+                    os.killpg(proc.pid, signal.SIGKILL)
+                proc.kill()
+
+
+def _trainer_config(command: list[str]):
+    """The config of the trainer that ``command`` runs (``-m trainer ARGS``), or None."""
+    if "trainer" not in command or command.index("trainer") < 1 or command[command.index("trainer") - 1] != "-m":
+        return None
+    from .config import parse_config
+
+    try:
+        return parse_config(command[command.index("trainer") + 1:])
+    except (ValueError, SystemExit, OSError):
+        return None
+
+
+class _FatalWatch:
+    """Stops the launcher once a rank reported an error no restart changes (a ``fatal`` event, see
+    ``trainer.train.run``): the launcher would restart the group for nothing, up to its last attempt."""
+
+    def __init__(self, events: Path | None):
+        self.events, self.reason = events, None
+        self.offset = events.stat().st_size if events is not None and events.exists() else 0
+
+    def check(self, proc: subprocess.Popen) -> None:
+        if self.events is None or self.reason is not None or not self.events.exists():
+            return
+        with open(self.events, "rb") as f:
+            f.seek(self.offset)
+            new = f.read()
+        self.offset += new.rfind(b"\n") + 1
+        for line in new[:new.rfind(b"\n") + 1].splitlines():
+            with contextlib.suppress(ValueError):
+                event = json.loads(line)
+                if event.get("event") == "fatal":
+                    self.reason = event["reason"]
+                    print(f"goodput: rank {event['rank']}: {self.reason}; the launcher is stopped, no layer "
+                          f"retries an error that would come back", file=sys.stderr)
+                    proc.send_signal(signal.SIGTERM)
+                    return
+
+
+def _remove(directories: list[str]) -> None:
+    for d in directories:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # ---- the zygote --------------------------------------------------------------------------------------
@@ -105,10 +207,14 @@ def _fork_unsafe() -> str | None:
     return None
 
 
-def serve(listen_fd: int, alive_fd: int) -> None:
-    """The zygote's loop: fork a child per request, report each child's exit status to its proxy."""
+def serve(listen_fd: int, alive_fd: int, preload: bool = True, replicas: tuple[str, ...] = ()) -> None:
+    """The zygote's loop: fork a child per request, report each child's exit status to its proxy.
+
+    ``preload=False``: a janitor only (see ``run_with_zygote``); requests are refused, the ranks start cold.
+    """
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the wrapper decides when the zygote ends
-    _preload()
+    if preload:
+        _preload()
     listener = socket.socket(fileno=listen_fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -122,17 +228,25 @@ def serve(listen_fd: int, alive_fd: int) -> None:
         for key, _ in sel.select():
             if key.fileobj is listener:
                 conn, _ = listener.accept()
+                if not preload:
+                    _send(conn, {"refused": "warm start is off"})
+                    conn.close()
+                    continue
                 pid = _fork_child(conn, close_in_child=(listen_fd, wake_r, wake_w, alive_fd))
                 if pid is not None:
                     children[pid] = conn
             elif key.fileobj == wake_r:
                 os.read(wake_r, 4096)
             elif not os.read(alive_fd, 1):
-                # The wrapper is gone, so is the launcher and every proxy: end what is left of their ranks.
+                # The wrapper is gone: end what is left of the run (its ranks, then every process that inherited
+                # the launcher's environment: the rank monitors, cold ranks and their helpers) and its memory
+                # snapshots, whether the wrapper exited or was killed.
                 for pid in children:
                     os.kill(pid, signal.SIGKILL)
                     os.waitpid(pid, 0)
                     _kill_leftovers(pid)
+                _kill_leftovers(marker=f"{ZYGOTE_PID_ENV}={os.getpid()}".encode())
+                _remove(list(replicas))
                 return
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
@@ -145,18 +259,23 @@ def serve(listen_fd: int, alive_fd: int) -> None:
                 conn.close()
 
 
-def _kill_leftovers(pgid: int) -> None:
-    """SIGKILL what a dead rank left in its process group: NVRx's checkpoint workers and result-queue
-    manager ignore SIGTERM and never notice their parent's death, so each killed rank would leak them,
-    with their share of the checkpoint staging memory, for as long as the node runs. Multiprocessing's
-    resource tracker is spared: it exits by itself once they are gone, unlinking what they registered."""
+def _kill_leftovers(pgid: int | None = None, marker: bytes | None = None) -> None:
+    """SIGKILL what a dead rank left in its process group ``pgid`` (or every process whose environment holds
+    ``marker``): NVRx's checkpoint workers and result-queue manager ignore SIGTERM and never notice their
+    parent's death, so each killed rank would leak them, with their share of the checkpoint staging memory,
+    for as long as the node runs. Multiprocessing's resource tracker is spared: it exits by itself once they
+    are gone, unlinking what they registered."""
     for stat in glob.glob("/proc/[0-9]*/stat"):
         try:
-            with open(stat, "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-            if int(fields[2]) != pgid:
-                continue
             pid = int(stat.split("/")[2])
+            if pgid is not None:
+                with open(stat, "rb") as f:
+                    if int(f.read().rsplit(b")", 1)[1].split()[2]) != pgid:
+                        continue
+            if marker is not None:
+                with open(f"/proc/{pid}/environ", "rb") as f:
+                    if marker not in f.read().split(b"\0"):
+                        continue
             with open(f"/proc/{pid}/cmdline", "rb") as f:
                 if b"resource_tracker" in f.read():
                     continue
@@ -211,7 +330,8 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
     from .checkpoint import fork_write_results_queue
 
     fork_write_results_queue()   # before any thread starts: forking is safe only while there is one
-    threading.Thread(target=_die_with_proxy, args=(conn,), name="warmstart-proxy-watch", daemon=True).start()
+    threading.Thread(target=_die_with_proxy, args=(conn, request["proxy"]), name="warmstart-proxy-watch",
+                     daemon=True).start()
     import torch
 
     if "OMP_NUM_THREADS" in os.environ:   # read by OpenMP when the zygote imported torch, not since
@@ -231,19 +351,49 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
     return code
 
 
-def _die_with_proxy(conn: socket.socket) -> None:
-    """The proxy never writes after its request: EOF means it died, and so must this child."""
+def _die_with_proxy(conn: socket.socket, proxy: int) -> None:
+    """The proxy never writes after its request: EOF means it died, and so must this child. A proxy stopped
+    (SIGSTOP) for ``STOPPED_S`` is killed first: it could not report this child's exit, and its launcher
+    would wait for it forever."""
+    conn.settimeout(0.5)
+    stopped_since = None
     try:
-        conn.recv(1)
+        while True:
+            try:
+                if not conn.recv(1):
+                    return
+            except socket.timeout:
+                pass
+            stopped_since = (stopped_since or time.monotonic()) if process_state(proxy) == "T" else None
+            if stopped_since is not None and time.monotonic() - stopped_since > STOPPED_S:
+                print(f"warm start: the proxy of rank pid {os.getpid()} (pid {proxy}) was stopped for "
+                      f"{STOPPED_S:g}s; killed both", file=sys.stderr)
+                os.kill(proxy, signal.SIGKILL)
+                return
     finally:
         os.kill(os.getpid(), signal.SIGKILL)
+
+
+def process_state(pid: int) -> str:
+    """The process's state letter from /proc (R, S, D, T, Z, ...), "" when there is no such process."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return ""
 
 
 # ---- the proxy (the process the launcher started) -----------------------------------------------------
 
 def delegate(argv: list[str]) -> None:
     """Run ``python -m trainer argv`` in a child of the zygote and exit as it exited (dying of the same
-    signal if it died of one, so the launcher sees what it would have seen); return to start cold."""
+    signal if it died of one, so the launcher sees what it would have seen); return to start cold.
+
+    Every wait here is bounded: a zygote that does not answer within ``HANDOFF_TIMEOUT_S`` (or at once, when
+    it is stopped or gone) means a cold start; a child stopped for ``STOPPED_S`` is killed (the launcher then
+    restarts the group); a zygote that does not report a child's exit within ``STOPPED_S`` of it makes this
+    process exit 1.
+    """
     path = os.environ.get(ENV)
     if not path:
         return None
@@ -256,26 +406,27 @@ def delegate(argv: list[str]) -> None:
         else:
             pending.append(signum)
 
+    zygote = int(os.environ.get(ZYGOTE_PID_ENV, "0"))
     previous = {s: signal.signal(s, forward) for s in _FORWARDED}
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
-            request = {"argv": [sys.argv[0], *argv], "cwd": os.getcwd(),
+            request = {"argv": [sys.argv[0], *argv], "cwd": os.getcwd(), "proxy": os.getpid(),
                        "env": {k: v for k, v in os.environ.items() if k != ENV}}
+            conn.settimeout(STOPPED_S)     # a full backlog of a stopped zygote would block the connect
             try:
                 conn.connect(path)
                 socket.send_fds(conn, [json.dumps(request).encode()], [0, 1, 2])
+                reply, why = _await_zygote(conn, zygote)
             except OSError:
-                pass                  # no zygote: the reply below is None
-            reply = _recv(conn)
+                reply, why = None, "no zygote answered"
             if reply is None or "pid" not in reply:
-                why = reply["refused"] if reply else "no zygote answered"
-                print(f"warm start: {why}; starting cold", file=sys.stderr)
+                print(f"warm start: {reply['refused'] if reply else why}; starting cold", file=sys.stderr)
                 return None
             child.append(reply["pid"])
             for s in pending:
                 os.kill(child[0], s)
-            status = _recv(conn)
-            if status is None:    # the zygote died: the child cannot report, so it must not outlive us
+            status = _await_exit(conn, child[0], zygote)
+            if status is None:    # the zygote died or hung: the child cannot report, so it must not outlive us
                 with contextlib.suppress(ProcessLookupError):   # it may have died first
                     os.kill(child[0], signal.SIGKILL)
                 return 1
@@ -283,6 +434,38 @@ def delegate(argv: list[str]) -> None:
         for s, h in previous.items():
             signal.signal(s, h)
     exit_like(status["exit"])
+
+
+def _await_zygote(conn: socket.socket, zygote: int) -> tuple[dict | None, str]:
+    """The zygote's reply to a fork request, or (None, why) once it is gone, stopped or too slow."""
+    deadline = time.monotonic() + HANDOFF_TIMEOUT_S
+    while True:
+        if select.select([conn], [], [], 0.1)[0]:
+            return _recv(conn), "no zygote answered"
+        if zygote and process_state(zygote) in ("", "Z", "T"):
+            return None, f"the zygote (pid {zygote}) is {'stopped' if process_state(zygote) == 'T' else 'gone'}"
+        if time.monotonic() > deadline:
+            return None, f"the zygote (pid {zygote}) did not answer within {HANDOFF_TIMEOUT_S:g}s"
+
+
+def _await_exit(conn: socket.socket, pid: int, zygote: int) -> dict | None:
+    """The exit status the zygote reports for its child ``pid``; None if it cannot (gone, stopped)."""
+    stopped_since = exited_at = None
+    while True:
+        if select.select([conn], [], [], 0.5)[0]:
+            return _recv(conn)
+        now, state = time.monotonic(), process_state(pid)
+        stopped_since = (stopped_since or now) if state == "T" else None
+        if stopped_since is not None and now - stopped_since > STOPPED_S:
+            print(f"warm start: rank pid {pid} was stopped for {STOPPED_S:g}s; killed it", file=sys.stderr)
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            stopped_since = None
+        exited_at = (exited_at or now) if state in ("", "Z") else None
+        if exited_at is not None and now - exited_at > STOPPED_S:
+            print(f"warm start: the zygote (pid {zygote}) did not report the exit of rank pid {pid}",
+                  file=sys.stderr)
+            return None
 
 
 def exit_like(code: int) -> None:
@@ -311,11 +494,13 @@ def _recv(conn: socket.socket) -> dict | None:
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--serve"]:
-        serve(int(argv[1]), int(argv[2]))
+        serve(int(argv[1]), int(argv[2]), argv[3] == "1", tuple(argv[4:]))
+    elif argv[:1] == ["--cold"] and argv[1:]:
+        exit_like(run_with_zygote(argv[1:], warm=False))
     elif argv:
         exit_like(run_with_zygote(argv))
     else:
-        sys.exit("usage: python -m trainer.warmstart COMMAND [ARGS...]")
+        sys.exit("usage: python -m trainer.warmstart [--cold] COMMAND [ARGS...]")
 
 
 if __name__ == "__main__":

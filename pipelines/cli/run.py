@@ -27,6 +27,8 @@ from pipelines.cli.kfp_options import api_errors, connection_options, params_opt
               "(needs the RBAC in deploy/rbac.yaml to create PyTorchJobs) [default: KFP's].")
 @click.option("--cache/--no-cache", "enable_caching", default=None,
               help="Override every task's compiled caching setting for this run.")
+@click.option("--verbose", "-v", is_flag=True,
+              help="--local: show everything the steps print (launcher and NVRx logs too); it is always in the log.")
 @click.option("--wait", is_flag=True, help="Follow the run until it ends; exit 0 only if it succeeded.")
 @click.option("--timeout", type=float, default=None, metavar="SECONDS", help="--wait: give up after this long.")
 @click.option("--poll-interval", type=float, default=10.0, show_default=True, metavar="SECONDS",
@@ -35,7 +37,7 @@ from pipelines.cli.kfp_options import api_errors, connection_options, params_opt
 @click.pass_obj
 @api_errors
 def run(kfp, local: bool, params, params_file, inject_faults, fsx_root, package, pipeline_name, version_name,
-        experiment, run_name, service_account, enable_caching, wait, timeout, poll_interval) -> None:
+        experiment, run_name, service_account, enable_caching, verbose, wait, timeout, poll_interval) -> None:
     """Run the pipeline: on KFP (default), or entirely on this machine with --local.
 
     \b
@@ -53,7 +55,7 @@ def run(kfp, local: bool, params, params_file, inject_faults, fsx_root, package,
         from pipelines.local import run_local_cli
 
         sys.exit(run_local_cli(params=params, params_file=params_file, inject_faults=inject_faults,
-                               fsx_root=fsx_root, package=package))
+                               fsx_root=fsx_root, package=package, verbose=verbose))
     if inject_faults:
         params = (*params, f"inject_fault={','.join(inject_faults)}")
     from pipelines.kfp_client import run_url, submit_run, wait_for_run

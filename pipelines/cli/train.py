@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+import time
 from pathlib import Path
 
 import click
 
 from trainer.config import describe_flags
-from trainer.launch import LaunchConfig, run_local_training
+from trainer.launch import LaunchConfig, last_stop, run_local_training
 
 
 def launch_options(fn):
@@ -54,13 +55,21 @@ def train(ctx: click.Context, nproc: int, fsx_root: Path, restart: str, **launch
     from rich.console import Console
     from rich.table import Table
 
+    started = time.time()
     try:
         code, summary = run_local_training([*ctx.args, "--restart-layers", restart],
                                            LaunchConfig(nproc_per_node=nproc, **launch), fsx_root)
-    except (ValueError, FileNotFoundError) as e:
-        raise click.UsageError(str(e)) from None
+    except ValueError as e:   # LaunchError, and a LaunchConfig field of the wrong kind
+        click.echo(f"error: {e}", err=True)
+        sys.exit(2)
     if summary is None:
-        if code == 0:
+        if code in (130, 143):
+            stop = last_stop(ctx.args, since=started)
+            click.echo(f"interrupted ({'SIGINT' if code == 130 else 'SIGTERM'}): "
+                       + (f"the ranks committed a checkpoint at step {stop} - rerun the same command to resume"
+                          if stop is not None else "no checkpoint was due (the ranks were not training yet)"),
+                       err=True)
+        elif code == 0:
             click.echo("stopped before the last step (SIGTERM); the last checkpoint is committed - "
                        "rerun the same command to resume")
         sys.exit(code)
