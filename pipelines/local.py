@@ -96,15 +96,18 @@ def default_source(fsx_root: Path) -> Path:
     return dest
 
 
-def local_arguments(fsx_root: Path, overrides: dict) -> dict:
-    """The demo's arguments for a local directory standing in for FSx, then ``overrides``."""
+def local_arguments(fsx_root: Path, overrides: dict, *, with_source: bool = True) -> dict:
+    """The demo's arguments for a local directory standing in for FSx, then ``overrides``.
+
+    ``with_source`` fills in the default dataset source, copying it under ``fsx_root`` the first time.
+    """
     from trainer.data import DEFAULT_DATASET_NAME, default_dataset_version
 
     fsx_root = Path(fsx_root).resolve()
     args = {**DEMO_ARGUMENTS, "fsx_root": str(fsx_root), "registry": str(fsx_root / "models"),
             "dataset_name": DEFAULT_DATASET_NAME, "dataset_version": default_dataset_version()}
     args.update(overrides)
-    if "dataset_source" not in overrides:
+    if with_source and "dataset_source" not in overrides:
         args["dataset_source"] = str(default_source(fsx_root))
     return args
 
@@ -602,23 +605,22 @@ def _stopped_at(run: LocalRun) -> int | None:
 def run_local_cli(*, params, params_file, inject_faults, fsx_root: Path, package: Path | None,
                   verbose: bool = False) -> int:
     """``goodput run --local``: arguments checked before anything runs, the run, its summary; exit code."""
-    import click
     from rich.console import Console
 
     from pipelines.compile import compile_pipeline
-    from pipelines.params import ParamError, check_arguments, load_pipeline_spec, merge_values
+    from pipelines.params import check_arguments, check_settings, load_pipeline_spec, merge_values
 
     console = Console()
     with tempfile.TemporaryDirectory(prefix="goodput-local-") as tmp:
-        try:
-            given = merge_values(params, params_file)
-            if inject_faults:
-                given["inject_fault"] = ",".join(inject_faults)
-            pkg = package or compile_pipeline(Path(tmp) / "pipeline.yaml")
-            # dataset_source is required on a cluster; here the default source fills it in.
-            checked = check_arguments(load_pipeline_spec(pkg), given, require=False)
-        except ParamError as e:
-            raise click.UsageError(str(e)) from None
+        # Everything is checked before anything is created: a bad value is one line (ParamError), exit 2.
+        given = merge_values(params, params_file)
+        if inject_faults:
+            given["inject_fault"] = ",".join(inject_faults)
+        pkg = package or compile_pipeline(Path(tmp) / "pipeline.yaml")
+        spec = load_pipeline_spec(pkg)
+        # dataset_source is required on a cluster; here the default source fills it in.
+        checked = check_arguments(spec, given, require=False)
+        check_settings(spec, local_arguments(fsx_root, checked, with_source=False))
         arguments = local_arguments(fsx_root, checked)
         console.print(f"[bold]goodput run --local[/]: FSx stand-in {arguments['fsx_root']}, dataset "
                       f"{arguments['dataset_name']}/{arguments['dataset_version']} from {arguments['dataset_source']}"

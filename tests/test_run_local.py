@@ -97,6 +97,8 @@ def test_run_local_rejects_bad_arguments_before_running(tmp_path):
     fsx = tmp_path / "fsx"
     for args, message in ((["-p", "max_stepz=3"], "unknown parameter(s) max_stepz"),
                           (["-p", "max_steps=many"], "expects integer"),
+                          # a value of the right type that the check-settings step would refuse
+                          (["-p", "max_steps=-5"], "--max-steps must be at least 1"),
                           (["--pipeline", "goodput-train"], "--pipeline, --cache, --wait")):
         res = CliRunner().invoke(main, ["run", "--local", "--fsx-root", str(fsx), *args])
         assert res.exit_code == 2, res.output
