@@ -1,4 +1,4 @@
-"""KFP component: the exit handler that deletes PyTorchJobs a run left running (``components.cleanup``)."""
+"""KFP component: the exit handler that deletes the jobs a run left running (``components.cleanup``)."""
 
 import os
 
@@ -11,17 +11,23 @@ PACKAGES = os.environ.get("GOODPUT_COMPONENT_PACKAGES", "").split()
 
 
 @dsl.component(base_image=BASE_IMAGE, packages_to_install=PACKAGES, install_kfp_package=False)
-def cleanup_op(run_id: str, backend: str = "cluster", namespace: str = ""):
-    """Exit handler: delete the PyTorchJobs this run left unfinished.
+def cleanup_op(run_id: str, backend: str = "pytorchjob", namespace: str = ""):
+    """Exit handler: delete the PyTorchJobs and TrainJobs this run left unfinished.
 
     Args:
         run_id: the KFP run id (``dsl.PIPELINE_JOB_ID_PLACEHOLDER``), the label the launcher put on its job.
-        backend: ``cluster`` deletes leftover jobs; ``local`` has none (the trainer ran inside the train task).
+        backend: ``pytorchjob`` (or ``cluster``) and ``trainjob`` delete leftover jobs of both kinds (the
+            backend's kind must be listable); ``local`` has none (the trainer ran inside the train task).
         namespace: namespace of the jobs; empty = this pod's own.
     """
-    if backend != "cluster":
-        print(f"backend {backend!r}: no PyTorchJob to clean up")
+    if backend == "local":
+        print("backend 'local': no job to clean up")
         return
     from components.cleanup import cleanup_run_jobs
+    from components.job_kinds import PYTORCHJOB, TRAINJOB
 
-    cleanup_run_jobs(run_id, namespace)
+    kind = {"pytorchjob": PYTORCHJOB, "cluster": PYTORCHJOB, "trainjob": TRAINJOB}.get(backend)
+    if kind is None:
+        raise ValueError(f"backend must be pytorchjob, trainjob or local (cluster: the old name of pytorchjob), "
+                         f"got {backend!r}")
+    cleanup_run_jobs(run_id, namespace, required=[kind])

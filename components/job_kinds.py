@@ -90,9 +90,13 @@ class JobKind:
         """Objects the kind's controller made of the job (TrainJob: its JobSet); {} if none."""
         return {}
 
-    def restarts(self, related: dict) -> dict[str, int]:
-        """Restarts the kind's controller counted (by replica type), beyond what the pods show."""
-        return {}
+    def restarts(self, per_replica: dict[tuple[str, str], int], related: dict) -> dict[str, int]:
+        """Restarts by replica type, from those seen of each replica's pods (container restarts + replacement
+        pods, by (type, index)) and what the kind's controller counted: each replica restarts on its own."""
+        out: dict[str, int] = {}
+        for (rtype, _), n in per_replica.items():
+            out[rtype] = out.get(rtype, 0) + n
+        return out
 
     def explain(self, call: Call, client, ns: str, name: str, related: dict) -> list[str]:
         """Lines of a failure message beyond the job's conditions, the pods, events and the log."""
@@ -175,9 +179,12 @@ class _TrainJob(JobKind):
                 return {}
             raise
 
-    def restarts(self, related: dict) -> dict[str, int]:
+    def restarts(self, per_replica: dict[tuple[str, str], int], related: dict) -> dict[str, int]:
+        # A JobSet restart recreates every node's pod at once: one restart, however many pods. The JobSet counts
+        # them (also those before a re-attach); the pods tell when its status is not readable.
         status = (related.get("jobset") or {}).get("status") or {}
-        return {"Node": int(status.get("restarts") or 0)} if status else {}
+        seen = max(per_replica.values(), default=0)
+        return {"Node": max(seen, int(status.get("restarts") or 0))} if per_replica or status else {}
 
     def explain(self, call: Call, client, ns: str, name: str, related: dict) -> list[str]:
         from components.trainjob import FAILURE_RULES

@@ -498,7 +498,6 @@ class _Supervisor:
         if not force and time.monotonic() - self._pods_read < self.cfg.pods_every_s:
             return
         self._pods_read = time.monotonic()
-        counts: dict[str, int] = {}
         for pod in self._list_pods():
             meta, status = pod.get("metadata", {}), pod.get("status") or {}
             rtype, index = self.kind.replica_of(pod)
@@ -511,13 +510,11 @@ class _Supervisor:
             if self._pod_states.get(name) != state:
                 self._pod_states[name] = state
                 self.log(f"pod {name}: {state}")
-        for (rtype, _), uids in self._pod_uids.items():
-            counts[rtype] = counts.get(rtype, 0) + len(uids) - 1 + sum(self._container_restarts.get(u, 0)
-                                                                       for u in uids)
-        # The kind's controller counts restarts this launcher saw no pods of (a JobSet's, across re-attaches).
+        per_replica = {key: len(uids) - 1 + sum(self._container_restarts.get(u, 0) for u in uids)
+                       for key, uids in self._pod_uids.items()}
+        # The kind's controller may count restarts this launcher saw no pods of (a JobSet's, across re-attaches).
         self.related = self.kind.related(self._call, self.client, self.ns, self.name)
-        for rtype, n in self.kind.restarts(self.related).items():
-            counts[rtype] = max(counts.get(rtype, 0), n)
+        counts = self.kind.restarts(per_replica, self.related)
         if counts != self.restarts and any(counts.values()):
             self.log("restarts: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
         self.restarts = counts
