@@ -660,9 +660,10 @@ def test_a_trainjob_whose_runtime_is_not_installed_is_refused_before_it_is_creat
 
 # Least privilege -----------------------------------------------------------------------------------
 
-def test_the_launcher_uses_exactly_what_deploy_rbac_grants(cluster):
-    """Every verb deploy/rbac.yaml grants is one the launcher uses (audit log), and nothing else is granted."""
-    ns, op = cluster
+def test_the_launcher_uses_exactly_what_deploy_rbac_grants(kube):
+    """Every verb the kind's Role grants is one the launcher uses (audit log), and nothing else is granted."""
+    ns, op = kube
+    kind = op.ctl.kind
 
     def failing(op, name):
         master, _ = start(op, name)
@@ -671,21 +672,18 @@ def test_the_launcher_uses_exactly_what_deploy_rbac_grants(cluster):
         op.set_phase(name, "Failed")
 
     op.play(failing, name="gp-fail")
-    with pytest.raises(JobFailed):                 # create, watch, pods, log, events
-        Launcher(ns, manifest(name="gp-fail")).result()
+    with pytest.raises(JobFailed):                 # create, watch, pods, log, events (TrainJob: JobSet, Jobs)
+        Launcher(ns, manifest(name="gp-fail", kind=kind)).result()
     op.play(long_run, name="gp-slow")
-    from kubernetes import client as k8s
-
-    k8s.CustomObjectsApi(ns.server.admin).create_namespaced_custom_object(
-        "kubeflow.org", "v1", ns.name, "pytorchjobs", manifest(name="gp-slow"))
+    op.create_job(manifest(name="gp-slow", kind=kind))
     with pytest.raises(JobTimeout):                # re-attach (get) and delete
-        Launcher(ns, manifest(name="gp-slow"), timeout_s=3).result()
-    # The exit handler of a PyTorchJob run (it would look at TrainJobs too: 403 here, skipped).
-    cleanup_run_jobs("run-1", ns.name, client=ns.launcher_client(), kinds=[KINDS["PyTorchJob"]], wait_s=2,
+        Launcher(ns, manifest(name="gp-slow", kind=kind), timeout_s=3).result()
+    # The exit handler of this kind's run (it would look at the other kind too: 403 here, skipped).
+    cleanup_run_jobs("run-1", ns.name, client=ns.launcher_client(), kinds=[KINDS[kind]], wait_s=2,
                      log=lambda s: None)
     op.join()
     used = {e.what for e in ns.launcher_requests()}
-    docs = list(yaml.safe_load_all((REPO / "deploy" / "rbac.yaml").read_text()))
+    docs = list(yaml.safe_load_all((REPO / op.ctl.rbac_file).read_text()))
     (role,) = [d for d in docs if d["kind"] == "Role"]
     granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
                for v in rule["verbs"]}

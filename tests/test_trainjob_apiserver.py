@@ -167,7 +167,9 @@ def test_the_launcher_role_allows_what_the_supervisor_does_and_no_edits(api, ns,
     co.create_namespaced_custom_object(GROUP, VERSION, ns, "trainjobs", job)
     co.get_namespaced_custom_object(GROUP, VERSION, ns, "trainjobs", "tj-rbac")
     co.list_namespaced_custom_object(GROUP, VERSION, ns, "trainjobs", field_selector="metadata.name=tj-rbac")
-    co.list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", ns, "jobsets")
+    with pytest.raises(client.ApiException) as err:        # allowed (not 403): there is no JobSet of that name
+        co.get_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", ns, "jobsets", "tj-rbac")
+    assert err.value.status == 404
     co.get_cluster_custom_object(GROUP, VERSION, "clustertrainingruntimes", rt.name)    # the runtime check
     client.BatchV1Api(client.ApiClient(cfg)).list_namespaced_job(ns)                    # the failure's rule
     client.CoreV1Api(client.ApiClient(cfg)).list_namespaced_pod(ns)
