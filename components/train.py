@@ -36,7 +36,7 @@ from typing import Callable
 from kfp import dsl
 from kfp.dsl import Metrics, Model, Output
 
-__all__ = ["TrainResult", "train", "train_op", "write_outputs", "BASE_IMAGE", "TRAINER_IMAGE"]
+__all__ = ["TrainResult", "train", "train_op", "write_outputs", "local_launch", "BASE_IMAGE", "TRAINER_IMAGE"]
 
 # The image the component runs in (this package and kfp installed), and the trainer image of the
 # job's pods (CUDA torch, nvidia-resiliency-ext, this package). Override at compile time.
@@ -116,16 +116,30 @@ def train(backend: str, trainer_args: list[str], *, run_id: str, task_name: str,
                           supervise, log)
 
 
-def _train_local(args: list[str], name: str, fsx_root: Path, job: dict, nproc: int, log) -> TrainResult:
+def local_launch(job: dict, nproc: int, name: str):
+    """The local backend's launch settings: one node of ``nproc`` ranks with the rendezvous a TrainJob's pods get
+    (c10d on node 0's address and a port, the job's name as its id), so that what runs here is a TrainJob's
+    trainer command (``components.trainjob.trainer_command``) with the ``PET_*`` values of one node."""
+    import socket
+
     from components.pytorchjob import JobSpec
+
+    launch = JobSpec.from_dict({k: v for k, v in job.items() if k == "launch"}).launch
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    launch.nproc_per_node, launch.nnodes = nproc, 1
+    launch.rdzv_endpoint, launch.rdzv_id = f"127.0.0.1:{port}", name
+    return launch
+
+
+def _train_local(args: list[str], name: str, fsx_root: Path, job: dict, nproc: int, log) -> TrainResult:
     from trainer.launch import run_local_training
 
     if _flag_value(args, "--out") is None:
         args += ["--out", str(fsx_root / "runs" / name)]
     out = Path(_flag_value(args, "--out")).resolve()
-    spec = JobSpec.from_dict({k: v for k, v in job.items() if k == "launch"})
-    launch = spec.launch
-    launch.nproc_per_node, launch.nnodes, launch.rdzv_endpoint = nproc, 1, ""
+    launch = local_launch(job, nproc, name)
     log(f"local training: {nproc} ranks under ft_launcher, {' '.join(args)}")
     code, summary = run_local_training(args, launch, fsx_root)
     if code != 0:
