@@ -20,14 +20,12 @@ def cleanup_op(run_id: str, backend: str = "pytorchjob", namespace: str = ""):
             backend's kind must be listable); ``local`` has none (the trainer ran inside the train task).
         namespace: namespace of the jobs; empty = this pod's own.
     """
-    if backend == "local":
-        print("backend 'local': no job to clean up")
+    from components.job_kinds import BACKENDS, backend_name
+
+    kind = BACKENDS[backend_name(backend)]
+    if kind is None:
+        print(f"backend {backend!r}: no job to clean up")
         return
     from components.cleanup import cleanup_run_jobs
-    from components.job_kinds import PYTORCHJOB, TRAINJOB
 
-    kind = {"pytorchjob": PYTORCHJOB, "cluster": PYTORCHJOB, "trainjob": TRAINJOB}.get(backend)
-    if kind is None:
-        raise ValueError(f"backend must be pytorchjob, trainjob or local (cluster: the old name of pytorchjob), "
-                         f"got {backend!r}")
     cleanup_run_jobs(run_id, namespace, required=[kind])

@@ -24,7 +24,7 @@ import re
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["JobKind", "PYTORCHJOB", "TRAINJOB", "KINDS", "kind_of"]
+__all__ = ["JobKind", "PYTORCHJOB", "TRAINJOB", "KINDS", "BACKENDS", "backend_name", "kind_of"]
 
 # ``call(api_method, *args, **kw)`` -> the decoded JSON body (the supervisor's request wrapper).
 Call = Callable[..., dict]
@@ -241,3 +241,17 @@ def kind_of(manifest: dict) -> JobKind:
         raise ValueError(f"cannot supervise {manifest.get('apiVersion')} {kind or '(no kind)'}: one of "
                          + ", ".join(f"{k.group}/{k.version} {k.kind}" for k in KINDS.values()))
     return KINDS[kind]
+
+
+# The train step's backends, named for what they launch; ``cluster`` is the PyTorchJob backend's old name.
+BACKENDS = {"pytorchjob": PYTORCHJOB, "trainjob": TRAINJOB, "local": None}
+_ALIASES = {"cluster": "pytorchjob"}
+
+
+def backend_name(backend: str) -> str:
+    """``backend`` by its current name; ValueError for one that does not exist."""
+    name = _ALIASES.get(backend, backend)
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {', '.join(BACKENDS)} (or cluster, the old name of pytorchjob), "
+                         f"got {backend!r}")
+    return name

@@ -44,8 +44,6 @@ BASE_IMAGE = os.environ.get("GOODPUT_COMPONENT_IMAGE", "ghcr.io/goodput-pipeline
 PACKAGES = os.environ.get("GOODPUT_COMPONENT_PACKAGES", "").split()
 # The component's default for ``image`` repeats it literally: KFP runs the function's source alone.
 TRAINER_IMAGE = "ghcr.io/goodput-pipelines/trainer:0.1.0"
-BACKENDS = ("pytorchjob", "trainjob", "local")
-ALIASES = {"cluster": "pytorchjob"}       # the name of the PyTorchJob backend before there were two kinds
 
 
 def _component(passthroughs: tuple[str, ...] = (), **kw):
@@ -98,12 +96,10 @@ def train(backend: str, trainer_args: list[str], *, run_id: str, task_name: str,
         ValueError: bad settings, before anything starts. RuntimeError (``JobFailed``, ``JobCancelled``,
         ``JobTimeout``): the run did not finish; the message says why.
     """
+    from components.job_kinds import backend_name
     from components.pytorchjob import job_name_for
 
-    backend = ALIASES.get(backend, backend)
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {', '.join(BACKENDS)} (or cluster, the old name of pytorchjob), "
-                         f"got {backend!r}")
+    backend = backend_name(backend)
     if not run_id or "{{$" in run_id or not task_name or "{{$" in task_name:
         raise ValueError(f"run_id ({run_id!r}) and task_name ({task_name!r}) must be set: pass "
                          "dsl.PIPELINE_JOB_ID_PLACEHOLDER and dsl.PIPELINE_TASK_NAME_PLACEHOLDER from the pipeline")

@@ -76,6 +76,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
     Raises:
         ValueError: a setting the trainer or the job builder would reject.
     """
+    from components.job_kinds import backend_name
     from components.pytorchjob import INSTANCE_TYPES, JobSpec
     from trainer.config import parse_config
 
@@ -103,7 +104,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
            "gpus_per_node": gpus, "gpu_resource": gpu_resource, "efa_per_node": int(efa_per_node), "cpu": cpu,
            "memory": memory, "shm_size": shm_size, "node_group": node_group, "scheduler": scheduler,
            "queue": queue}
-    backend = {"cluster": "pytorchjob"}.get(backend, backend)
+    backend = backend_name(backend)
     spec = {**job, "image": image, "nodes": int(nodes), "spot": bool(spot), "trainer_args": args}
     if backend == "pytorchjob":
         JobSpec.from_dict(spec).validate()
@@ -111,9 +112,6 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         from components.trainjob import RuntimeSpec, build_trainjob
 
         build_trainjob(JobSpec.from_dict(spec), RuntimeSpec())
-    elif backend != "local":
-        raise ValueError(f"backend must be pytorchjob, trainjob or local (cluster: the old name of pytorchjob), "
-                         f"got {backend!r}")
     return args, job, run_dir
 
 

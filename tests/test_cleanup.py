@@ -83,5 +83,5 @@ def test_a_kind_that_is_not_installed_is_skipped_unless_it_is_the_runs_backend(k
 
 
 def test_component_refuses_an_unknown_backend():
-    with pytest.raises(ValueError, match="backend must be pytorchjob, trainjob or local"):
+    with pytest.raises(ValueError, match="backend must be one of pytorchjob, trainjob, local"):
         cleanup_op.python_func(run_id=RUN, backend="slurm")

@@ -34,7 +34,7 @@ def test_numbers_arrive_as_integers_whatever_kfp_made_of_them():
     ({"parallel": "zero3"}, "zero3"),
     ({"nodes": 0}, "nodes must be at least 1"),
     ({"image": ""}, "an image is required"),
-    ({"backend": "laptop"}, "backend must be pytorchjob, trainjob or local"),
+    ({"backend": "laptop"}, "backend must be one of pytorchjob, trainjob, local"),
     # A TrainJob's settings that are its runtime's in Trainer v2 (goodput-nvrx: backoff limit 3, Volcano).
     ({"backend": "trainjob", "backoff_limit": 5}, "backoff_limit=5 differs from ClusterTrainingRuntime goodput-nvrx"),
     ({"backend": "trainjob", "scheduler": "yunikorn"}, "gang scheduling and priority are the runtime's"),
