@@ -82,6 +82,9 @@ class SuperviseConfig:
     reattach_tail_lines: int = 200        # on re-attach, start the log this many lines back
     events_limit: int = 15                # events in the failure message
     recreate_failed: bool = True          # a re-attached job that already failed is created afresh
+    # 401/403 in a row, from a server that allowed the same calls before, taken for a restarting API server
+    # whose authorizer has not loaded its RBAC yet; more are an RBAC error.
+    denied_retries: int = 5
 
 
 class JobFailed(RuntimeError):
@@ -401,12 +404,14 @@ class _Supervisor:
             self._logs.start()
         backoff = _Backoff(self.cfg.backoff_s, self.cfg.backoff_max_s)
         rv, expired = None, False           # expired: the last watch ended in 410 (said once per streak)
+        allowed, denied = False, 0          # a list succeeded once; 401/403 since the last good watch
         while True:
             remaining = self._remaining()
             began, seen = time.monotonic(), 0
             try:
                 if rv is None:        # (re)list: the current state and the version to watch from
                     job, rv = self._list_job()
+                    allowed = True
                     if job is None:
                         raise JobFailed(f"{self.what} {self.ref} was deleted by someone else while running")
                     if self._observe(job):
@@ -426,7 +431,7 @@ class _Supervisor:
                     rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
                     if event["type"] == "BOOKMARK":       # only a newer version to resume from
                         continue
-                    seen, expired = seen + 1, False
+                    seen, expired, denied = seen + 1, False, 0
                     if event["type"] == "DELETED":
                         raise JobFailed(f"{self.what} {self.ref} was deleted by someone else while running\n"
                                         f"{self.diagnose(obj)}")
@@ -439,12 +444,19 @@ class _Supervisor:
                     backoff.wait(self.deadline)
                 else:
                     backoff.reset()
-                    expired = False
+                    expired, denied = False, 0
             except ApiException as e:
                 if e.status == 410:       # our resourceVersion is too old: re-list
                     if not expired:
                         self.log("watch expired (410); re-listing the job")
                     expired, rv = True, None
+                    backoff.wait(self.deadline)
+                    continue
+                if e.status in (401, 403) and allowed and denied < self.cfg.denied_retries:
+                    denied += 1
+                    self.log(f"watching {self.what} {self.ref}: {e.status} {e.reason} from a server that allowed "
+                             "it before (restarting, RBAC not loaded yet?); retrying")
+                    rv = None
                     backoff.wait(self.deadline)
                     continue
                 if not _transient(e):
