@@ -295,14 +295,19 @@ class JobSpec:
 
     # Validation -----------------------------------------------------------------------------
 
-    def validate(self) -> "JobSpec":
-        """Raise ValueError listing every bad setting; return self when all are good."""
+    def problems(self) -> list[str]:
+        """Every bad setting, one line each (empty when all are good)."""
         p: list[str] = []
         self._check_shape(p)
         self._check_names(p)
         self._check_placement(p)
         self._check_policies(p)
         self._check_trainer(p)
+        return p
+
+    def validate(self) -> "JobSpec":
+        """Raise ValueError listing every bad setting; return self when all are good."""
+        p = self.problems()
         if len(p) == 1:
             raise ValueError(f"invalid PyTorchJob settings: {p[0]}")
         if p:

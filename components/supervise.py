@@ -1,4 +1,7 @@
-"""Create (or re-attach to) a PyTorchJob and supervise it to the end, never waiting forever.
+"""Create (or re-attach to) a training job and supervise it to the end, never waiting forever.
+
+One supervisor for every job kind: a Training Operator ``PyTorchJob`` or a Kubeflow Trainer v2 ``TrainJob``
+(the manifest's kind picks the adapter in ``components.job_kinds``; what differs between them lives there).
 
 What the launcher does, in order:
   1. POST the job under its deterministic name. 409 means a launcher before us (a restarted pod, a KFP
@@ -10,9 +13,11 @@ What the launcher does, in order:
      resourceVersion (never the object's own: a restarted API server's watch cache has no version older
      than its start, so that one is 410 again, forever). Every retry backs off (tenacity's waits), so a
      misbehaving server costs a few requests a minute. It reports phase changes, replica counts,
-     per-replica restarts and pod waiting reasons, and streams the master pod's log.
+     per-replica restarts (a TrainJob's also from its JobSet) and pod waiting reasons, and streams the
+     master pod's log (a TrainJob's node 0).
   3. End on Succeeded; on Failed raise ``JobFailed`` saying why (conditions, container termination
-     reasons, recent events, the log's tail); past the overall deadline delete the job and raise
+     reasons, recent events, the log's tail; a TrainJob's JobSet conditions and the pod failure policy rule
+     that failed its node Job); past the overall deadline delete the job and raise
      ``JobTimeout``; on SIGTERM/SIGINT (run cancelled) delete the job and raise ``JobCancelled``.
 
 The kubernetes client is pointed at the cluster (in-cluster service account) or at any URL::
@@ -43,18 +48,13 @@ import tenacity
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
+from components.job_kinds import PYTORCHJOB, JobKind, kind_of
+
 __all__ = ["SuperviseConfig", "JobOutcome", "JobFailed", "JobTimeout", "JobCancelled", "api_client",
            "current_namespace", "run_job", "delete_job"]
 
-GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
-JOB_NAME_LABEL = "training.kubeflow.org/job-name"
-REPLICA_TYPE_LABEL = "training.kubeflow.org/replica-type"
-REPLICA_INDEX_LABEL = "training.kubeflow.org/replica-index"
-CONTAINER = "pytorch"
 RUN_ID_LABEL = "goodput.dev/kfp-run-id"
 SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
-RBAC_HINT = ("the launcher's service account may not manage pytorchjobs or read pods, logs and events "
-             "here: apply deploy/rbac.yaml (a Role + RoleBinding for the pipeline runner)")
 Log = Callable[[str], None]
 
 
@@ -82,6 +82,9 @@ class SuperviseConfig:
     reattach_tail_lines: int = 200        # on re-attach, start the log this many lines back
     events_limit: int = 15                # events in the failure message
     recreate_failed: bool = True          # a re-attached job that already failed is created afresh
+    # 401/403 in a row, from a server that allowed the same calls before, taken for a restarting API server
+    # whose authorizer has not loaded its RBAC yet; more are an RBAC error.
+    denied_retries: int = 5
 
 
 class JobFailed(RuntimeError):
@@ -110,6 +113,7 @@ class JobOutcome:
     phase: str
     created: bool                          # False: re-attached to an existing job
     restarts: dict[str, int] = field(default_factory=dict)   # per replica type (container + pod restarts)
+    kind: str = "PyTorchJob"
     wall_s: float = 0.0
     conditions: list[dict] = field(default_factory=list)
 
@@ -163,7 +167,7 @@ def run_job(manifest: dict, *, namespace: str, client: k8s.ApiClient, cfg: Super
         except (_Terminated, KeyboardInterrupt) as e:
             what = f"signal {e.signum}" if isinstance(e, _Terminated) else "interrupt"
             sup.cleanup(f"launcher stopped ({what})")
-            raise JobCancelled(f"PyTorchJob {sup.ref} cancelled ({what}); it was deleted") from None
+            raise JobCancelled(f"{sup.what} {sup.ref} cancelled ({what}); it was deleted") from None
         except JobTimeout as e:
             sup.cleanup("overall timeout")
             raise JobTimeout(f"{e}\nthe job was deleted") from None
@@ -171,31 +175,32 @@ def run_job(manifest: dict, *, namespace: str, client: k8s.ApiClient, cfg: Super
             sup.stop_logs()
 
 
-def delete_job(name: str, namespace: str, client: k8s.ApiClient, *, wait_s: float = 20.0,
-               log: Log = _print) -> bool:
+def delete_job(name: str, namespace: str, client: k8s.ApiClient, *, kind: JobKind = PYTORCHJOB,
+               wait_s: float = 20.0, log: Log = _print) -> bool:
     """Delete the job and its pods (foreground), wait up to ``wait_s`` until it is gone; True if gone."""
     co = k8s.CustomObjectsApi(k8s.ApiClient(client.configuration))
+    gvp = (kind.group, kind.version, namespace, kind.plural, name)
+    ref = f"{kind.kind} {namespace}/{name}"
     try:
-        co.delete_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name,
-                                           body=k8s.V1DeleteOptions(propagation_policy="Foreground"),
+        co.delete_namespaced_custom_object(*gvp, body=k8s.V1DeleteOptions(propagation_policy="Foreground"),
                                            _request_timeout=10)
-        log(f"deleting PyTorchJob {namespace}/{name} and its pods")
+        log(f"deleting {ref} and its pods")
     except ApiException as e:
         if e.status != 404:
-            log(f"could not delete PyTorchJob {namespace}/{name}: {e.status} {e.reason}")
+            log(f"could not delete {ref}: {e.status} {e.reason}")
             return False
     deadline = time.monotonic() + wait_s
     while True:
         try:
-            co.get_namespaced_custom_object(GROUP, VERSION, namespace, PLURAL, name, _request_timeout=10)
+            co.get_namespaced_custom_object(*gvp, _request_timeout=10)
         except ApiException as e:
             if e.status == 404:
-                log(f"PyTorchJob {namespace}/{name} is gone")
+                log(f"{ref} is gone")
                 return True
         except Exception:  # noqa: BLE001 - a flaky API must not stop the cleanup loop
             pass
         if time.monotonic() >= deadline:
-            log(f"PyTorchJob {namespace}/{name} is still terminating; the API server finishes the deletion")
+            log(f"{ref} is still terminating; the API server finishes the deletion")
             return False
         time.sleep(min(0.5, max(0.0, deadline - time.monotonic())))
 
@@ -209,20 +214,6 @@ def _transient(e: BaseException) -> bool:
     import urllib3
 
     return isinstance(e, (urllib3.exceptions.HTTPError, OSError))
-
-
-def _phase(job: dict) -> tuple[str, dict]:
-    """(phase, its condition): Succeeded/Failed if set, else the newest true condition."""
-    conds = (job.get("status") or {}).get("conditions") or []
-    true = [c for c in conds if str(c.get("status")) == "True"]
-    for terminal in ("Failed", "Succeeded"):
-        for c in true:
-            if c.get("type") == terminal:
-                return terminal, c
-    if not true:
-        return "Pending", {}
-    latest = max(enumerate(true), key=lambda ic: (ic[1].get("lastTransitionTime") or "", ic[0]))[1]
-    return latest.get("type", "Unknown"), latest
 
 
 class _Backoff:
@@ -258,6 +249,9 @@ class _Supervisor:
     def __init__(self, manifest: dict, namespace: str, client: k8s.ApiClient, cfg: SuperviseConfig,
                  log: Log) -> None:
         self.manifest = manifest
+        self.kind = kind_of(manifest)
+        self.what = self.kind.kind
+        self.gvp = (self.kind.group, self.kind.version, namespace, self.kind.plural)
         self.name = manifest["metadata"]["name"]
         self.ns = namespace
         self.ref = f"{namespace}/{self.name}"
@@ -277,8 +271,7 @@ class _Supervisor:
         self.restarts: dict[str, int] = {}
         self._logs: _LogFollower | None = None
         self.tail: deque[str] = deque(maxlen=cfg.log_tail_lines)   # the master's last log lines
-        self.elastic = "elasticPolicy" in manifest.get("spec", {}) and \
-            "Master" not in manifest.get("spec", {}).get("pytorchReplicaSpecs", {})
+        self.related: dict = {}           # what the kind's controller made of the job (a TrainJob's JobSet)
 
     # Signals ----------------------------------------------------------------------------------
 
@@ -302,9 +295,9 @@ class _Supervisor:
 
     def cleanup(self, why: str) -> None:
         self._cleaning = True
-        self.log(f"{why}: deleting PyTorchJob {self.ref}")
+        self.log(f"{why}: deleting {self.what} {self.ref}")
         self.stop_logs(drain=False)
-        delete_job(self.name, self.ns, self.client, wait_s=self.cfg.delete_wait_s, log=self.log)
+        delete_job(self.name, self.ns, self.client, kind=self.kind, wait_s=self.cfg.delete_wait_s, log=self.log)
 
     # API calls --------------------------------------------------------------------------------
 
@@ -316,7 +309,7 @@ class _Supervisor:
 
     def _get_job(self) -> dict | None:
         try:
-            return self._call(self.co.get_namespaced_custom_object, GROUP, VERSION, self.ns, PLURAL, self.name)
+            return self._call(self.co.get_namespaced_custom_object, *self.gvp, self.name)
         except ApiException as e:
             if e.status == 404:
                 return None
@@ -325,7 +318,7 @@ class _Supervisor:
     def _remaining(self) -> float:
         left = self.deadline - time.monotonic()
         if left <= 0:
-            raise JobTimeout(f"PyTorchJob {self.ref} did not finish within {self.cfg.timeout_s:g} s "
+            raise JobTimeout(f"{self.what} {self.ref} did not finish within {self.cfg.timeout_s:g} s "
                              f"(phase {self._phase or 'unknown'})\n{self.diagnose(self._get_quietly())}")
         return left
 
@@ -336,8 +329,8 @@ class _Supervisor:
 
     def _fatal(self, e: ApiException, doing: str) -> Exception:
         if e.status in (401, 403):
-            return PermissionError(f"{doing} PyTorchJob {self.ref}: {e.status} {e.reason}: {RBAC_HINT}")
-        return RuntimeError(f"{doing} PyTorchJob {self.ref}: {e.status} {e.reason} {e.body or ''}".strip())
+            return PermissionError(f"{doing} {self.what} {self.ref}: {e.status} {e.reason}: {self.kind.rbac_hint}")
+        return RuntimeError(f"{doing} {self.what} {self.ref}: {e.status} {e.reason} {e.body or ''}".strip())
 
     # 1. Create or re-attach -------------------------------------------------------------------
 
@@ -347,25 +340,24 @@ class _Supervisor:
         while True:
             self._remaining()
             try:
-                self._call(self.co.create_namespaced_custom_object, GROUP, VERSION, self.ns, PLURAL,
-                           body=self.manifest)
+                self._call(self.co.create_namespaced_custom_object, *self.gvp, body=self.manifest)
                 self.created = True
-                self.log(f"created PyTorchJob {self.ref}")
+                self.log(f"created {self.what} {self.ref}")
                 return
             except ApiException as e:
                 if e.status in (400, 422):
-                    raise ValueError(f"the API server rejected PyTorchJob {self.ref}: {_status_message(e)}") from None
+                    raise ValueError(f"the API server rejected {self.what} {self.ref}: {_status_message(e)}") from None
                 if e.status != 409:
                     if not _transient(e):
                         raise self._fatal(e, "creating") from None
-                    self.log(f"creating PyTorchJob {self.ref}: {e.status} {e.reason}; retrying")
+                    self.log(f"creating {self.what} {self.ref}: {e.status} {e.reason}; retrying")
                     backoff.wait(self.deadline)
                     continue
             except Exception as e:  # noqa: BLE001 - classified right below
                 if not _transient(e):
                     raise
                 # The POST may have landed: the retry then gets a 409 and re-attaches.
-                self.log(f"creating PyTorchJob {self.ref}: {type(e).__name__}; retrying")
+                self.log(f"creating {self.what} {self.ref}: {type(e).__name__}; retrying")
                 backoff.wait(self.deadline)
                 continue
             # 409: it exists.
@@ -374,25 +366,26 @@ class _Supervisor:
                 continue                      # deleted in between: create it
             self._check_ownership(existing)
             if existing.get("metadata", {}).get("deletionTimestamp"):
-                self.log(f"PyTorchJob {self.ref} is being deleted; waiting to create it again")
+                self.log(f"{self.what} {self.ref} is being deleted; waiting to create it again")
                 self._wait_gone()
                 continue
-            phase, cond = _phase(existing)
+            phase, cond = self.kind.phase(existing)
             if phase == "Failed" and self.cfg.recreate_failed and not recreated:
-                self.log(f"PyTorchJob {self.ref} exists and failed ({cond.get('reason', '')}: "
+                self.log(f"{self.what} {self.ref} exists and failed ({cond.get('reason', '')}: "
                          f"{cond.get('message', '')}); creating it again, the trainer resumes from FSx")
                 recreated = True
-                delete_job(self.name, self.ns, self.client, wait_s=self.cfg.delete_wait_s, log=self.log)
+                delete_job(self.name, self.ns, self.client, kind=self.kind, wait_s=self.cfg.delete_wait_s,
+                           log=self.log)
                 self._wait_gone()
                 continue
-            self.log(f"re-attached to existing PyTorchJob {self.ref} (phase {phase}); not creating a duplicate")
+            self.log(f"re-attached to existing {self.what} {self.ref} (phase {phase}); not creating a duplicate")
             return
 
     def _check_ownership(self, existing: dict) -> None:
         mine = self.manifest.get("metadata", {}).get("labels", {}).get(RUN_ID_LABEL)
         theirs = (existing.get("metadata", {}).get("labels") or {}).get(RUN_ID_LABEL)
         if mine and theirs != mine:
-            raise RuntimeError(f"a PyTorchJob named {self.ref} already exists but belongs to "
+            raise RuntimeError(f"a {self.what} named {self.ref} already exists but belongs to "
                                f"{'run ' + theirs if theirs else 'no KFP run'} (this is run {mine}); "
                                "refusing to adopt it: delete it or choose another name")
 
@@ -411,14 +404,16 @@ class _Supervisor:
             self._logs.start()
         backoff = _Backoff(self.cfg.backoff_s, self.cfg.backoff_max_s)
         rv, expired = None, False           # expired: the last watch ended in 410 (said once per streak)
+        allowed, denied = False, 0          # a list succeeded once; 401/403 since the last good watch
         while True:
             remaining = self._remaining()
             began, seen = time.monotonic(), 0
             try:
                 if rv is None:        # (re)list: the current state and the version to watch from
                     job, rv = self._list_job()
+                    allowed = True
                     if job is None:
-                        raise JobFailed(f"PyTorchJob {self.ref} was deleted by someone else while running")
+                        raise JobFailed(f"{self.what} {self.ref} was deleted by someone else while running")
                     if self._observe(job):
                         return self._finish(job)
                 w = watch.Watch()
@@ -430,26 +425,26 @@ class _Supervisor:
                     # The server ends the watch (--min-request-timeout) and Watch resumes it from the last
                     # version seen; a read timeout hands control back to check the deadline and the pods.
                     kw.update(_request_timeout=(10, min(300.0, max(1.0, remaining))))
-                for event in w.stream(self.co.list_namespaced_custom_object, GROUP, VERSION, self.ns, PLURAL,
+                for event in w.stream(self.co.list_namespaced_custom_object, *self.gvp,
                                       field_selector=f"metadata.name={self.name}", resource_version=rv, **kw):
                     obj = event["raw_object"]
                     rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
                     if event["type"] == "BOOKMARK":       # only a newer version to resume from
                         continue
-                    seen, expired = seen + 1, False
+                    seen, expired, denied = seen + 1, False, 0
                     if event["type"] == "DELETED":
-                        raise JobFailed(f"PyTorchJob {self.ref} was deleted by someone else while running\n"
+                        raise JobFailed(f"{self.what} {self.ref} was deleted by someone else while running\n"
                                         f"{self.diagnose(obj)}")
                     if self._observe(obj):
                         return self._finish(obj)
                     self._remaining()
                 if not seen and time.monotonic() - began < 1.0:
                     # A watch the server ends at once is a failure too, or the loop would spin.
-                    self.log(f"watch of PyTorchJob {self.ref} ended at once; watching again after a pause")
+                    self.log(f"watch of {self.what} {self.ref} ended at once; watching again after a pause")
                     backoff.wait(self.deadline)
                 else:
                     backoff.reset()
-                    expired = False
+                    expired, denied = False, 0
             except ApiException as e:
                 if e.status == 410:       # our resourceVersion is too old: re-list
                     if not expired:
@@ -457,9 +452,16 @@ class _Supervisor:
                     expired, rv = True, None
                     backoff.wait(self.deadline)
                     continue
+                if e.status in (401, 403) and allowed and denied < self.cfg.denied_retries:
+                    denied += 1
+                    self.log(f"watching {self.what} {self.ref}: {e.status} {e.reason} from a server that allowed "
+                             "it before (restarting, RBAC not loaded yet?); retrying")
+                    rv = None
+                    backoff.wait(self.deadline)
+                    continue
                 if not _transient(e):
                     raise self._fatal(e, "watching") from None
-                self.log(f"watching PyTorchJob {self.ref}: {e.status} {e.reason}; resyncing")
+                self.log(f"watching {self.what} {self.ref}: {e.status} {e.reason}; resyncing")
                 rv = None
                 backoff.wait(self.deadline)
             except (JobFailed, JobTimeout, _Terminated, KeyboardInterrupt):
@@ -470,7 +472,7 @@ class _Supervisor:
                 if _read_timeout(e) and not self.cfg.watch_timeout_s:
                     backoff.reset()       # a silent watch renewed: nothing failed
                 else:
-                    self.log(f"watch of PyTorchJob {self.ref} dropped ({type(e).__name__}); resyncing")
+                    self.log(f"watch of {self.what} {self.ref} dropped ({type(e).__name__}); resyncing")
                     rv = None
                     backoff.wait(self.deadline)
             with contextlib.suppress(Exception):
@@ -478,23 +480,19 @@ class _Supervisor:
 
     def _list_job(self) -> tuple[dict | None, str]:
         """The job and the list's resourceVersion: the server's current one, from which a watch is valid."""
-        data = self._call(self.co.list_namespaced_custom_object, GROUP, VERSION, self.ns, PLURAL,
-                          field_selector=f"metadata.name={self.name}")
+        data = self._call(self.co.list_namespaced_custom_object, *self.gvp, field_selector=f"metadata.name={self.name}")
         items = [j for j in data.get("items") or [] if j.get("metadata", {}).get("name") == self.name]
         return (items[0] if items else None), (data.get("metadata") or {}).get("resourceVersion")
 
     def _observe(self, job: dict) -> bool:
         """Report what changed; True once the job is finished (succeeded or failed)."""
-        phase, cond = _phase(job)
+        phase, cond = self.kind.phase(job)
         changed = phase != self._phase
         if changed:
             detail = f" ({cond.get('reason', '')}: {cond.get('message', '')})" if cond.get("message") else ""
-            self.log(f"PyTorchJob {self.ref}: {phase}{detail}")
+            self.log(f"{self.what} {self.ref}: {phase}{detail}")
             self._phase = phase
-        statuses = (job.get("status") or {}).get("replicaStatuses") or {}
-        replicas = ", ".join(f"{rt} " + " ".join(f"{k}={v}" for k, v in sorted(s.items()) if k != "selector"
-                                                 and k != "labelSelector")
-                             for rt, s in sorted(statuses.items()))
+        replicas = self.kind.replicas(job)
         if replicas and replicas != self._replicas:
             self.log(f"replicas: {replicas}")
             self._replicas = replicas
@@ -504,7 +502,7 @@ class _Supervisor:
         return phase in ("Succeeded", "Failed")
 
     def _list_pods(self) -> list[dict]:
-        data = self._call(self.core.list_namespaced_pod, self.ns, label_selector=f"{JOB_NAME_LABEL}={self.name}")
+        data = self._call(self.core.list_namespaced_pod, self.ns, label_selector=self.kind.pod_selector(self.name))
         return data.get("items") or []
 
     def _refresh_pods(self, force: bool = False) -> None:
@@ -512,12 +510,9 @@ class _Supervisor:
         if not force and time.monotonic() - self._pods_read < self.cfg.pods_every_s:
             return
         self._pods_read = time.monotonic()
-        counts: dict[str, int] = {}
         for pod in self._list_pods():
             meta, status = pod.get("metadata", {}), pod.get("status") or {}
-            labels = meta.get("labels") or {}
-            rtype = labels.get(REPLICA_TYPE_LABEL, "?").capitalize()
-            index = labels.get(REPLICA_INDEX_LABEL, "?")
+            rtype, index = self.kind.replica_of(pod)
             uid = meta.get("uid", meta.get("name", ""))
             self._pod_uids.setdefault((rtype, index), set()).add(uid)
             restarts = sum(int(c.get("restartCount") or 0) for c in status.get("containerStatuses") or [])
@@ -527,9 +522,11 @@ class _Supervisor:
             if self._pod_states.get(name) != state:
                 self._pod_states[name] = state
                 self.log(f"pod {name}: {state}")
-        for (rtype, _), uids in self._pod_uids.items():
-            counts[rtype] = counts.get(rtype, 0) + len(uids) - 1 + sum(self._container_restarts.get(u, 0)
-                                                                       for u in uids)
+        per_replica = {key: len(uids) - 1 + sum(self._container_restarts.get(u, 0) for u in uids)
+                       for key, uids in self._pod_uids.items()}
+        # The kind's controller may count restarts this launcher saw no pods of (a JobSet's, across re-attaches).
+        self.related = self.kind.related(self._call, self.client, self.ns, self.name)
+        counts = self.kind.restarts(per_replica, self.related)
         if counts != self.restarts and any(counts.values()):
             self.log("restarts: " + ", ".join(f"{k}={v}" for k, v in sorted(counts.items())))
         self.restarts = counts
@@ -537,15 +534,15 @@ class _Supervisor:
     # 3. The end -------------------------------------------------------------------------------
 
     def _finish(self, job: dict) -> JobOutcome:
-        phase, _ = _phase(job)
+        phase, _ = self.kind.phase(job)
         if phase == "Failed":
             self.stop_logs(drain=True)
             raise JobFailed(self.diagnose(job))
         self.stop_logs(drain=True)
         wall = time.monotonic() - self.start
-        self.log(f"PyTorchJob {self.ref} succeeded after {wall:.1f} s (restarts: "
+        self.log(f"{self.what} {self.ref} succeeded after {wall:.1f} s (restarts: "
                  + (", ".join(f"{k}={v}" for k, v in sorted(self.restarts.items())) or "none") + ")")
-        return JobOutcome(self.name, self.ns, phase, self.created, dict(self.restarts), round(wall, 3),
+        return JobOutcome(self.name, self.ns, phase, self.created, dict(self.restarts), self.what, round(wall, 3),
                           (job.get("status") or {}).get("conditions") or [])
 
     def stop_logs(self, drain: bool = False) -> None:
@@ -559,8 +556,8 @@ class _Supervisor:
 
     def diagnose(self, job: dict) -> str:
         """Why the job is where it is: conditions, pods, events, the log's tail."""
-        phase, _ = _phase(job) if job else ("unknown", {})
-        lines = [f"PyTorchJob {self.ref} {phase.lower()}:"]
+        phase, _ = self.kind.phase(job) if job else ("unknown", {})
+        lines = [f"{self.what} {self.ref} {phase.lower()}:"]
         for c in (job.get("status") or {}).get("conditions") or []:
             if str(c.get("status")) == "True":
                 lines.append(f"  condition {c.get('type')}: {c.get('reason', '')}: {c.get('message', '')}")
@@ -570,9 +567,12 @@ class _Supervisor:
         for pod in pods:
             for why in _pod_problems(pod):
                 lines.append(f"  pod {pod['metadata']['name']}: {why}")
+        with contextlib.suppress(Exception):
+            self.related = self.kind.related(self._call, self.client, self.ns, self.name) or self.related
+        with contextlib.suppress(Exception):
+            lines += self.kind.explain(self._call, self.client, self.ns, self.name, self.related)
         # Events of the job, the master and the pods in trouble (not of every pod of a large job).
-        names = [p["metadata"]["name"] for p in pods
-                 if _pod_problems(p) or (p["metadata"].get("labels") or {}).get(REPLICA_TYPE_LABEL) == "master"]
+        names = [p["metadata"]["name"] for p in pods if _pod_problems(p) or self.kind.is_master(p)]
         events = self._events([self.name] + names[:20])
         if events:
             lines.append("  recent events:")
@@ -689,9 +689,8 @@ class _LogFollower(threading.Thread):
         self.finish = threading.Event()     # the job ended: read what is left, then stop
         self.first_tail = tail
         self.last: tuple[int, int] | None = None     # timestamp of the last line shown
-        rtype = "worker" if sup.elastic else "master"
-        self.selector = f"{JOB_NAME_LABEL}={sup.name},{REPLICA_TYPE_LABEL}={rtype},{REPLICA_INDEX_LABEL}=0"
-        self.prefix = f"[{rtype}-0]"
+        self.selector, self.prefix = sup.kind.master_selector(sup.name, sup.manifest)
+        self.container = sup.kind.container
         self.backoff = _Backoff(sup.cfg.log_poll_s, sup.cfg.log_backoff_max_s)
         # Its own client: the main thread may be interrupted by SIGTERM in the middle of a request.
         self.core = k8s.CoreV1Api(k8s.ApiClient(sup.client.configuration))
@@ -701,7 +700,7 @@ class _LogFollower(threading.Thread):
         uid = None
         while not self.stop.is_set():
             pod = self._pod()
-            k = _instance(pod) if pod else None
+            k = _instance(pod, self.container) if pod else None
             if k is None or k in done:
                 if self.finish.is_set():
                     return
@@ -719,7 +718,7 @@ class _LogFollower(threading.Thread):
                 self.backoff.reset()
             # The stream ended: that instance is finished if its container is over or was replaced.
             now = self._pod()
-            if now is None or _instance(now) != k or _terminated(now):
+            if now is None or _instance(now, self.container) != k or _terminated(now, self.container):
                 done.add(k)
             elif self.last == shown and not self.finish.is_set():
                 self.backoff.wait(math.inf, self.stop)     # ended at once, nothing new: do not spin
@@ -742,7 +741,7 @@ class _LogFollower(threading.Thread):
         elif self.first_tail is not None:
             kw["tail_lines"] = self.first_tail      # re-attached: not the whole history again
         self.first_tail = None
-        resp = self.core.read_namespaced_pod_log(pod, self.sup.ns, container=CONTAINER, follow=True,
+        resp = self.core.read_namespaced_pod_log(pod, self.sup.ns, container=self.container, follow=True,
                                                  timestamps=True, _preload_content=False,
                                                  _request_timeout=(10, self.sup.cfg.log_idle_s), **kw)
         try:
@@ -772,19 +771,19 @@ class _LogFollower(threading.Thread):
         self.sup.log(f"{self.prefix} {text}")
 
 
-def _instance(pod: dict) -> tuple[str, int] | None:
+def _instance(pod: dict, container: str) -> tuple[str, int] | None:
     """(pod uid, restart count) of the trainer container once it has started, else None."""
     for c in (pod.get("status") or {}).get("containerStatuses") or []:
-        if c.get("name") == CONTAINER:
+        if c.get("name") == container:
             state = c.get("state") or {}
             if "running" in state or "terminated" in state:
                 return pod["metadata"].get("uid", pod["metadata"]["name"]), int(c.get("restartCount") or 0)
     return None
 
 
-def _terminated(pod: dict) -> bool:
+def _terminated(pod: dict, container: str) -> bool:
     for c in (pod.get("status") or {}).get("containerStatuses") or []:
-        if c.get("name") == CONTAINER:
+        if c.get("name") == container:
             return "terminated" in (c.get("state") or {})
     return False
 

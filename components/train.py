@@ -1,9 +1,17 @@
-"""The train step: the trainer as a Kubeflow PyTorchJob on EKS, or as ``goodput train`` on this machine.
+"""The train step: the trainer as a Kubeflow PyTorchJob or TrainJob on EKS, or as ``goodput train`` here.
 
-``backend="cluster"`` builds the job (``components.pytorchjob``), creates it under a name derived from
-the KFP run and task (a restarted launcher re-attaches instead of creating a duplicate), supervises it
-(``components.supervise``: phases, restarts, the master's log, a reason on failure, deletion on
-cancel or timeout) and reads ``summary.json`` from FSx. ``backend="local"`` runs the same trainer
+The backends are named for what they launch:
+
+- ``pytorchjob`` (``cluster`` is its old name): a Training Operator PyTorchJob (``components.pytorchjob``);
+- ``trainjob``: a Kubeflow Trainer v2 TrainJob (``components.trainjob``) referencing a ClusterTrainingRuntime
+  (``goodput-nvrx``, or ``job["runtime"]``), which must be installed: it is read first, and a missing one is
+  refused before anything is created;
+- ``local``: ft_launcher processes on this machine.
+
+A cluster backend creates the job under a name derived from the KFP run and task (a restarted launcher
+re-attaches instead of creating a duplicate), supervises it (``components.supervise``, one supervisor for both
+kinds: phases, restarts, the master's log, a reason on failure, deletion on cancel or timeout) and reads
+``summary.json`` from FSx. ``backend="local"`` runs the same trainer
 arguments through ``trainer.launch.run_local_training``, so the pipeline runs end to end without a
 cluster. Either way the outputs are a ``Model`` (URI: the run's checkpoint directory) and ``Metrics``
 (the summary's numbers).
@@ -28,7 +36,7 @@ from typing import Callable
 from kfp import dsl
 from kfp.dsl import Metrics, Model, Output
 
-__all__ = ["TrainResult", "train", "train_op", "write_outputs", "BASE_IMAGE", "TRAINER_IMAGE"]
+__all__ = ["TrainResult", "train", "train_op", "write_outputs", "local_launch", "BASE_IMAGE", "TRAINER_IMAGE"]
 
 # The image the component runs in (this package and kfp installed), and the trainer image of the
 # job's pods (CUDA torch, nvidia-resiliency-ext, this package). Override at compile time.
@@ -36,7 +44,6 @@ BASE_IMAGE = os.environ.get("GOODPUT_COMPONENT_IMAGE", "ghcr.io/goodput-pipeline
 PACKAGES = os.environ.get("GOODPUT_COMPONENT_PACKAGES", "").split()
 # The component's default for ``image`` repeats it literally: KFP runs the function's source alone.
 TRAINER_IMAGE = "ghcr.io/goodput-pipelines/trainer:0.1.0"
-BACKENDS = ("cluster", "local")
 
 
 def _component(passthroughs: tuple[str, ...] = (), **kw):
@@ -72,12 +79,13 @@ def train(backend: str, trainer_args: list[str], *, run_id: str, task_name: str,
     """Run the trainer to the end on the chosen backend; return where the run is and its summary.
 
     Args:
-        backend: ``cluster`` (a PyTorchJob) or ``local`` (ft_launcher processes here).
+        backend: ``pytorchjob`` (``cluster``), ``trainjob`` or ``local`` (ft_launcher processes here).
         trainer_args: arguments of ``python -m trainer``; ``--out`` defaults to ``<fsx>/runs/<job name>``.
         run_id: KFP run id; with ``task_name`` it names the job (and the default run directory).
         task_name: KFP task name.
         fsx_root: where FSx is mounted in this process (the launcher pod, or a local directory).
-        job: ``JobSpec`` settings (cluster), e.g. ``{"image": ..., "nodes": 4, "spot": True}``.
+        job: ``JobSpec`` settings (cluster), e.g. ``{"image": ..., "nodes": 4, "spot": True}``; for
+            ``trainjob`` also ``runtime``: the ClusterTrainingRuntime's name or its ``RuntimeSpec`` settings.
         namespace: namespace of the job; empty = this pod's namespace.
         kube_api: Kubernetes API URL; empty = in-cluster config (tests and ``kubectl proxy`` set it).
         supervise: a ``SuperviseConfig`` (timeouts, retries, log streaming).
@@ -88,10 +96,10 @@ def train(backend: str, trainer_args: list[str], *, run_id: str, task_name: str,
         ValueError: bad settings, before anything starts. RuntimeError (``JobFailed``, ``JobCancelled``,
         ``JobTimeout``): the run did not finish; the message says why.
     """
+    from components.job_kinds import backend_name
     from components.pytorchjob import job_name_for
 
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    backend = backend_name(backend)
     if not run_id or "{{$" in run_id or not task_name or "{{$" in task_name:
         raise ValueError(f"run_id ({run_id!r}) and task_name ({task_name!r}) must be set: pass "
                          "dsl.PIPELINE_JOB_ID_PLACEHOLDER and dsl.PIPELINE_TASK_NAME_PLACEHOLDER from the pipeline")
@@ -100,20 +108,34 @@ def train(backend: str, trainer_args: list[str], *, run_id: str, task_name: str,
     name = (job or {}).get("name") or job_name_for(run_id, task_name)
     if backend == "local":
         return _train_local(args, name, Path(fsx_root), job or {}, local_nproc, log)
-    return _train_cluster(args, name, run_id, task_name, Path(fsx_root), job or {}, namespace, kube_api,
+    return _train_cluster(backend, args, name, run_id, task_name, Path(fsx_root), job or {}, namespace, kube_api,
                           supervise, log)
 
 
-def _train_local(args: list[str], name: str, fsx_root: Path, job: dict, nproc: int, log) -> TrainResult:
+def local_launch(job: dict, nproc: int, name: str):
+    """The local backend's launch settings: one node of ``nproc`` ranks with the rendezvous a TrainJob's pods get
+    (c10d on node 0's address and a port, the job's name as its id), so that what runs here is a TrainJob's
+    trainer command (``components.trainjob.trainer_command``) with the ``PET_*`` values of one node."""
+    import socket
+
     from components.pytorchjob import JobSpec
+
+    launch = JobSpec.from_dict({k: v for k, v in job.items() if k == "launch"}).launch
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    launch.nproc_per_node, launch.nnodes = nproc, 1
+    launch.rdzv_endpoint, launch.rdzv_id = f"127.0.0.1:{port}", name
+    return launch
+
+
+def _train_local(args: list[str], name: str, fsx_root: Path, job: dict, nproc: int, log) -> TrainResult:
     from trainer.launch import run_local_training
 
     if _flag_value(args, "--out") is None:
         args += ["--out", str(fsx_root / "runs" / name)]
     out = Path(_flag_value(args, "--out")).resolve()
-    spec = JobSpec.from_dict({k: v for k, v in job.items() if k == "launch"})
-    launch = spec.launch
-    launch.nproc_per_node, launch.nnodes, launch.rdzv_endpoint = nproc, 1, ""
+    launch = local_launch(job, nproc, name)
     log(f"local training: {nproc} ranks under ft_launcher, {' '.join(args)}")
     code, summary = run_local_training(args, launch, fsx_root)
     if code != 0:
@@ -125,29 +147,67 @@ def _train_local(args: list[str], name: str, fsx_root: Path, job: dict, nproc: i
     return _result("local", name, out, summary)
 
 
-def _train_cluster(args, name, run_id, task_name, fsx_root: Path, job: dict, namespace: str, kube_api: str,
-                   supervise, log) -> TrainResult:
+def _train_cluster(backend, args, name, run_id, task_name, fsx_root: Path, job: dict, namespace: str,
+                   kube_api: str, supervise, log) -> TrainResult:
     from components.pytorchjob import JobSpec, job_manifest, parse_trainer_args
     from components.supervise import api_client, current_namespace, run_job
 
+    job = dict(job)
+    runtime = job.pop("runtime", None)
     settings = {**job, "name": name, "run_id": run_id, "task_name": task_name, "trainer_args": args}
     settings["namespace"] = namespace or job.get("namespace") or (current_namespace() if not kube_api else "default")
     spec = JobSpec.from_dict(settings)
-    manifest = job_manifest(spec)                 # validates everything before the first request
+    # Everything is validated before the first request.
+    if backend == "trainjob":
+        from components.trainjob import RuntimeSpec, trainjob_manifest
+
+        rt = RuntimeSpec.from_dict({"name": runtime} if isinstance(runtime, str) else runtime or {})
+        manifest = trainjob_manifest(spec, rt)
+    elif runtime is not None:
+        raise ValueError("job setting 'runtime' (a ClusterTrainingRuntime) is for backend=trainjob")
+    else:
+        manifest = job_manifest(spec)
+    what = manifest["kind"]
     out = PurePosixPath(parse_trainer_args(spec.full_trainer_args()).run.out)
     local_out = fsx_root / out.relative_to(spec.fsx_mount)
-    log(f"PyTorchJob {spec.namespace}/{name}: {spec.nodes} node(s) x {spec.procs} process(es), image "
+    client = api_client(kube_api)
+    if backend == "trainjob":
+        _check_runtime(client, rt.name, log)
+    log(f"{what} {spec.namespace}/{name}: {spec.nodes} node(s) x {spec.procs} process(es), image "
         f"{spec.image}, run directory {out} (here {local_out})")
-    outcome = run_job(manifest, namespace=spec.namespace, client=api_client(kube_api), cfg=supervise, log=log)
+    outcome = run_job(manifest, namespace=spec.namespace, client=client, cfg=supervise, log=log)
     summary_path = local_out / "summary.json"
     if not summary_path.is_file():
-        raise RuntimeError(f"PyTorchJob {spec.namespace}/{name} succeeded but {summary_path} is missing: is the "
+        raise RuntimeError(f"{what} {spec.namespace}/{name} succeeded but {summary_path} is missing: is the "
                            f"FSx claim {spec.pvc!r} mounted at {fsx_root} in this pod?")
     import json
 
-    result = _result("cluster", name, local_out, json.loads(summary_path.read_text()))
+    result = _result(backend, name, local_out, json.loads(summary_path.read_text()))
     result.namespace, result.job_restarts, result.reattached = spec.namespace, outcome.restarts, not outcome.created
     return result
+
+
+def _check_runtime(client, name: str, log) -> None:
+    """Refuse a TrainJob whose ClusterTrainingRuntime is not installed (the Trainer's webhook would reject it
+    with less to go on); a launcher not allowed to read runtimes goes on and leaves the check to the webhook."""
+    from kubernetes import client as k8s
+    from kubernetes.client.rest import ApiException
+
+    from components.trainjob import API_VERSION
+
+    group, version = API_VERSION.split("/")
+    try:
+        k8s.CustomObjectsApi(client).get_cluster_custom_object(
+            group, version, "clustertrainingruntimes", name, _request_timeout=30)
+    except ApiException as e:
+        if e.status == 404:
+            raise ValueError(f"ClusterTrainingRuntime {name!r} is not installed (or the Trainer v2 CRDs are "
+                             "missing): install it with `kubectl apply --server-side -k deploy/trainer-v2/runtime`"
+                             " (deploy/trainer-v2/README.md), or name an installed one") from None
+        if e.status != 403:
+            raise
+        log(f"cannot read ClusterTrainingRuntime {name} (403; deploy/trainer-v2/rbac.yaml grants it): "
+            "creating the TrainJob unchecked")
 
 
 def _flag_value(args: list[str], flag: str) -> str | None:
@@ -234,7 +294,7 @@ def write_outputs(result: TrainResult, model, metrics) -> None:
             # Pod settings on the task go to the job's pods, not to this launcher's pod.
             passthroughs=("RESOURCES", "ENV", "KUBERNETES_TOLERATIONS", "KUBERNETES_NODE_SELECTOR"))
 def train_op(
-    backend: str = "cluster",
+    backend: str = "pytorchjob",
     trainer_args: list = [],
     image: str = "ghcr.io/goodput-pipelines/trainer:0.1.0",
     nodes: int = 1,
@@ -253,10 +313,11 @@ def train_op(
     model: Output[Model],
     metrics: Output[Metrics],
 ):
-    """Train: a PyTorchJob on EKS under NVRx (backend=cluster), or `goodput train` here (backend=local).
+    """Train under NVRx: a PyTorchJob (backend=pytorchjob) or a TrainJob (backend=trainjob) on EKS, or
+    `goodput train` here (backend=local).
 
     Args:
-        backend: ``cluster`` or ``local``.
+        backend: ``pytorchjob`` (or its old name ``cluster``), ``trainjob`` or ``local``.
         trainer_args: arguments of ``python -m trainer`` (``--max-steps``, ``--data``, ...); ``--out``
             defaults to ``<fsx>/runs/<job name>``, ``--data`` to the default dataset on FSx.
         image: trainer image of the job's pods (cluster).
@@ -265,7 +326,8 @@ def train_op(
             (``set_accelerator_limit``) wins.
         spot: let the pods run on spot nodes (cluster).
         job_options: further ``components.pytorchjob.JobSpec`` settings by name, e.g. ``{"node_group":
-            "p5", "scheduler": "volcano", "queue": "training", "launch": {"max_restarts": 5}}``.
+            "p5", "scheduler": "volcano", "queue": "training", "launch": {"max_restarts": 5}}``; trainjob:
+            ``runtime``, the ClusterTrainingRuntime's name (default ``goodput-nvrx``) or its settings.
         namespace: namespace of the job; empty = the namespace of this step's pod.
         timeout_s: overall deadline in seconds; past it the job is deleted and the step fails.
         fsx_root: where FSx is mounted in this step's pod (cluster), or a local directory (local).
@@ -285,7 +347,7 @@ def train_op(
     job.setdefault("gpus_per_node", gpus_per_node)
     job.update(image=image, nodes=nodes, spot=spot)
     result = train(backend, list(trainer_args), run_id=run_id, task_name=task_name, fsx_root=fsx_root,
-                   job=job if backend == "cluster" else {k: v for k, v in job_options.items() if k == "launch"},
+                   job=job if backend != "local" else {k: v for k, v in job_options.items() if k == "launch"},
                    namespace=namespace, kube_api=kube_api, supervise=SuperviseConfig(timeout_s=timeout_s),
                    local_nproc=local_nproc)
     write_outputs(result, model, metrics)

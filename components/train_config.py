@@ -26,7 +26,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
                        n_embd: int = 128, seq_len: int = 128, batch_size: int = 16, parallel: str = "fsdp",
                        seed: int = 1337, inject_fault: str = "", extra_trainer_args: list | None = None,
                        max_restarts: int = 3, backoff_limit: int = 3, instance_type: str = "",
-                       fsx_pvc: str = "fsx-claim", service_account: str = "", backend: str = "cluster",
+                       fsx_pvc: str = "fsx-claim", service_account: str = "", backend: str = "pytorchjob",
                        image: str = "", nodes: int = 1, gpus_per_node: int = -1, gpu_resource: str = "nvidia.com/gpu",
                        efa_per_node: int = -1, cpu: str = "", memory: str = "", shm_size: str = "",
                        node_group: str = "", scheduler: str = "", queue: str = "",
@@ -57,7 +57,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
             (``components.pytorchjob.INSTANCE_TYPES``) sizes GPUs, EFA, CPU, memory and /dev/shm to it.
         fsx_pvc: the FSx PersistentVolumeClaim mounted into the trainer pods.
         service_account: service account of the trainer pods (empty = the namespace default).
-        backend: ``cluster`` or ``local``; the job settings are only checked for ``cluster``.
+        backend: ``pytorchjob`` (or its old name ``cluster``), ``trainjob`` or ``local``; the job settings are
+            checked as the chosen kind's builder checks them (``trainjob``: against the ``goodput-nvrx`` runtime,
+            or the one ``runtime`` names), not for ``local``.
         image: trainer image (checked for ``cluster``).
         nodes: nodes in the job (checked for ``cluster``).
         gpus_per_node: GPUs per pod; -1 = every GPU of ``instance_type`` (8 without one).
@@ -74,6 +76,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
     Raises:
         ValueError: a setting the trainer or the job builder would reject.
     """
+    from components.job_kinds import backend_name
     from components.pytorchjob import INSTANCE_TYPES, JobSpec
     from trainer.config import parse_config
 
@@ -101,11 +104,14 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
            "gpus_per_node": gpus, "gpu_resource": gpu_resource, "efa_per_node": int(efa_per_node), "cpu": cpu,
            "memory": memory, "shm_size": shm_size, "node_group": node_group, "scheduler": scheduler,
            "queue": queue}
-    if backend == "cluster":
-        JobSpec.from_dict({**job, "image": image, "nodes": int(nodes), "spot": bool(spot),
-                           "trainer_args": args}).validate()
-    elif backend != "local":
-        raise ValueError(f"backend must be cluster or local, got {backend!r}")
+    backend = backend_name(backend)
+    spec = {**job, "image": image, "nodes": int(nodes), "spot": bool(spot), "trainer_args": args}
+    if backend == "pytorchjob":
+        JobSpec.from_dict(spec).validate()
+    elif backend == "trainjob":
+        from components.trainjob import RuntimeSpec, build_trainjob
+
+        build_trainjob(JobSpec.from_dict(spec), RuntimeSpec())
     return args, job, run_dir
 
 

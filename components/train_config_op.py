@@ -65,11 +65,11 @@ def train_config_op(
         seed: random seed.
         inject_fault: comma-separated KIND@STEP[:RANK] faults (recovery drills); empty = none.
         max_restarts: in-job restarts by ft_launcher.
-        backoff_limit: PyTorchJob pod restarts before the job fails.
+        backoff_limit: job restarts before the job fails (PyTorchJob pod restarts; TrainJob: the runtime's).
         instance_type: EC2 instance type of the trainer nodes (empty = any); a documented one sizes the pods.
         fsx_pvc: FSx PersistentVolumeClaim of the trainer pods.
         service_account: service account of the trainer pods (empty = default).
-        backend: cluster or local.
+        backend: pytorchjob (or its old name cluster), trainjob or local.
         image: trainer image.
         nodes: nodes in the job.
         gpus_per_node: GPUs per pod; -1 = every GPU of the instance type (8 without one).

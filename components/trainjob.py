@@ -138,6 +138,8 @@ class RuntimeSpec:
         if self.schedule_timeout_s and self.pods.scheduler != "scheduler-plugins":
             p.append("schedule_timeout_s is a setting of scheduler-plugins (coscheduling): set "
                      "scheduler=scheduler-plugins")
+        if len(p) == 1:
+            raise ValueError(f"invalid ClusterTrainingRuntime settings: {p[0]}")
         if p:
             raise ValueError("invalid ClusterTrainingRuntime settings:\n  " + "\n  ".join(p))
         return self
@@ -145,11 +147,7 @@ class RuntimeSpec:
 
 def _problems(spec: JobSpec) -> list[str]:
     """The PyTorchJob builder's checks of ``spec``, as a list."""
-    try:
-        spec.validate()
-    except ValueError as e:
-        return str(e).split("\n  ")[1:]
-    return []
+    return spec.problems()
 
 
 # Commands ---------------------------------------------------------------------------------------
@@ -225,6 +223,8 @@ def _trainjob_problems(spec: JobSpec, runtime: RuntimeSpec) -> list[str]:
 def _validate_trainjob(spec: JobSpec, runtime: RuntimeSpec) -> None:
     runtime.validate()
     p = _problems(spec) + _trainjob_problems(spec, runtime)
+    if len(p) == 1:
+        raise ValueError(f"invalid TrainJob settings: {p[0]}")
     if p:
         raise ValueError("invalid TrainJob settings:\n  " + "\n  ".join(p))
 

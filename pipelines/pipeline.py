@@ -18,8 +18,8 @@ from pipelines.stage_pipeline import stage_pipeline
 UNIFORM_LOSS = 5.545177444479562       # ln 256: nats per byte of a uniform guess
 
 
-@dsl.pipeline(name=PIPELINE_NAME, description="Stage a dataset to FSx, train under NVRx in a PyTorchJob, evaluate "
-                                              "the checkpoints and register the model if it is promoted.")
+@dsl.pipeline(name=PIPELINE_NAME, description="Stage a dataset to FSx, train under NVRx in a PyTorchJob or TrainJob, "
+                                              "evaluate the checkpoints and register the model if it is promoted.")
 def goodput_pipeline(
     dataset_source: str,
     dataset_name: str = "corpus",
@@ -73,21 +73,22 @@ def goodput_pipeline(
     fsx_root: str = FSX_MOUNT,
     step_node_selector: dict = {},
     step_tolerations: list = [],
-    backend: str = "cluster",
+    backend: str = "pytorchjob",
     local_nproc: int = 2,
 ):
     """Train a byte-level GPT on EKS where a GPU failure costs seconds.
 
     Steps (all inside an exit handler):
-      1. check settings: the trainer's arguments and the PyTorchJob are validated before anything runs.
+      1. check settings: the trainer's arguments and the job are validated before anything runs.
       2. stage: ``dataset_source`` (s3://bucket/prefix or a directory) -> <fsx>/datasets/<name>/<version>,
          tokenized by ``tokenizer`` in up to ``stage_parallelism`` pods (plan, partitions, merge).
-      3. train: a PyTorchJob of ``nodes`` x ``gpus_per_node`` under NVRx ft_launcher (backend=cluster), or
-         ft_launcher processes in the step itself (backend=local); writes <fsx>/runs/<run id>.
+      3. train: a PyTorchJob (backend=pytorchjob) or a Trainer v2 TrainJob (backend=trainjob) of ``nodes`` x
+         ``gpus_per_node`` under NVRx ft_launcher, or ft_launcher processes in the step itself (backend=local);
+         writes <fsx>/runs/<run id>.
       4. evaluate: every committed checkpoint on the validation split, report, promotion gate; a promoted
          model is written to ``registry``.
       5. register (only if promoted): the registered model becomes the run's Model artifact.
-      Exit handler, whatever happened: delete a PyTorchJob the run left running.
+      Exit handler, whatever happened: delete a PyTorchJob or TrainJob the run left running.
 
     Args:
         dataset_source: s3://bucket/prefix of the text files, or a directory visible to the stage pod.
@@ -114,7 +115,7 @@ def goodput_pipeline(
         ckpt_every: checkpoint interval in steps.
         seed: random seed.
         parallel: fsdp or ddp.
-        nodes: nodes in the PyTorchJob.
+        nodes: nodes in the job.
         gpus_per_node: GPUs (trainer processes) per node; -1 = every GPU of instance_type.
         instance_type: EC2 instance type of the trainer nodes (p5.48xlarge, p5e/p5en.48xlarge, p4d/p4de.24xlarge,
             g5/g6/g6e.*): sizes GPUs, EFA, CPU, memory and /dev/shm to it; empty = any node (set the sizes).
@@ -128,7 +129,7 @@ def goodput_pipeline(
         scheduler: gang scheduler of the trainer pods: empty, volcano, scheduler-plugins or yunikorn.
         queue: the gang's queue: a Volcano queue, or a YuniKorn queue root.<name>.
         max_restarts: in-job restarts of the worker group by ft_launcher.
-        backoff_limit: PyTorchJob pod restarts before the job fails.
+        backoff_limit: job restarts before it fails (PyTorchJob pod restarts; a TrainJob's must be its runtime's).
         train_timeout_s: deadline of the train step in seconds.
         inject_fault: KIND@STEP[:RANK] faults for the trainer, comma-separated (recovery drills).
         promotion_threshold: promote only below this validation loss (nats per byte).
@@ -140,12 +141,13 @@ def goodput_pipeline(
         registry: model registry, a directory on FSx or s3://bucket/prefix.
         trainer_image: image of the trainer pods.
         trainer_service_account: service account of the trainer pods; empty = the namespace default.
-        namespace: namespace of the PyTorchJob; empty = the pipeline's.
+        namespace: namespace of the job; empty = the pipeline's.
         fsx_pvc: the FSx for Lustre PersistentVolumeClaim.
         fsx_root: FSx path in the pods; keep /fsx on a cluster (the claim is mounted there).
         step_node_selector: nodeSelector of the step pods, e.g. {"karpenter.sh/capacity-type": "on-demand"}.
         step_tolerations: tolerations of the step pods (a list of Kubernetes toleration objects).
-        backend: cluster (a PyTorchJob) or local (goodput run --local).
+        backend: pytorchjob (a Training Operator PyTorchJob; "cluster" is its old name), trainjob (a Kubeflow
+            Trainer v2 TrainJob on the goodput-nvrx runtime: deploy/trainer-v2) or local (goodput run --local).
         local_nproc: ranks of the local backend.
     """
     cleanup = cleanup_op(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, backend=backend, namespace=namespace)
@@ -188,7 +190,7 @@ def goodput_pipeline(
         # which job_options place already; so none here. The FSx mount is passed through to the job's
         # pods and kept on the launcher's pod, which reads the run's summary.json from FSx.
         on_fsx(train, fsx_pvc)
-        # A retried train step re-attaches to its PyTorchJob (named from the run) and the trainer resumes
+        # A retried train step re-attaches to its job (named from the run) and the trainer resumes
         # from the last committed checkpoint: retries never duplicate a job.
         train.set_display_name("train").set_caching_options(False).set_retry(2, backoff_duration="120s")
 

@@ -52,7 +52,9 @@ _MODELS = {("apps/v1", "DaemonSet"): "V1DaemonSet", ("apps/v1", "Deployment"): "
            ("v1", "ConfigMap"): "V1ConfigMap", ("v1", "ServiceAccount"): "V1ServiceAccount",
            ("storage.k8s.io/v1", "StorageClass"): "V1StorageClass",
            ("rbac.authorization.k8s.io/v1", "Role"): "V1Role",
-           ("rbac.authorization.k8s.io/v1", "RoleBinding"): "V1RoleBinding"}
+           ("rbac.authorization.k8s.io/v1", "RoleBinding"): "V1RoleBinding",
+           ("rbac.authorization.k8s.io/v1", "ClusterRole"): "V1ClusterRole",
+           ("rbac.authorization.k8s.io/v1", "ClusterRoleBinding"): "V1ClusterRoleBinding"}
 
 
 def _normalized(obj):

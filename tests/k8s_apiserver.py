@@ -6,15 +6,21 @@ of a few seconds so that server-side watch closes happen within a test, restarta
 anyone else's server) and stops it at the end. A built binary is reused; without one the script builds it
 (15-25 minutes on 2 cores; ``.ci/run`` does that first).
 
+The server has the CRDs of both job kinds the launcher supervises: the Training Operator's PyTorchJob, and
+Kubeflow Trainer v2's TrainJob and ClusterTrainingRuntime with the JobSet a TrainJob becomes (``../shared/schemas``,
+adapted to what a 1.20 server takes: ``for_kube_1_20``).
+
 What the tests play, as the real components would:
-  * ``Operator``: the Training Operator (job ``status`` subresource, pods with the operator's labels and
-    owner reference, their ``status``, events) and the garbage collector (foreground deletion).
+  * ``Operator``: the job's controller (``PYTORCHJOB``: the Training Operator; ``TRAINJOB``: the Trainer with
+    the JobSet and Job controllers): the job's ``status`` subresource, pods with the controller's labels, their
+    ``status``, events; and the garbage collector (foreground deletion).
   * ``Kubelet``: the kubelet's ``/containerLogs`` endpoint over TLS, reached through the API server's pod
     log proxy; it requires the client certificate the API server presents (``run/kubelet-client.crt``).
   * ``Audit``: the server's audit log, to see each request the launcher made and RBAC's answer.
 
-Each test gets a namespace with the pipeline's service account bound by ``deploy/rbac.yaml`` and a
-TokenRequest token for it: the launcher talks to the server as that account, so RBAC is enforced.
+Each test gets a namespace with the pipeline's service account bound by ``deploy/rbac.yaml`` (TrainJobs:
+``deploy/trainer-v2/rbac.yaml``) and a TokenRequest token for it: the launcher talks to the server as that
+account, so RBAC is enforced.
 """
 
 from __future__ import annotations
@@ -52,6 +58,8 @@ SCRIPT = SHARED / "k8s" / "apiserver.sh"
 SCHEMAS = SHARED / "schemas"
 GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 JOB_NAME = "training.kubeflow.org/job-name"
+CRDS = ("kubeflow.org_pytorchjobs.yaml", "trainer.kubeflow.org_trainjobs.yaml",
+        "trainer.kubeflow.org_clustertrainingruntimes.yaml", "jobset.x-k8s.io_jobsets.yaml")
 NODE = "goodput-node-a"
 MIN_REQUEST_TIMEOUT = 4          # seconds: a watch without timeoutSeconds is closed after 4-8 s
 LAUNCHER_SA = "pipeline-runner"  # deploy/rbac.yaml's subject (standalone KFP)
@@ -124,19 +132,7 @@ class ApiServer:
         return self
 
     def _install_crds(self) -> None:
-        # 1.20 predates x-kubernetes-validations (CEL): kubectl would refuse the CRD, server-side apply too;
-        # a plain create drops the field.
-        self.kubectl("create", "--validate=false", "-f", str(SCHEMAS / "kubeflow.org_pytorchjobs.yaml"))
-        ext = k8s.ApiextensionsV1Api(self.admin)
-
-        def established():
-            crd = ext.read_custom_resource_definition("pytorchjobs.kubeflow.org")
-            return any(c.type == "Established" and c.status == "True" for c in crd.status.conditions or [])
-        wait_until(established, 60, "the PyTorchJob CRD to be established", every=0.2)
-        # The discovery of a new CRD reaches the handlers a moment after Established.
-        co = k8s.CustomObjectsApi(self.admin)
-        wait_until(lambda: _ok(lambda: co.list_namespaced_custom_object(GROUP, VERSION, "default", PLURAL)),
-                   60, "pytorchjobs to be served", every=0.2)
+        install_crds(self.admin)
 
     def restart_apiserver(self) -> None:
         """Stop and start kube-apiserver only: every open watch drops; etcd keeps the data."""
@@ -154,6 +150,50 @@ class ApiServer:
         with contextlib.suppress(Exception):
             self._script("stop", timeout=60)
         shutil.rmtree(self.home, ignore_errors=True)
+
+
+def for_kube_1_20(node):
+    """A CRD as the 1.20 server takes it. It predates CEL, so ``x-kubernetes-validations`` go (a plain create
+    would drop them anyway); it reads ``default: ""`` as null and refuses the CRD, so empty-string defaults go
+    (they only ever add a field; nothing here relies on them), and a list-map key that had one becomes
+    required, which 1.20 demands of such keys instead."""
+    if isinstance(node, list):
+        return [for_kube_1_20(n) for n in node]
+    if not isinstance(node, dict):
+        return node
+    items = node.get("items")
+    if node.get("x-kubernetes-list-map-keys") and isinstance(items, dict):
+        blank = [k for k in node["x-kubernetes-list-map-keys"] if items.get("properties", {}).get(k, {}).get(
+            "default") == ""]
+        node = {**node, "items": {**items, "required": sorted({*items.get("required", []), *blank})}}
+    return {k: for_kube_1_20(v) for k, v in node.items()
+            if not (k == "default" and v == "") and k != "x-kubernetes-validations"}
+
+
+def install_crds(admin: k8s.ApiClient) -> None:
+    """Create ``CRDS`` (adapted by ``for_kube_1_20``) unless they exist, and wait until each is served."""
+    ext, co = k8s.ApiextensionsV1Api(admin), k8s.CustomObjectsApi(admin)
+    for file in CRDS:
+        crd = for_kube_1_20(yaml.safe_load((SCHEMAS / file).read_text()))
+        name = crd["metadata"]["name"]
+        try:
+            ext.create_custom_resource_definition(crd)
+        except ApiException as e:
+            if e.status != 409:        # installed already (another session on this server)
+                raise
+
+        def established():
+            got = ext.read_custom_resource_definition(name)
+            return any(c.type == "Established" and c.status == "True" for c in got.status.conditions or [])
+        wait_until(established, 60, f"the CRD {name} to be established", every=0.2)
+        group, plural = crd["spec"]["group"], crd["spec"]["names"]["plural"]
+        version = next(v["name"] for v in crd["spec"]["versions"] if v.get("storage"))
+        # The discovery of a new CRD reaches the handlers a moment after Established.
+        if crd["spec"]["scope"] == "Namespaced":
+            served = lambda: co.list_namespaced_custom_object(group, version, "default", plural)  # noqa: E731
+        else:
+            served = lambda: co.list_cluster_custom_object(group, version, plural)  # noqa: E731
+        wait_until(lambda: _ok(served), 60, f"{plural} to be served", every=0.2)
 
 
 def _ok(fn) -> bool:
@@ -221,8 +261,8 @@ class Namespace:
 
 
 def make_namespace(server: ApiServer, prefix: str, *, sa: str = LAUNCHER_SA, rbac: str | None = None,
-                   tmp: Path) -> Namespace:
-    """A fresh namespace; ``sa`` bound by deploy/rbac.yaml (its subject moved into this namespace) or by
+                   rbac_file: str = "deploy/rbac.yaml", tmp: Path) -> Namespace:
+    """A fresh namespace; ``sa`` bound by ``rbac_file`` (its subject moved into this namespace) or by
     the documents in ``rbac`` (YAML text, applied as given; "" = none), and a TokenRequest token for ``sa``."""
     core = k8s.CoreV1Api(server.admin)
     name = f"{prefix}-{uuid.uuid4().hex[:6]}"
@@ -232,10 +272,12 @@ def make_namespace(server: ApiServer, prefix: str, *, sa: str = LAUNCHER_SA, rba
     for account in {"default", sa}:
         core.create_namespaced_service_account(name, k8s.V1ServiceAccount(metadata=k8s.V1ObjectMeta(name=account)))
     if rbac is None:
-        docs = list(yaml.safe_load_all((REPO / "deploy" / "rbac.yaml").read_text()))
+        docs = list(yaml.safe_load_all((REPO / rbac_file).read_text()))
         for d in docs:
-            if d["kind"] == "RoleBinding":
+            if d["kind"] in ("RoleBinding", "ClusterRoleBinding"):
                 d["subjects"] = [{**s, "namespace": name} if s.get("name") == sa else s for s in d["subjects"]]
+            if d["kind"] == "ClusterRoleBinding":      # one per namespace: the others' stay bound
+                d["metadata"]["name"] += f"-{name}"
         rbac = yaml.safe_dump_all(docs)
     if rbac:
         server.kubectl("apply", "-n", name, "-f", "-", input=rbac)
@@ -451,14 +493,166 @@ def _kubelet_handler(kubelet: Kubelet):
     return Handler
 
 
-# The Training Operator and the garbage collector --------------------------------------------------
+# The job's controller and the garbage collector -----------------------------------------------------
+
+@dataclass(frozen=True)
+class Controller:
+    """What differs between the controllers a test plays: where the job lives, its pods' names and labels,
+    how its status says a phase. The scenarios (``Operator``'s methods) are the same for every kind."""
+
+    kind: str
+    group: str
+    version: str
+    plural: str
+    container: str        # the trainer container
+    prefix: str           # the launcher's prefix of the master's log lines
+    rbac_file: str        # the launcher's Role, relative to the repository
+
+    def pod(self, op: "Operator", job: str, rtype: str, index: int) -> tuple[str, dict, list]:
+        raise NotImplementedError
+
+    def pod_selector(self, job: str) -> str:
+        raise NotImplementedError
+
+    def status(self, op: "Operator", name: str, phase: str, reason: str, message: str,
+               replicas: dict | None) -> None:
+        raise NotImplementedError
+
+    def collect(self, op: "Operator", name: str) -> None:
+        """What foreground deletion removes besides the pods."""
+
+
+def _condition(conds: list[dict], kind: str, reason: str, message: str) -> None:
+    conds[:] = [c for c in conds if c["type"] != kind]
+    stamp = now_rfc3339()[:19] + "Z"
+    conds.append({"type": kind, "status": "True", "reason": reason, "message": message,
+                  "lastTransitionTime": stamp, "lastUpdateTime": stamp})
+
+
+class _TrainingOperator(Controller):
+    def pod(self, op, job, rtype, index):
+        owner = op.job(job)
+        labels = {JOB_NAME: job, "training.kubeflow.org/operator-name": "pytorchjob-controller",
+                  "training.kubeflow.org/replica-type": rtype.lower(),
+                  "training.kubeflow.org/replica-index": str(index),
+                  **({"training.kubeflow.org/job-role": "master"} if rtype == "Master" else {})}
+        refs = [{"apiVersion": f"{self.group}/{self.version}", "kind": self.kind, "name": job,
+                 "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]
+        return f"{job}-{rtype.lower()}-{index}", labels, refs
+
+    def pod_selector(self, job):
+        return f"{JOB_NAME}={job}"
+
+    def status(self, op, name, phase, reason, message, replicas):
+        """Add condition ``phase`` (True) through the status subresource; Running/Restarting turn False."""
+        status = copy.deepcopy(op.job(name).get("status") or {})
+        conds = status.setdefault("conditions", [])
+        for c in conds:
+            if c["type"] in ("Running", "Restarting"):
+                c["status"] = "False"
+        _condition(conds, phase, reason or f"PyTorchJob{phase}", message or f"PyTorchJob {name} is {phase.lower()}.")
+        if replicas is not None:
+            status["replicaStatuses"] = replicas
+        op.co.patch_namespaced_custom_object_status(self.group, self.version, op.ns, self.plural, name,
+                                                    {"status": status})
+
+
+JOBSET = ("jobset.x-k8s.io", "v1alpha2", "jobsets")
+JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
+
+
+class _Trainer(Controller):
+    """Kubeflow Trainer v2 with the JobSet and Job controllers: a TrainJob becomes a JobSet of the same name,
+    whose one replicated job ``node`` runs one pod per node (``<job>-node-0-<index>-<random>``)."""
+
+    def pod(self, op, job, rtype, index):
+        self.jobset(op, job)
+        node = 0 if rtype == "Master" else index + 1
+        labels = {JOBSET_NAME: job, "jobset.sigs.k8s.io/replicatedjob-name": "node",
+                  "jobset.sigs.k8s.io/job-index": "0", "batch.kubernetes.io/job-completion-index": str(node),
+                  "job-name": f"{job}-node-0", "trainer.kubeflow.org/trainjob-ancestor-step": "trainer"}
+        return f"{job}-node-0-{node}-{uuid.uuid4().hex[:5]}", labels, []
+
+    def pod_selector(self, job):
+        return f"{JOBSET_NAME}={job}"
+
+    def jobset(self, op: "Operator", name: str) -> dict:
+        """The JobSet the Trainer makes of TrainJob ``name`` (created on first use)."""
+        try:
+            return op.co.get_namespaced_custom_object(*JOBSET[:2], op.ns, JOBSET[2], name)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        owner = op.job(name)
+        return op.co.create_namespaced_custom_object(*JOBSET[:2], op.ns, JOBSET[2], {
+            "apiVersion": "/".join(JOBSET[:2]), "kind": "JobSet",
+            "metadata": {"name": name, "ownerReferences": [{
+                "apiVersion": f"{self.group}/{self.version}", "kind": self.kind, "name": name,
+                "uid": owner["metadata"]["uid"], "controller": True, "blockOwnerDeletion": True}]},
+            "spec": {"replicatedJobs": [{"name": "node", "replicas": 1, "template": {"spec": {"template": {
+                "spec": {"restartPolicy": "Never", "containers": [{"name": "node", "image": "img"}]}}}}}]}})
+
+    def status(self, op, name, phase, reason, message, replicas):
+        jobset = self.jobset(op, name)
+        job_status = copy.deepcopy(op.job(name).get("status") or {})
+        set_status = copy.deepcopy(jobset.get("status") or {})
+        conds, set_conds = job_status.setdefault("conditions", []), set_status.setdefault("conditions", [])
+        if replicas is not None or phase == "Created":
+            total = {k: sum(int(r.get(k, 0)) for r in (replicas or {}).values())
+                     for k in ("active", "succeeded", "failed")}
+            job_status["jobsStatus"] = [{"name": "node", "ready": total["active"], "suspended": 0, **total}]
+            set_status["replicatedJobsStatus"] = [{"name": "node", "ready": total["active"], "suspended": 0, **total}]
+        if phase == "Restarting":           # the JobSet recreated its pods: a restart counted against the budget
+            set_status["restarts"] = int(set_status.get("restarts") or 0) + 1
+            set_status["restartsCountTowardsMax"] = int(set_status.get("restartsCountTowardsMax") or 0) + 1
+        elif phase == "Succeeded":
+            _condition(set_conds, "Completed", "AllJobsCompleted", "jobset completed successfully")
+            _condition(conds, "Complete", reason or "JobSetCompleted", message or "jobset completed successfully")
+        elif phase == "Failed":
+            _condition(set_conds, "Failed", reason or "FailedJobs", message or "jobset failed")
+            _condition(conds, "Failed", reason or "JobSetFailed", message or "jobset failed")
+        elif phase == "Suspended":
+            _condition(conds, "Suspended", reason or "Suspended", message or "TrainJob is suspended")
+        op.co.patch_namespaced_custom_object_status(*JOBSET[:2], op.ns, JOBSET[2], name, {"status": set_status})
+        op.co.patch_namespaced_custom_object_status(self.group, self.version, op.ns, self.plural, name,
+                                                    {"status": job_status})
+
+    def node_job_failed(self, op: "Operator", name: str, reason: str, message: str) -> None:
+        """The JobSet's node Job (``<job>-node-0``) failed, as the Job controller reports it."""
+        batch = k8s.BatchV1Api(op.admin)
+        job = f"{name}-node-0"
+        batch.create_namespaced_job(op.ns, {
+            "apiVersion": "batch/v1", "kind": "Job", "metadata": {"name": job, "labels": {
+                JOBSET_NAME: name, "jobset.sigs.k8s.io/replicatedjob-name": "node"}},
+            "spec": {"suspend": True, "template": {"metadata": {"labels": {JOBSET_NAME: name}}, "spec": {
+                "restartPolicy": "Never", "containers": [{"name": "node", "image": "img"}]}}}})
+        stamp = now_rfc3339()[:19] + "Z"
+        batch.patch_namespaced_job_status(job, op.ns, {"status": {"conditions": [{
+            "type": "Failed", "status": "True", "reason": reason, "message": message,
+            "lastProbeTime": stamp, "lastTransitionTime": stamp}]}})
+
+    def collect(self, op, name):
+        with contextlib.suppress(ApiException):
+            op.co.delete_namespaced_custom_object(*JOBSET[:2], op.ns, JOBSET[2], name)
+        batch = k8s.BatchV1Api(op.admin)
+        for job in batch.list_namespaced_job(op.ns, label_selector=f"{JOBSET_NAME}={name}").items:
+            with contextlib.suppress(ApiException):
+                batch.delete_namespaced_job(job.metadata.name, op.ns, propagation_policy="Background")
+
+
+PYTORCHJOB = _TrainingOperator("PyTorchJob", GROUP, VERSION, PLURAL, "pytorch", "[master-0]", "deploy/rbac.yaml")
+TRAINJOB = _Trainer("TrainJob", "trainer.kubeflow.org", "v1alpha1", "trainjobs", "node", "[node-0]",
+                    "deploy/trainer-v2/rbac.yaml")
+
 
 class Operator:
-    """What the Training Operator (and kube-controller-manager's garbage collector) would do, as admin."""
+    """What the job's controller (and kube-controller-manager's garbage collector) would do, as admin."""
 
-    def __init__(self, ns: Namespace) -> None:
+    def __init__(self, ns: Namespace, controller: Controller = PYTORCHJOB) -> None:
         self.ns = ns.name
         self.namespace = ns
+        self.ctl = controller
+        self.gvp = (controller.group, controller.version, ns.name, controller.plural)
         self.admin = ns.server.admin
         self.co = k8s.CustomObjectsApi(self.admin)
         self.core = k8s.CoreV1Api(self.admin)
@@ -472,14 +666,17 @@ class Operator:
     # Jobs.
     def job(self, name: str) -> dict | None:
         try:
-            return self.co.get_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, name)
+            return self.co.get_namespaced_custom_object(*self.gvp, name)
         except ApiException as e:
             if e.status == 404:
                 return None
             raise
 
     def jobs(self) -> list[dict]:
-        return self.co.list_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)["items"]
+        return self.co.list_namespaced_custom_object(*self.gvp)["items"]
+
+    def create_job(self, manifest: dict) -> dict:
+        return self.co.create_namespaced_custom_object(*self.gvp, manifest)
 
     def alive(self, name: str) -> bool:
         job = self.job(name)
@@ -487,41 +684,24 @@ class Operator:
 
     def set_phase(self, name: str, phase: str, reason: str = "", message: str = "",
                   replicas: dict | None = None) -> None:
-        """Add condition ``phase`` (True) through the status subresource; Running/Restarting turn False."""
-        job = self.job(name)
-        status = copy.deepcopy(job.get("status") or {})
-        conds = status.setdefault("conditions", [])
-        for c in conds:
-            if c["type"] in ("Running", "Restarting"):
-                c["status"] = "False"
-        conds[:] = [c for c in conds if c["type"] != phase]
-        stamp = now_rfc3339()[:19] + "Z"
-        conds.append({"type": phase, "status": "True", "reason": reason or f"PyTorchJob{phase}",
-                      "message": message or f"PyTorchJob {name} is {phase.lower()}.",
-                      "lastTransitionTime": stamp, "lastUpdateTime": stamp})
-        if replicas is not None:
-            status["replicaStatuses"] = replicas
-        self.co.patch_namespaced_custom_object_status(GROUP, VERSION, self.ns, PLURAL, name, {"status": status})
+        """Report ``phase`` (Created, Running, Restarting, Succeeded, Failed) as the kind's controller does;
+        ``replicas``: counts by replica type ({"Master": {"active": 1}, ...}; a TrainJob sums them)."""
+        self.ctl.status(self, name, phase, reason, message, replicas)
 
     # Pods.
     def add_pod(self, job: str, rtype: str, index: int) -> str:
-        owner = self.job(job)
-        name = f"{job}-{rtype.lower()}-{index}"
+        """The pod of replica ``rtype`` ``index`` (Master 0 is node 0; Worker i is node i + 1), running."""
+        name, labels, owners = self.ctl.pod(self, job, rtype, index)
+        c = self.ctl.container
         self.core.create_namespaced_pod(self.ns, {
             "apiVersion": "v1", "kind": "Pod",
-            "metadata": {"name": name, "labels": {
-                JOB_NAME: job, "training.kubeflow.org/operator-name": "pytorchjob-controller",
-                "training.kubeflow.org/replica-type": rtype.lower(), "training.kubeflow.org/replica-index": str(index),
-                **({"training.kubeflow.org/job-role": "master"} if rtype == "Master" else {})},
-                "ownerReferences": [{"apiVersion": f"{GROUP}/{VERSION}", "kind": "PyTorchJob", "name": job,
-                                     "uid": owner["metadata"]["uid"], "controller": True,
-                                     "blockOwnerDeletion": True}]},
+            "metadata": {"name": name, "labels": labels, **({"ownerReferences": owners} if owners else {})},
             "spec": {"nodeName": NODE, "automountServiceAccountToken": False, "restartPolicy": "OnFailure",
                      "terminationGracePeriodSeconds": 0,
-                     "containers": [{"name": "pytorch", "image": "img"}]}})
+                     "containers": [{"name": c, "image": "img"}]}})
         self.kubelet.start_container(self.ns, name)
         self._pod_status(name, {"phase": "Running", "podIP": "127.0.0.1", "containerStatuses": [
-            {"name": "pytorch", "image": "img", "imageID": "", "ready": True, "restartCount": 0,
+            {"name": c, "image": "img", "imageID": "", "ready": True, "restartCount": 0,
              "state": {"running": {"startedAt": now_rfc3339()[:19] + "Z"}}}]})
         return name
 
@@ -538,7 +718,8 @@ class Operator:
         self.kubelet.end_container(self.ns, pod)
         c = self._container(pod)
         self._pod_status(pod, {"phase": "Succeeded" if exit_code == 0 else "Failed", "containerStatuses": [
-            {"name": "pytorch", "image": "img", "imageID": "", "ready": False, "restartCount": c["restart_count"],
+            {"name": self.ctl.container, "image": "img", "imageID": "", "ready": False,
+             "restartCount": c["restart_count"],
              "state": {"terminated": {"exitCode": exit_code, "reason": reason, "message": message,
                                       "startedAt": now_rfc3339()[:19] + "Z",
                                       "finishedAt": now_rfc3339()[:19] + "Z"}}}]})
@@ -553,13 +734,15 @@ class Operator:
         c = self._container(pod)
         stamp = now_rfc3339()[:19] + "Z"
         self._pod_status(pod, {"containerStatuses": [
-            {"name": "pytorch", "image": "img", "imageID": "", "ready": True, "restartCount": c["restart_count"] + 1,
+            {"name": self.ctl.container, "image": "img", "imageID": "", "ready": True,
+             "restartCount": c["restart_count"] + 1,
              "lastState": {"terminated": {"exitCode": exit_code, "reason": reason, "startedAt": stamp,
                                           "finishedAt": stamp}},
              "state": {"running": {"startedAt": stamp}}}]})
 
     def replace_pod(self, pod: str, job: str, rtype: str, index: int) -> str:
-        """A spot reclaim: the pod is gone and the operator makes a new one of the same name (a new uid)."""
+        """A spot reclaim (a JobSet restart): the pod is gone and the controller makes a new one for the
+        same replica (a new uid; a PyTorchJob's has the same name)."""
         self.kubelet.end_container(self.ns, pod)
         self.core.delete_namespaced_pod(pod, self.ns, grace_period_seconds=0)
         wait_until(lambda: not _ok(lambda: self.core.read_namespaced_pod(pod, self.ns)), 10, f"{pod} to go")
@@ -571,7 +754,7 @@ class Operator:
             "apiVersion": "v1", "kind": "Event", "metadata": {"name": f"{name}.{uuid.uuid4().hex[:10]}"},
             "involvedObject": {"kind": kind, "name": name, "namespace": self.ns}, "reason": reason,
             "message": message, "type": type, "count": 1, "firstTimestamp": stamp, "lastTimestamp": stamp,
-            "source": {"component": "pytorchjob-controller"}})
+            "source": {"component": f"{self.ctl.kind.lower()}-controller"}})
 
     # Scenarios.
     def play(self, scenario: Callable[["Operator", str], None], name: str | None = None) -> None:
@@ -600,25 +783,27 @@ class Operator:
         self._gc.join(5)
 
     def _collect_garbage(self) -> None:
-        """Foreground deletion: delete the job's pods, then drop its foregroundDeletion finalizer."""
+        """Foreground deletion: delete the job's pods (and what else it owns), then drop its finalizer."""
         while not self.stop.is_set():
             try:
-                for job in self.co.list_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL)["items"]:
+                for job in self.jobs():
                     meta = job["metadata"]
                     if not meta.get("deletionTimestamp"):
                         continue
-                    pods = self.core.list_namespaced_pod(self.ns, label_selector=f"{JOB_NAME}={meta['name']}")
+                    pods = self.core.list_namespaced_pod(self.ns, label_selector=self.ctl.pod_selector(meta["name"]))
                     for pod in pods.items:
                         self.kubelet.end_container(self.ns, pod.metadata.name)
                         with contextlib.suppress(ApiException):
                             self.core.delete_namespaced_pod(pod.metadata.name, self.ns, grace_period_seconds=0)
+                    self.ctl.collect(self, meta["name"])
                     with contextlib.suppress(ApiException):
-                        self.co.patch_namespaced_custom_object(GROUP, VERSION, self.ns, PLURAL, meta["name"],
+                        self.co.patch_namespaced_custom_object(*self.gvp, meta["name"],
                                                                {"metadata": {"finalizers": None}})
             except Exception:  # noqa: BLE001 - e.g. during an API server restart: try again
                 pass
             self.stop.wait(0.2)
 
 
-__all__ = ["ApiServer", "Audit", "AuditEvent", "Kubelet", "Namespace", "Operator", "apiserver", "kubelet",
-           "make_namespace", "wait_until", "now_rfc3339"]
+__all__ = ["ApiServer", "Audit", "AuditEvent", "Controller", "Kubelet", "Namespace", "Operator", "PYTORCHJOB",
+           "TRAINJOB", "apiserver", "for_kube_1_20", "install_crds", "kubelet", "make_namespace", "wait_until",
+           "now_rfc3339"]

@@ -64,4 +64,24 @@ def test_a_job_that_cannot_be_deleted_fails_loudly(kube):
 
 def test_component_on_the_local_backend_touches_no_cluster(capsys):
     cleanup_op.python_func(run_id=RUN, backend="local")
-    assert "no PyTorchJob to clean up" in capsys.readouterr().out
+    assert "no job to clean up" in capsys.readouterr().out
+
+
+def test_a_kind_that_is_not_installed_is_skipped_unless_it_is_the_runs_backend(kube):
+    """Only the Training Operator is installed here: the TrainJob list is 404."""
+    from kubernetes.client.rest import ApiException
+
+    from components.job_kinds import TRAINJOB
+
+    kube.put_job(job("gp-train-running", RUN), "team-a")
+    lines = []
+    assert cleanup_run_jobs(RUN, "team-a", client=client(kube), wait_s=2, log=lines.append) == ["gp-train-running"]
+    assert "trainjobs not installed in team-a: none of them to clean up" in lines
+    with pytest.raises(ApiException) as err:
+        cleanup_run_jobs(RUN, "team-a", client=client(kube), required=[TRAINJOB], log=lines.append)
+    assert err.value.status == 404
+
+
+def test_component_refuses_an_unknown_backend():
+    with pytest.raises(ValueError, match="backend must be one of pytorchjob, trainjob, local"):
+        cleanup_op.python_func(run_id=RUN, backend="slurm")

@@ -1,9 +1,13 @@
-"""The launcher (components/supervise.py, components/train.py's cluster path) against a real kube-apiserver.
+"""The launcher (components/supervise.py, components/train.py's cluster backends) against a real kube-apiserver.
 
 The launcher authenticates as the pipeline's service account with a TokenRequest token, bound only by
-``deploy/rbac.yaml``, so RBAC answers every call; the test plays the Training Operator, the garbage
-collector and the kubelet's log endpoint (``tests/k8s_apiserver.py``), and reads the server's audit log to
-see what the launcher asked for. The server closes a watch without ``timeoutSeconds`` after 4-8 s.
+``deploy/rbac.yaml`` (TrainJobs: ``deploy/trainer-v2/rbac.yaml``), so RBAC answers every call; the test plays
+the job's controller (the Training Operator; for TrainJobs the Trainer with the JobSet and Job controllers), the
+garbage collector and the kubelet's log endpoint (``tests/k8s_apiserver.py``), and reads the server's audit log
+to see what the launcher asked for. The server closes a watch without ``timeoutSeconds`` after 4-8 s.
+
+The scenarios that take a ``kind`` run the same code for both kinds (``kube`` fixture); the log follower's and
+the per-replica restart scenarios are the supervisor's shared code and run for PyTorchJob only.
 """
 
 from __future__ import annotations
@@ -22,37 +26,68 @@ import pytest
 import yaml
 
 from components.cleanup import cleanup_run_jobs
+from components.job_kinds import KINDS
 from components.pytorchjob import JobSpec, job_manifest
 from components.supervise import JobCancelled, JobFailed, JobTimeout, SuperviseConfig, run_job
 from components.train import train
+from components.trainjob import RuntimeSpec, runtime_manifest, trainjob_manifest
 
 try:
-    from tests.k8s_apiserver import REPO, Operator, apiserver, make_namespace, wait_until
+    from tests.k8s_apiserver import PYTORCHJOB, REPO, TRAINJOB, Operator, apiserver, make_namespace, wait_until
 except ImportError:          # tests/ is not a package: pytest put it on sys.path
-    from k8s_apiserver import REPO, Operator, apiserver, make_namespace, wait_until
+    from k8s_apiserver import PYTORCHJOB, REPO, TRAINJOB, Operator, apiserver, make_namespace, wait_until
 
 FAST = SuperviseConfig(timeout_s=60, watch_timeout_s=5, pods_every_s=1, request_timeout_s=5, backoff_s=0.1,
                        backoff_max_s=1, delete_wait_s=5, log_poll_s=0.1, log_idle_s=4, log_drain_s=3)
 
 
-@pytest.fixture
-def cluster(tmp_path):
-    """(namespace with the launcher's identity, the test's operator) on the session's API server."""
-    ns = make_namespace(apiserver(), "gp", tmp=tmp_path)
-    op = Operator(ns)
+# A runtime for pods without GPUs or EFA (a TrainJob cannot remove what its runtime requests).
+CPU_RUNTIME = {"gpus_per_node": 0, "efa_per_node": 0, "scheduler": ""}
+
+
+def _cluster(ctl, tmp_path):
+    ns = make_namespace(apiserver(), "gp", rbac_file=ctl.rbac_file, tmp=tmp_path)
+    op = Operator(ns, ctl)
     yield ns, op
     op.close()
 
 
-def manifest(name: str = "gp-train-1", run_id: str = "run-1", nodes: int = 2) -> dict:
-    return job_manifest(JobSpec(name=name, image="img", nodes=nodes, gpus_per_node=0, efa_per_node=0,
-                                run_id=run_id, task_name="train"))
+@pytest.fixture
+def cluster(tmp_path):
+    """(namespace with the launcher's identity, the test's Training Operator) on the session's API server."""
+    yield from _cluster(PYTORCHJOB, tmp_path)
+
+
+@pytest.fixture
+def tj_cluster(tmp_path):
+    """``cluster`` for TrainJobs."""
+    yield from _cluster(TRAINJOB, tmp_path)
+
+
+@pytest.fixture(params=[PYTORCHJOB, TRAINJOB], ids=["pytorchjob", "trainjob"])
+def kube(request, tmp_path):
+    """``cluster`` for each job kind: the launcher's Role and the controller the test plays are the kind's."""
+    yield from _cluster(request.param, tmp_path)
+
+
+def manifest(name: str = "gp-train-1", run_id: str = "run-1", nodes: int = 2, kind: str = "PyTorchJob") -> dict:
+    spec = JobSpec(name=name, image="img", nodes=nodes, gpus_per_node=0, efa_per_node=0, run_id=run_id,
+                   task_name="train")
+    if kind == "TrainJob":
+        return trainjob_manifest(spec, RuntimeSpec.from_dict({"name": "goodput-nvrx-cpu", **CPU_RUNTIME}))
+    return job_manifest(spec)
+
+
+def what(op: Operator, verb: str) -> tuple[str, str, str]:
+    """The audit log's (apiGroup, resource, verb) of ``verb`` on the kind's jobs."""
+    return op.ctl.group, op.ctl.plural, verb
 
 
 class Launcher:
     """``run_job`` in a thread, as the launcher's service account; its log lines collected."""
 
     def __init__(self, ns, m: dict, **cfg) -> None:
+        self.prefix = KIND_PREFIX[m["kind"]]
         self.lines: list[str] = []
         self.outcome = self.error = None
         c = SuperviseConfig(**{**FAST.__dict__, **cfg})
@@ -76,7 +111,10 @@ class Launcher:
         return any(text in ln for ln in list(self.lines))
 
     def master_lines(self) -> list[str]:
-        return [ln[len("[master-0] "):] for ln in list(self.lines) if ln.startswith("[master-0] ")]
+        return [ln[len(self.prefix) + 1:] for ln in list(self.lines) if ln.startswith(self.prefix + " ")]
+
+
+KIND_PREFIX = {c.kind: c.prefix for c in (PYTORCHJOB, TRAINJOB)}
 
 
 def start(op: Operator, name: str, workers: int = 1) -> tuple[str, list[str]]:
@@ -101,59 +139,80 @@ def no_denials(ns) -> None:
 
 # Create, succeed, fail ----------------------------------------------------------------------------
 
-def test_success_streams_the_master_log_and_reports_phases(cluster):
-    ns, op = cluster
+def test_success_streams_the_master_log_and_reports_phases(kube):
+    ns, op = kube
 
     def scenario(op, name):
         master, workers = start(op, name)
         for i in range(5):
             op.log(master, f"step {i} loss {2.0 - i / 10:.2f}")
-        wait_until(lambda: launcher.printed("[master-0] step 4"), what="the log streamed")
+        wait_until(lambda: launcher.printed(f"{op.ctl.prefix} step 4"), what="the log streamed")
         op.log(master, "training done")
         wait_until(lambda: launcher.printed("training done"), what="the last line")
         wait_until(lambda: any(e.verb == "watch" for e in ns.launcher_requests()), what="the launcher's watch")
         succeed(op, name, [master, *workers])
 
-    launcher = Launcher(ns, manifest())
+    launcher = Launcher(ns, manifest(kind=op.ctl.kind))
     op.play(scenario)
     out = launcher.result()
     op.join()
-    assert (out.phase, out.created, out.namespace) == ("Succeeded", True, ns.name)
-    assert out.restarts == {"Master": 0, "Worker": 0}
+    assert (out.phase, out.created, out.namespace, out.kind) == ("Succeeded", True, ns.name, op.ctl.kind)
+    assert out.restarts == ({"Master": 0, "Worker": 0} if op.ctl is PYTORCHJOB else {"Node": 0})
     assert launcher.master_lines() == [f"step {i} loss {2.0 - i / 10:.2f}" for i in range(5)] + ["training done"]
     text = "\n".join(launcher.lines)
     for phase in ("Running", "Succeeded"):
-        assert f"PyTorchJob {ns.name}/gp-train-1: {phase}" in text
-    creates = [e for e in ns.launcher_requests() if e.what == ("kubeflow.org", "pytorchjobs", "create")]
+        assert f"{op.ctl.kind} {ns.name}/gp-train-1: {phase}" in text
+    creates = [e for e in ns.launcher_requests() if e.what == what(op, "create")]
     assert [e.code for e in creates] == [201]
     reqs = ns.launcher_requests()
-    assert any(e.what == ("kubeflow.org", "pytorchjobs", "watch") for e in reqs), [e.what for e in reqs]
+    assert any(e.what == what(op, "watch") for e in reqs), [e.what for e in reqs]
     no_denials(ns)
 
 
-def test_failure_surfaces_the_reason(cluster):
-    ns, op = cluster
+def test_failure_surfaces_the_reason(kube):
+    ns, op = kube
+    pods = []
 
     def scenario(op, name):
         master, workers = start(op, name)
+        pods.append(master)
         op.log(master, "step 10 loss 1.9", "torch.OutOfMemoryError: CUDA out of memory. Tried to allocate 2.00 GiB")
         wait_until(lambda: launcher.printed("CUDA out of memory"), what="the log streamed")
-        op.terminate(master, exit_code=137, reason="OOMKilled", message="memory limit 1600Gi exceeded")
-        op.add_event("Pod", master, "BackOff", "Back-off restarting failed container pytorch")
-        op.add_event("PyTorchJob", name, "PyTorchJobFailed", "1 Master replica(s) failed.")
-        op.set_phase(name, "Failed", reason="PyTorchJobFailed", message=f"PyTorchJob {name} is failed because "
-                     "1 Master replica(s) failed.", replicas={"Master": {"failed": 1}, "Worker": {"active": 1}})
+        if op.ctl is PYTORCHJOB:
+            op.terminate(master, exit_code=137, reason="OOMKilled", message="memory limit 1600Gi exceeded")
+            op.add_event("Pod", master, "BackOff", "Back-off restarting failed container pytorch")
+            op.add_event("PyTorchJob", name, "PyTorchJobFailed", "1 Master replica(s) failed.")
+            op.set_phase(name, "Failed", reason="PyTorchJobFailed", message=f"PyTorchJob {name} is failed because "
+                         "1 Master replica(s) failed.", replicas={"Master": {"failed": 1}, "Worker": {"active": 1}})
+            return
+        # Trainer v2: the pod exits 2 (a usage error), the node Job's pod failure policy fails the Job naming
+        # the rule, the JobSet's rule for it fails the JobSet, and the Trainer marks the TrainJob Failed.
+        op.terminate(master, exit_code=2, reason="Error", message="trainer: error: unrecognized arguments: --nope")
+        op.add_event("Pod", master, "BackOff", "Back-off restarting failed container node")
+        op.ctl.node_job_failed(op, name, "PodFailurePolicy", f"Container node for pod {ns.name}/{master} failed "
+                               "with exit code 2 matching FailJob rule at index 1")
+        op.set_phase(name, "Failed", reason="FailJobSetAction",
+                     message=f"applying FailJobSet failure policy action (first failed job: {name}-node-0)",
+                     replicas={"Node": {"failed": 1, "active": 1}})
 
-    launcher = Launcher(ns, manifest())
+    launcher = Launcher(ns, manifest(kind=op.ctl.kind))
     op.play(scenario)
     with pytest.raises(JobFailed) as err:
         launcher.result()
     op.join()
     msg = str(err.value)
-    assert "condition Failed: PyTorchJobFailed: PyTorchJob gp-train-1 is failed because 1 Master" in msg
-    assert "pod gp-train-1-master-0: container pytorch terminated: OOMKilled (exit code 137)" in msg
-    assert "memory limit 1600Gi exceeded" in msg
-    assert "BackOff pod/gp-train-1-master-0: Back-off restarting failed container" in msg
+    (master,) = pods
+    if op.ctl is PYTORCHJOB:
+        assert "condition Failed: PyTorchJobFailed: PyTorchJob gp-train-1 is failed because 1 Master" in msg
+        assert "pod gp-train-1-master-0: container pytorch terminated: OOMKilled (exit code 137)" in msg
+        assert "memory limit 1600Gi exceeded" in msg
+    else:
+        assert "condition Failed: FailJobSetAction: applying FailJobSet failure policy action" in msg
+        assert "JobSet condition Failed: FailJobSetAction" in msg
+        assert f"pod {master}: container node terminated: Error (exit code 2): trainer: error: unrecognized" in msg
+        assert "job gp-train-1-node-0 failed: PodFailurePolicy: Container node" in msg
+        assert "pod failure policy: ProgramIsWrong -> JobSet FailJobSet: the program or its settings are wrong" in msg
+    assert f"BackOff pod/{master}: Back-off restarting failed container" in msg
     assert "CUDA out of memory" in msg, "the log's tail is in the message"
     assert op.job("gp-train-1") is not None, "a failed job is kept for inspection"
     no_denials(ns)
@@ -182,6 +241,31 @@ def test_restarts_are_counted_per_replica(cluster):
     op.join()
     assert out.restarts == {"Master": 2, "Worker": 1}
     assert launcher.master_lines() == ["attempt 0", "attempt 1", "attempt 2"]
+
+
+def test_a_jobset_restart_is_one_restart_and_the_new_node_0_is_followed(tj_cluster):
+    """Trainer v2 restarts a TrainJob by recreating every node's pod (a JobSet restart): one restart however
+    many pods, counted from the JobSet, and the log of the new node 0 (a pod of another name) is streamed."""
+    ns, op = tj_cluster
+
+    def scenario(op, name):
+        master, workers = start(op, name, workers=2)
+        op.log(master, "attempt 0")
+        wait_until(lambda: launcher.printed("attempt 0"), what="attempt 0")
+        op.terminate(master, exit_code=137, reason="Error")
+        op.set_phase(name, "Restarting")
+        master = op.replace_pod(master, name, "Master", 0)
+        workers = [op.replace_pod(w, name, "Worker", i) for i, w in enumerate(workers)]
+        op.log(master, "attempt 1")
+        wait_until(lambda: launcher.printed("attempt 1"), what="attempt 1 from the new node 0")
+        succeed(op, name, [master, *workers])
+
+    launcher = Launcher(ns, manifest(nodes=3, kind="TrainJob"))
+    op.play(scenario)
+    out = launcher.result()
+    op.join()
+    assert out.restarts == {"Node": 1}
+    assert launcher.master_lines() == ["attempt 0", "attempt 1"]
 
 
 def test_a_restarted_containers_log_is_printed_once_when_its_status_comes_late(cluster):
@@ -236,9 +320,9 @@ def long_run(op: Operator, name: str) -> None:
         op.stop.wait(0.1)
 
 
-def test_a_restarted_launcher_reattaches_to_exactly_one_job(cluster, tmp_path):
-    ns, op = cluster
-    m = manifest()
+def test_a_restarted_launcher_reattaches_to_exactly_one_job(kube, tmp_path):
+    ns, op = kube
+    m = manifest(kind=op.ctl.kind)
     finish = threading.Event()
 
     def scenario(op, name):
@@ -253,12 +337,12 @@ def test_a_restarted_launcher_reattaches_to_exactly_one_job(cluster, tmp_path):
     op.play(scenario)
     proc, log = subprocess_launcher(ns, m, tmp_path)
     try:
-        wait_until(lambda: "[master-0] step 2" in log.read_text(errors="replace") or proc.poll() is not None,
+        wait_until(lambda: f"{op.ctl.prefix} step 2" in log.read_text(errors="replace") or proc.poll() is not None,
                    60, "the first launcher's log")
     finally:
         proc.kill()                                 # the launcher pod dies hard: no cleanup runs
         proc.wait()
-    assert "[master-0] step 2" in log.read_text(), log.read_text()
+    assert f"{op.ctl.prefix} step 2" in log.read_text(), log.read_text()
     assert op.alive("gp-train-1"), "the job outlives its launcher"
 
     launcher = Launcher(ns, m)                      # the step's retry
@@ -269,17 +353,17 @@ def test_a_restarted_launcher_reattaches_to_exactly_one_job(cluster, tmp_path):
     op.join()
     assert out.phase == "Succeeded" and out.created is False
     assert len(op.jobs()) == 1
-    creates = [e.code for e in ns.launcher_requests() if e.what == ("kubeflow.org", "pytorchjobs", "create")]
+    creates = [e.code for e in ns.launcher_requests() if e.what == what(op, "create")]
     assert creates == [201, 409], "exactly one job: the second launcher's create met the first one's job"
     assert not [e for e in ns.launcher_requests() if e.verb == "delete"]
 
 
-def test_sigterm_to_the_launcher_deletes_the_job(cluster, tmp_path):
-    ns, op = cluster
+def test_sigterm_to_the_launcher_deletes_the_job(kube, tmp_path):
+    ns, op = kube
     op.play(long_run)
-    proc, log = subprocess_launcher(ns, manifest(), tmp_path)
+    proc, log = subprocess_launcher(ns, manifest(kind=op.ctl.kind), tmp_path)
     try:
-        wait_until(lambda: "[master-0] step 1" in log.read_text(errors="replace") or proc.poll() is not None,
+        wait_until(lambda: f"{op.ctl.prefix} step 1" in log.read_text(errors="replace") or proc.poll() is not None,
                    60, "the launcher's log")
         proc.send_signal(signal.SIGTERM)           # the KFP run was cancelled
         code = proc.wait(30)
@@ -288,15 +372,18 @@ def test_sigterm_to_the_launcher_deletes_the_job(cluster, tmp_path):
             proc.kill()
     text = log.read_text()
     assert code != 0 and "JobCancelled" in text and "is gone" in text, text
-    deletes = [e for e in ns.launcher_requests() if e.what == ("kubeflow.org", "pytorchjobs", "delete")]
+    deletes = [e for e in ns.launcher_requests() if e.what == what(op, "delete")]
     assert [e.code for e in deletes] == [200]
     assert op.job("gp-train-1") is None
+    from kubernetes import client as k8s
+
+    assert not k8s.CoreV1Api(ns.server.admin).list_namespaced_pod(ns.name).items, "its pods went with it"
     op.join()
 
 
-def test_the_overall_timeout_deletes_the_job(cluster):
-    ns, op = cluster
-    launcher = Launcher(ns, manifest(), timeout_s=4)
+def test_the_overall_timeout_deletes_the_job(kube):
+    ns, op = kube
+    launcher = Launcher(ns, manifest(kind=op.ctl.kind), timeout_s=4)
     op.play(long_run)
     with pytest.raises(JobTimeout, match=r"did not finish within 4 s(.|\n)*was deleted"):
         launcher.result(30)
@@ -321,27 +408,40 @@ def test_keyboard_interrupt_deletes_the_job_too(cluster):
     assert op.job("gp-train-1") is None
 
 
-def test_the_cleanup_op_deletes_only_this_runs_unfinished_jobs(cluster):
-    ns, op = cluster
-    from kubernetes import client as k8s
-
-    co = k8s.CustomObjectsApi(ns.server.admin)
+def test_the_cleanup_op_deletes_only_this_runs_unfinished_jobs(kube):
+    ns, op = kube
     for name, run_id in (("gp-running", "run-9"), ("gp-done", "run-9"), ("gp-other", "run-8")):
-        co.create_namespaced_custom_object("kubeflow.org", "v1", ns.name, "pytorchjobs",
-                                           manifest(name=name, run_id=run_id))
+        op.create_job(manifest(name=name, run_id=run_id, kind=op.ctl.kind))
     op.set_phase("gp-done", "Succeeded")
     lines: list[str] = []
-    deleted = cleanup_run_jobs("run-9", ns.name, client=ns.launcher_client(), wait_s=5, log=lines.append)
+    kind = KINDS[op.ctl.kind]
+    deleted = cleanup_run_jobs("run-9", ns.name, client=ns.launcher_client(), kinds=[kind], required=[kind],
+                               wait_s=5, log=lines.append)
     assert deleted == ["gp-running"]
     assert {j["metadata"]["name"] for j in op.jobs()} == {"gp-done", "gp-other"}
     assert any("is gone" in ln for ln in lines)
     no_denials(ns)
 
 
+def test_the_cleanup_op_looks_at_both_kinds_and_skips_one_it_may_not_list(kube):
+    """The exit handler deletes a run's jobs of either kind; the other kind's Role need not be bound."""
+    ns, op = kube
+    op.create_job(manifest(name="gp-left", run_id="run-9", kind=op.ctl.kind))
+    lines: list[str] = []
+    assert cleanup_run_jobs("run-9", ns.name, client=ns.launcher_client(), required=[KINDS[op.ctl.kind]],
+                            wait_s=5, log=lines.append) == ["gp-left"]
+    other = TRAINJOB if op.ctl is PYTORCHJOB else PYTORCHJOB
+    assert any(f"{other.plural} not listable by this step (403)" in ln for ln in lines), lines
+    assert op.job("gp-left") is None
+    with pytest.raises(Exception, match="403|Forbidden"):
+        cleanup_run_jobs("run-9", ns.name, client=ns.launcher_client(), required=[KINDS[other.kind]],
+                         wait_s=5, log=lines.append)
+
+
 # A server that closes watches, restarts, and kubelets that misbehave --------------------------------
 
-def job_requests(ns, since: float) -> Counter:
-    return Counter(e.verb for e in ns.launcher_requests(since) if e.resource == "pytorchjobs")
+def job_requests(ns, since: float, plural: str = "pytorchjobs") -> Counter:
+    return Counter(e.verb for e in ns.launcher_requests(since) if e.resource == plural)
 
 
 def test_a_watch_closed_by_the_server_is_resumed(cluster):
@@ -366,10 +466,10 @@ def test_a_watch_closed_by_the_server_is_resumed(cluster):
     assert not launcher.printed("410"), "a resumed watch is not expired"
 
 
-def test_an_api_server_restart_mid_run_costs_a_few_requests_not_a_storm(cluster):
+def test_an_api_server_restart_mid_run_costs_a_few_requests_not_a_storm(kube):
     """Defect 1: after a restart the new watch cache has no resourceVersion older than its start; the old
     launcher re-read the job and watched again from the job's own (old) version: 410, forever."""
-    ns, op = cluster
+    ns, op = kube
     server = ns.server
     finish = threading.Event()
 
@@ -380,7 +480,7 @@ def test_an_api_server_restart_mid_run_costs_a_few_requests_not_a_storm(cluster)
         op.log(master, "after the restart")
         succeed(op, name, [master, *workers])
 
-    launcher = Launcher(ns, manifest())
+    launcher = Launcher(ns, manifest(kind=op.ctl.kind))
     op.play(scenario)
     wait_until(lambda: launcher.printed(": Running"), what="Running")
     from kubernetes import client as k8s
@@ -393,7 +493,7 @@ def test_an_api_server_restart_mid_run_costs_a_few_requests_not_a_storm(cluster)
     restarted = time.time()
     quiet = 10.0
     wait_until(lambda: time.time() - restarted > quiet, quiet + 5, "the quiet period", every=0.5)
-    after = job_requests(ns, restarted)
+    after = job_requests(ns, restarted, op.ctl.plural)
     finish.set()
     out = launcher.result()
     op.join()
@@ -459,10 +559,10 @@ def test_pod_logs_that_fail_or_never_answer_do_not_stop_the_job_or_the_launcher(
     assert 1 <= len(logs) <= 8, f"{len(logs)} log requests in ~5 s"
 
 
-def test_a_healthy_quiet_job_costs_a_few_requests_a_minute(cluster):
+def test_a_healthy_quiet_job_costs_a_few_requests_a_minute(kube):
     """Beyond its open watch and log stream, the launcher asks at most a few things a minute, even while
     the server closes its watches every few seconds (a short MIN_REQUEST_TIMEOUT) and the job says nothing."""
-    ns, op = cluster
+    ns, op = kube
     finish = threading.Event()
 
     def scenario(op, name):
@@ -474,8 +574,9 @@ def test_a_healthy_quiet_job_costs_a_few_requests_a_minute(cluster):
     op.play(scenario)
     # Production intervals: 30 s between pod reads, reconnect a log stream silent for 60 s; no
     # timeoutSeconds, so the server decides when each watch ends (here after 4-8 s).
-    launcher = Launcher(ns, manifest(), watch_timeout_s=0, pods_every_s=30, log_idle_s=60, log_poll_s=2)
-    wait_until(lambda: launcher.printed("[master-0] started"), what="the log stream")
+    launcher = Launcher(ns, manifest(kind=op.ctl.kind), watch_timeout_s=0, pods_every_s=30, log_idle_s=60,
+                        log_poll_s=2)
+    wait_until(lambda: launcher.printed(f"{op.ctl.prefix} started"), what="the log stream")
     since = time.time()
     window = 20.0
     wait_until(lambda: time.time() - since > window, window + 5, "the quiet window", every=0.5)
@@ -494,8 +595,21 @@ def test_a_healthy_quiet_job_costs_a_few_requests_a_minute(cluster):
 
 # The train step's cluster path -------------------------------------------------------------------
 
-def test_the_train_step_runs_the_job_and_reads_its_summary_from_fsx(cluster, tmp_path, monkeypatch):
-    ns, op = cluster
+@pytest.fixture
+def cpu_runtime(kube):
+    """For TrainJobs: a ClusterTrainingRuntime without GPUs installed (cluster-scoped: a name of its own)."""
+    from kubernetes import client as k8s
+
+    ns, _ = kube
+    rt = RuntimeSpec.from_dict({"name": f"goodput-nvrx-cpu-{ns.name}", **CPU_RUNTIME})
+    co = k8s.CustomObjectsApi(ns.server.admin)
+    co.create_cluster_custom_object("trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes", runtime_manifest(rt))
+    yield {"name": rt.name, **CPU_RUNTIME}
+    co.delete_cluster_custom_object("trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes", rt.name)
+
+
+def test_the_train_step_runs_the_job_and_reads_its_summary_from_fsx(kube, cpu_runtime, tmp_path, monkeypatch):
+    ns, op = kube
     fsx = tmp_path / "fsx"
     summary = {"steps": 10, "final_val_loss": 2.6, "params_sha256": "ab" * 32}
 
@@ -514,21 +628,42 @@ def test_the_train_step_runs_the_job_and_reads_its_summary_from_fsx(cluster, tmp
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     op.play(scenario)
     lines: list[str] = []
-    result = train("cluster", ["--max-steps", "10"], run_id="run-7", task_name="train", fsx_root=fsx,
-                   job={"image": "img:1", "nodes": 2, "gpus_per_node": 0, "efa_per_node": 0},
+    trainjob = op.ctl is TRAINJOB
+    result = train("trainjob" if trainjob else "cluster", ["--max-steps", "10"], run_id="run-7", task_name="train",
+                   fsx_root=fsx, job={"image": "img:1", "nodes": 2, "gpus_per_node": 0, "efa_per_node": 0,
+                                      **({"runtime": cpu_runtime} if trainjob else {})},
                    namespace=ns.name, supervise=FAST, log=lines.append)
     op.join()
     assert result.summary == summary and result.latest_step == 10 and result.namespace == ns.name
+    assert result.backend == ("trainjob" if trainjob else "pytorchjob")
     (job,) = op.jobs()
     assert job["metadata"]["labels"]["goodput.dev/kfp-run-id"] == "run-7"
+    if trainjob:
+        assert job["spec"]["runtimeRef"]["name"] == cpu_runtime["name"]
+        assert ("trainer.kubeflow.org", "clustertrainingruntimes", "get") in {e.what for e in ns.launcher_requests()}
     no_denials(ns)
+
+
+def test_a_trainjob_whose_runtime_is_not_installed_is_refused_before_it_is_created(tj_cluster, tmp_path,
+                                                                                   monkeypatch):
+    ns, op = tj_cluster
+    monkeypatch.setenv("KUBECONFIG", str(ns.kubeconfig))
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    with pytest.raises(ValueError, match="ClusterTrainingRuntime 'goodput-nvrx-missing' is not installed(.|\n)*"
+                                         "kubectl apply --server-side -k deploy/trainer-v2/runtime"):
+        train("trainjob", [], run_id="run-7", task_name="train", fsx_root=tmp_path, namespace=ns.name,
+              job={"image": "img:1", "gpus_per_node": 0, "efa_per_node": 0,
+                   "runtime": {"name": "goodput-nvrx-missing", **CPU_RUNTIME}}, supervise=FAST)
+    assert not [e for e in ns.launcher_requests() if e.verb == "create"], "nothing was created"
+    assert not op.jobs()
 
 
 # Least privilege -----------------------------------------------------------------------------------
 
-def test_the_launcher_uses_exactly_what_deploy_rbac_grants(cluster):
-    """Every verb deploy/rbac.yaml grants is one the launcher uses (audit log), and nothing else is granted."""
-    ns, op = cluster
+def test_the_launcher_uses_exactly_what_deploy_rbac_grants(kube):
+    """Every verb the kind's Role grants is one the launcher uses (audit log), and nothing else is granted."""
+    ns, op = kube
+    kind = op.ctl.kind
 
     def failing(op, name):
         master, _ = start(op, name)
@@ -537,19 +672,18 @@ def test_the_launcher_uses_exactly_what_deploy_rbac_grants(cluster):
         op.set_phase(name, "Failed")
 
     op.play(failing, name="gp-fail")
-    with pytest.raises(JobFailed):                 # create, watch, pods, log, events
-        Launcher(ns, manifest(name="gp-fail")).result()
+    with pytest.raises(JobFailed):                 # create, watch, pods, log, events (TrainJob: JobSet, Jobs)
+        Launcher(ns, manifest(name="gp-fail", kind=kind)).result()
     op.play(long_run, name="gp-slow")
-    from kubernetes import client as k8s
-
-    k8s.CustomObjectsApi(ns.server.admin).create_namespaced_custom_object(
-        "kubeflow.org", "v1", ns.name, "pytorchjobs", manifest(name="gp-slow"))
+    op.create_job(manifest(name="gp-slow", kind=kind))
     with pytest.raises(JobTimeout):                # re-attach (get) and delete
-        Launcher(ns, manifest(name="gp-slow"), timeout_s=3).result()
-    cleanup_run_jobs("run-1", ns.name, client=ns.launcher_client(), wait_s=2, log=lambda s: None)
+        Launcher(ns, manifest(name="gp-slow", kind=kind), timeout_s=3).result()
+    # The exit handler of this kind's run (it would look at the other kind too: 403 here, skipped).
+    cleanup_run_jobs("run-1", ns.name, client=ns.launcher_client(), kinds=[KINDS[kind]], wait_s=2,
+                     log=lambda s: None)
     op.join()
     used = {e.what for e in ns.launcher_requests()}
-    docs = list(yaml.safe_load_all((REPO / "deploy" / "rbac.yaml").read_text()))
+    docs = list(yaml.safe_load_all((REPO / op.ctl.rbac_file).read_text()))
     (role,) = [d for d in docs if d["kind"] == "Role"]
     granted = {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
                for v in rule["verbs"]}

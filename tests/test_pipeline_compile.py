@@ -139,7 +139,7 @@ def test_parameters_and_defaults(compiled):
     defaults = {k: v.get("defaultValue") for k, v in params.items()}
     assert defaults["dataset_version"] == "latest"
     assert defaults["fsx_root"] == FSX and defaults["registry"] == f"{FSX}/models"
-    assert defaults["backend"] == "cluster" and defaults["nodes"] == 2 and defaults["gpus_per_node"] == -1
+    assert defaults["backend"] == "pytorchjob" and defaults["nodes"] == 2 and defaults["gpus_per_node"] == -1
     assert defaults["spot"] is False and defaults["instance_type"] == "p5.48xlarge"
     assert {"max_restarts", "backoff_limit", "ckpt_every", "promotion_threshold", "trainer_image",
             "inject_fault", "step_tolerations", "step_node_selector", "s3_secret"} <= set(params)
@@ -148,6 +148,32 @@ def test_parameters_and_defaults(compiled):
             "instance_type"} <= set(params)
     assert defaults["dataset_name"] == "corpus", "no demo dataset name on a cluster"
     assert defaults["trainer_image"] == TRAINER_IMAGE
+
+
+def test_backend_trainjob_compiles_to_the_same_steps_with_the_backend_wired_through(compiled, tmp_path):
+    """A pipeline compiled with backend=trainjob as its default runs the same steps in the same DAG; only the
+    backend the check-settings, train and cleanup steps receive differs."""
+    from kfp import compiler
+
+    from pipelines.pipeline import goodput_pipeline
+
+    _, spec, _ = compiled
+    path = tmp_path / "trainjob.yaml"
+    compiler.Compiler().compile(goodput_pipeline, str(path), pipeline_parameters={"backend": "trainjob"})
+    tj, _ = yaml.safe_load_all(path.read_text())
+    assert tj["root"]["inputDefinitions"]["parameters"]["backend"]["defaultValue"] == "trainjob"
+
+    def steps(s: dict) -> dict:
+        return {comp: {name: (t["taskInfo"]["name"], sorted(t.get("dependentTasks", [])))
+                       for name, t in body.get("dag", {}).get("tasks", {}).items()}
+                for comp, body in [("root", s["root"]), *s["components"].items()]}
+
+    assert steps(tj) == steps(spec)
+    for display in ("check settings", "train"):
+        _, task = find(tj, display)
+        assert task["inputs"]["parameters"]["backend"]["componentInputParameter"] == "pipelinechannel--backend"
+    cleanup = tj["root"]["dag"]["tasks"]["cleanup-op"]
+    assert cleanup["inputs"]["parameters"]["backend"]["componentInputParameter"] == "backend"
 
 
 def test_every_pod_runs_the_images_given(compiled):

@@ -320,6 +320,31 @@ def test_transient_create_errors_are_retried_and_forbidden_is_explained():
         assert len(k.calls("POST")) == 1, "no retry loop on 403"
 
 
+def test_a_watch_refused_by_a_server_that_allowed_it_before_is_retried_a_few_times():
+    """A restarting API server answers 403 until its authorizer has loaded RBAC: a few such answers to the watch
+    are retried (re-list, watch); more in a row are an RBAC error."""
+    def scenario(k, ns, name):
+        master, workers = start(k, ns, name)
+        k.fail("GET", "pytorchjobs", 403, times=2, only_watch=True)
+        k.step(ns, name, 1.5)                  # the open watch ends; the next two are refused
+        succeed(k, ns, name, [master, *workers])
+
+    lines: list[str] = []
+    with FakeKube(scenario) as k:
+        assert supervise(k, manifest(), lines).phase == "Succeeded"
+        assert sum(r.status == 403 for r in k.calls("GET", "pytorchjobs$", watch=True)) == 2
+    assert sum("403 Forbidden from a server that allowed it before" in ln for ln in lines) == 2
+
+    def refused(k, ns, name):
+        start(k, ns, name)
+        k.fail("GET", "pytorchjobs", 403, times=100, only_watch=True)
+
+    with FakeKube(refused) as k:
+        with pytest.raises(PermissionError, match="deploy/rbac.yaml"):
+            supervise(k, manifest(), denied_retries=3)
+        assert sum(r.status == 403 for r in k.calls("GET", "pytorchjobs$", watch=True)) == 4
+
+
 def test_a_job_of_another_run_is_not_adopted_and_a_failed_one_is_recreated():
     m = manifest(run_id="run-1")
     with FakeKube() as k:

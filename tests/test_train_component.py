@@ -118,8 +118,15 @@ def test_cluster_backend_errors_come_before_any_request(tmp_path):
                   kube_api=k.url)
         with pytest.raises(ValueError, match="PIPELINE_JOB_ID_PLACEHOLDER"):
             train("cluster", [], run_id="{{$.pipeline_job_uuid}}", task_name="t", fsx_root=tmp_path, kube_api=k.url)
-        with pytest.raises(ValueError, match="backend"):
+        with pytest.raises(ValueError, match="backend must be one of pytorchjob, trainjob, local"):
             train("slurm", [], run_id="r", task_name="t", fsx_root=tmp_path)
+        # A TrainJob is checked against its runtime, before the runtime is read or the job created.
+        with pytest.raises(ValueError, match="min_nodes=1: Kubeflow Trainer v2.3 has no elastic training"):
+            train("trainjob", [], run_id="r", task_name="t", fsx_root=tmp_path, kube_api=k.url,
+                  job={"image": "i", "nodes": 2, "min_nodes": 1})
+        with pytest.raises(ValueError, match="'runtime' .* is for backend=trainjob"):
+            train("pytorchjob", [], run_id="r", task_name="t", fsx_root=tmp_path, kube_api=k.url,
+                  job={"image": "i", "runtime": "goodput-nvrx"})
         assert k.requests == []
 
 
@@ -142,7 +149,7 @@ def test_flat_metrics_keeps_finite_numbers_only():
 
 def test_component_interface():
     inputs = train_op.component_spec.inputs
-    assert inputs["image"].default == TRAINER_IMAGE and inputs["backend"].default == "cluster"
+    assert inputs["image"].default == TRAINER_IMAGE and inputs["backend"].default == "pytorchjob"
     assert inputs["run_id"].default == "{{$.pipeline_job_uuid}}"
     assert inputs["task_name"].default == "{{$.pipeline_task_name}}"
     assert set(train_op.component_spec.outputs) == {"model", "metrics"}

@@ -34,7 +34,10 @@ def test_numbers_arrive_as_integers_whatever_kfp_made_of_them():
     ({"parallel": "zero3"}, "zero3"),
     ({"nodes": 0}, "nodes must be at least 1"),
     ({"image": ""}, "an image is required"),
-    ({"backend": "laptop"}, "backend must be cluster or local"),
+    ({"backend": "laptop"}, "backend must be one of pytorchjob, trainjob, local"),
+    # A TrainJob's settings that are its runtime's in Trainer v2 (goodput-nvrx: backoff limit 3, Volcano).
+    ({"backend": "trainjob", "backoff_limit": 5}, "backoff_limit=5 differs from ClusterTrainingRuntime goodput-nvrx"),
+    ({"backend": "trainjob", "scheduler": "yunikorn"}, "gang scheduling and priority are the runtime's"),
     ({"instance_type": "g5.xlarge", "gpus_per_node": 8}, "g5.xlarge has 1 GPUs"),
     ({"instance_type": "p4d.24xlarge", "cpu": "160"}, "cpu 160 exceeds what p4d.24xlarge has"),
     ({"instance_type": "p4d.24xlarge", "efa_per_node": 32}, "p4d.24xlarge has 4 EFA"),
@@ -70,3 +73,16 @@ def test_run_parameters_are_checked_before_submitting():
         check_run_parameters({**good, "nodes": 0})
     with pytest.raises(ValueError, match="an image is required"):
         check_run_parameters({**good, "trainer_image": ""})
+
+
+@pytest.mark.parametrize("backend", ["pytorchjob", "cluster", "trainjob"])
+def test_the_pipelines_defaults_pass_for_every_cluster_backend(backend):
+    """What the KFP form starts with is a valid job for each backend (``cluster``: pytorchjob's old name)."""
+    import inspect
+
+    from pipelines.pipeline import goodput_pipeline
+
+    defaults = {k: p.default for k, p in inspect.signature(goodput_pipeline.pipeline_func).parameters.items()
+                if p.default is not inspect.Parameter.empty}
+    params = {**defaults, "dataset_source": "s3://bucket/corpus", "backend": backend}
+    check_run_parameters(params)

@@ -2,79 +2,33 @@
 v2.3 and JobSet v0.12 CRDs installed: accepted, and read back with nothing pruned; the launcher's Role allows
 what the supervisor does and nothing more.
 
-Needs a running API server (``../shared/k8s/apiserver.sh start``) and ``KUBECONFIG`` pointing at it; without
-one the tests skip. Each run works in a namespace and under runtime names of its own, so it can share the
-server with other tests.
+The server is the test session's own (``tests/k8s_apiserver.py``: started from ``../shared/k8s``, with these CRDs
+adapted to its 1.20 API); without ``../shared`` the tests skip, unless ``GOODPUT_REQUIRE_APISERVER`` is set (CI).
+Each run works in a namespace and under runtime names of its own.
 """
 
 from __future__ import annotations
 
 import base64
-import os
-import time
 import uuid
 
 import pytest
-import yaml
 
 from components.pytorchjob import JobSpec
 from components.trainjob import RuntimeSpec, runtime_manifest, trainjob_manifest
 from trainer.launch import LaunchConfig
 
 from tests.deploy_checks import DEPLOY, load_all
-from tests.test_trainjob_build import IMG, SCHEMAS, effective_jobset
+from tests.k8s_apiserver import apiserver
+from tests.test_trainjob_build import IMG, effective_jobset
 
-CRDS = ("trainer.kubeflow.org_trainjobs.yaml", "trainer.kubeflow.org_clustertrainingruntimes.yaml",
-        "jobset.x-k8s.io_jobsets.yaml")
 GROUP, VERSION = "trainer.kubeflow.org", "v1alpha1"
 
 
 @pytest.fixture(scope="module")
 def api():
-    from kubernetes import client, config
-
-    if not os.environ.get("KUBECONFIG"):
-        pytest.skip("needs a real API server: start ../shared/k8s/apiserver.sh and set KUBECONFIG")
-    config.load_kube_config()
-    c = client.ApiClient()
-    try:
-        client.VersionApi(c).get_code(_request_timeout=5)
-    except Exception as e:  # noqa: BLE001 - any failure to reach it means there is no server to test against
-        pytest.skip(f"no API server at KUBECONFIG: {e}")
-    ext = client.ApiextensionsV1Api(c)
-    for file in CRDS:
-        crd = _for_kube_1_20(yaml.safe_load((SCHEMAS / file).read_text()))
-        try:
-            ext.create_custom_resource_definition(crd)
-        except client.ApiException as e:
-            if e.status != 409:        # 409: installed already (by another test of this server)
-                raise
-        _wait(lambda: any(c.type == "Established" and c.status == "True" for c in
-                          ext.read_custom_resource_definition(crd["metadata"]["name"]).status.conditions or []))
-    return c
-
-
-def _for_kube_1_20(node):
-    """The CRD as the shared 1.20 server takes it: it reads ``default: ""`` as null and refuses the CRD, so
-    empty-string defaults go (they only ever add a field; nothing here relies on them), and a list-map key
-    that had one becomes required, which 1.20 demands of such keys instead."""
-    if isinstance(node, list):
-        return [_for_kube_1_20(n) for n in node]
-    if not isinstance(node, dict):
-        return node
-    items = node.get("items")
-    if node.get("x-kubernetes-list-map-keys") and isinstance(items, dict):
-        blank = [k for k in node["x-kubernetes-list-map-keys"] if items.get("properties", {}).get(k, {}).get(
-            "default") == ""]
-        node = {**node, "items": {**items, "required": sorted({*items.get("required", []), *blank})}}
-    return {k: _for_kube_1_20(v) for k, v in node.items() if not (k == "default" and v == "")}
-
-
-def _wait(ok, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not ok():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.2)
+    """The admin client of the session's API server (its CRDs installed by the harness)."""
+    return apiserver().admin
 
 
 @pytest.fixture(scope="module")
@@ -188,11 +142,19 @@ def test_the_launcher_role_allows_what_the_supervisor_does_and_no_edits(api, ns,
 
     rt, _, _ = runtime
     core, rbac = client.CoreV1Api(api), client.RbacAuthorizationV1Api(api)
-    role, binding = load_all(DEPLOY / "trainer-v2" / "rbac.yaml")
-    binding["subjects"] = [{"kind": "ServiceAccount", "name": "launcher", "namespace": ns}]
+    docs = {d["kind"]: d for d in load_all(DEPLOY / "trainer-v2" / "rbac.yaml")}
+    for binding in (docs["RoleBinding"], docs["ClusterRoleBinding"]):
+        binding["subjects"] = [{"kind": "ServiceAccount", "name": "launcher", "namespace": ns}]
+    docs["ClusterRoleBinding"]["metadata"]["name"] += f"-{ns}"
     core.create_namespaced_service_account(ns, client.V1ServiceAccount(metadata=client.V1ObjectMeta(name="launcher")))
-    rbac.create_namespaced_role(ns, role)
-    rbac.create_namespaced_role_binding(ns, binding)
+    rbac.create_namespaced_role(ns, docs["Role"])
+    rbac.create_namespaced_role_binding(ns, docs["RoleBinding"])
+    try:
+        rbac.create_cluster_role(docs["ClusterRole"])
+    except client.ApiException as e:
+        if e.status != 409:          # another test's namespace bound it already
+            raise
+    rbac.create_cluster_role_binding(docs["ClusterRoleBinding"])
     token = core.create_namespaced_service_account_token("launcher", ns, client.AuthenticationV1TokenRequest(
         spec=client.V1TokenRequestSpec(audiences=[]))).status.token
     cfg = client.Configuration()
@@ -205,7 +167,11 @@ def test_the_launcher_role_allows_what_the_supervisor_does_and_no_edits(api, ns,
     co.create_namespaced_custom_object(GROUP, VERSION, ns, "trainjobs", job)
     co.get_namespaced_custom_object(GROUP, VERSION, ns, "trainjobs", "tj-rbac")
     co.list_namespaced_custom_object(GROUP, VERSION, ns, "trainjobs", field_selector="metadata.name=tj-rbac")
-    co.list_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", ns, "jobsets")
+    with pytest.raises(client.ApiException) as err:        # allowed (not 403): there is no JobSet of that name
+        co.get_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", ns, "jobsets", "tj-rbac")
+    assert err.value.status == 404
+    co.get_cluster_custom_object(GROUP, VERSION, "clustertrainingruntimes", rt.name)    # the runtime check
+    client.BatchV1Api(client.ApiClient(cfg)).list_namespaced_job(ns)                    # the failure's rule
     client.CoreV1Api(client.ApiClient(cfg)).list_namespaced_pod(ns)
     for forbidden in (lambda: co.patch_namespaced_custom_object(GROUP, VERSION, ns, "trainjobs", "tj-rbac",
                                                                 {"metadata": {"labels": {"x": "y"}}}),

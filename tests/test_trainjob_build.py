@@ -476,9 +476,10 @@ def test_install_pins_trainer_v2_3_and_its_jobset():
     assert "kubeflow/trainer, tag v2.3.0" in readme and "jobset, tag v0.12.0" in readme
 
 
+# What the supervisor calls (tests/test_k8s_supervise.py checks it against the audit log), and no more.
 RBAC_NEEDS = {("trainer.kubeflow.org", "trainjobs"): {"create", "get", "list", "watch", "delete"},
-              ("jobset.x-k8s.io", "jobsets"): {"get", "list", "watch"},
-              ("", "pods"): {"get", "list", "watch"}, ("", "pods/log"): {"get"}, ("", "events"): {"list"}}
+              ("jobset.x-k8s.io", "jobsets"): {"get"}, ("", "pods"): {"list"}, ("", "pods/log"): {"get"},
+              ("", "events"): {"list"}, ("batch", "jobs"): {"list"}}
 
 
 def _granted(rules: list[dict]) -> dict:
@@ -498,17 +499,70 @@ def test_rbac_grants_what_the_launcher_needs_and_no_edits(file):
         # A ClusterRole has a Role's fields (plus aggregationRule, unused here): checked through V1Role.
         assert model_roundtrip_problems({**d, "kind": "Role"} if d["kind"] == "ClusterRole" else d) == []
     granted = _granted(role["rules"])
-    for key, verbs in RBAC_NEEDS.items():
-        assert verbs <= granted.get(key, set()), key
+    assert granted == RBAC_NEEDS
     assert not any(v in verbs for verbs in granted.values() for v in ("update", "patch", "*"))
     if file == "rbac-profile.yaml":
         assert role["metadata"]["labels"]["rbac.authorization.kubeflow.org/aggregate-to-kubeflow-edit"] == "true"
     else:
         (binding,) = [d for d in docs if d["kind"] == "RoleBinding"]
         assert binding["roleRef"]["name"] == role["metadata"]["name"]
+        # Cluster-scoped, read only: the runtime the launcher checks before creating a TrainJob.
+        (reader,) = [d for d in docs if d["kind"] == "ClusterRole"]
+        assert _granted(reader["rules"]) == {("trainer.kubeflow.org", "clustertrainingruntimes"): {"get"}}
+        (cbinding,) = [d for d in docs if d["kind"] == "ClusterRoleBinding"]
+        assert cbinding["roleRef"]["name"] == reader["metadata"]["name"]
+        assert cbinding["subjects"] == binding["subjects"]
 
 
 def test_builder_fields_all_documented():
     for f in dataclasses.fields(RuntimeSpec):
         assert f.metadata.get("help"), f.name
     assert yaml.safe_dump(runtime_manifest())      # plain data, no model objects left inside
+
+
+# goodput render-job --kind -------------------------------------------------------------------------------------
+
+def _render(*argv: str):
+    from click.testing import CliRunner
+
+    from pipelines.cli import main
+
+    return CliRunner().invoke(main, ["render-job", *argv])
+
+
+def test_render_job_kind_trainjob_prints_the_builders_trainjob(schemas):
+    r = _render("--kind", "trainjob", "--name", "exp1", "--nodes", "4", "--image", IMG, "--spot",
+                "--node-group", "p5-spot", "--max-steps", "500")
+    assert r.exit_code == 0, r.output
+    (job,) = yaml.safe_load_all(r.output)
+    assert job == trainjob_manifest(spec(name="exp1", nodes=4, spot=True, node_group="p5-spot",
+                                         trainer_args=["--max-steps", "500"]))
+    assert schema_errors(schemas["trainjob"], job) == []
+    r = _render("--kind", "trainjob", "--runtime", "goodput-nvrx-other", "--image", IMG)
+    assert yaml.safe_load(r.output)["spec"]["runtimeRef"]["name"] == "goodput-nvrx-other"
+
+
+def test_render_job_kind_runtime_prints_the_shipped_runtime_or_one_built_from_the_options(schemas):
+    r = _render("--kind", "runtime")
+    assert r.exit_code == 0, r.output
+    assert yaml.safe_load(r.output) == yaml.safe_load((TRAINER_V2 / "runtime" / "goodput-nvrx.yaml").read_text())
+    r = _render("--kind", "runtime", "--runtime", "goodput-nvrx-cpu", "--image", IMG, "--gpus-per-node", "0",
+                "--efa-per-node", "0", "--backoff-limit", "1")
+    assert r.exit_code == 0, r.output
+    rt = yaml.safe_load(r.output)
+    assert rt == runtime_manifest(RuntimeSpec.from_dict({"name": "goodput-nvrx-cpu", "image": IMG, "gpus_per_node": 0,
+                                                         "efa_per_node": 0, "backoff_limit": 1}))
+    assert rt["spec"]["template"]["spec"]["failurePolicy"]["maxRestarts"] == 1
+    assert schema_errors(schemas["runtime"], rt) == []
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--kind", "trainjob", "--nodes", "4", "--min-nodes", "2"], "no elastic training"),
+    (["--kind", "trainjob", "--backoff-limit", "5"], "backoff_limit=5 differs from ClusterTrainingRuntime"),
+    (["--kind", "runtime", "--max-steps", "5"], "a runtime has no trainer arguments"),
+    (["--kind", "slurm"], "Invalid value for '--kind'"),
+])
+def test_render_job_kind_refuses_what_the_kind_cannot_carry(argv, message):
+    r = _render("--image", IMG, *argv)
+    assert r.exit_code == 2 and message in r.output, r.output
+    assert "apiVersion" not in r.output

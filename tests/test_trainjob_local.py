@@ -58,3 +58,26 @@ def test_the_trainjob_command_trains_here_unchanged(fsx_root, dataset):
     assert summary["tokens"] == 6 * 8 * 64 * 2       # steps x batch x sequence x ranks: PET_NPROC_PER_NODE took
     assert sorted(p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_"))[-1] == \
         "step_000000006"
+
+
+def test_the_local_backend_runs_a_trainjobs_command_for_one_node(fsx_root, dataset):
+    """What the local backend launches (``components.train.local_launch`` through ``goodput train``'s
+    launcher) is the TrainJob's trainer command with the ``PET_*`` values of one node: the same flags, the same
+    c10d rendezvous, only the entry points resolved to this interpreter."""
+    from components.train import local_launch
+    from trainer.launch import LaunchConfig, local_launcher_command
+
+    name = "tj-local"
+    args = [*TINY, "--max-steps", "6", "--data", str(dataset), "--out", str(fsx_root / "runs" / name)]
+    launch = local_launch({"launch": {"max_restarts": 5}}, 2, name)
+    s = JobSpec(name=name, image=IMG, gpus_per_node=0, nproc_per_node=2, fsx_mount=str(fsx_root), metrics_port=0,
+                trainer_args=args, launch=LaunchConfig(max_restarts=5))
+    host, port = launch.rdzv_endpoint.split(":")
+    env = [{"name": "PET_NNODES", "value": "1"}, {"name": "PET_NPROC_PER_NODE", "value": "2"},
+           {"name": "PET_MASTER_ADDR", "value": host}, {"name": "PET_MASTER_PORT", "value": port},
+           {"name": JOB_NAME_ENV, "value": name}]
+    pod = expand(trainer_command(s), env, {})
+    assert pod[:4] == ["python", "-m", "trainer.warmstart", "ft_launcher"]
+    local = local_launcher_command(launch, args)
+    assert local == [sys.executable, "-m", "trainer.warmstart", sys.executable, "-m", LAUNCHER_MODULE, *pod[4:]]
+    assert local[local.index("--max-restarts") + 1] == "5" and "--standalone" not in local

@@ -1,4 +1,5 @@
-"""``goodput render-job``: print the training PyTorchJob (kubeflow.org/v1) as YAML for ``kubectl apply -f -``."""
+"""``goodput render-job``: print the training job as YAML for ``kubectl apply -f -``: a PyTorchJob (kubeflow.org/v1),
+a Kubeflow Trainer v2 TrainJob (trainer.kubeflow.org/v1alpha1), or the ClusterTrainingRuntime a TrainJob references."""
 
 from __future__ import annotations
 
@@ -9,6 +10,15 @@ import click
 from components.pytorchjob import JobSpec
 
 _HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(JobSpec)}
+_DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
+             for f in dataclasses.fields(JobSpec)}
+KINDS = ("pytorchjob", "trainjob", "runtime")
+RUNTIME_NAME = "goodput-nvrx"
+# JobSpec settings a ClusterTrainingRuntime takes (components.trainjob.RuntimeSpec.pods).
+RUNTIME_POD_SETTINGS = {"image", "image_pull_policy", "gpus_per_node", "gpu_resource", "efa_per_node", "cpu",
+                        "memory", "shm_size", "pvc", "fsx_mount", "priority_class", "service_account", "scheduler",
+                        "scheduler_name", "backoff_limit", "ttl_after_finished_s", "termination_grace_s",
+                        "metrics_port", "nproc_per_node", "instance_type", "spot_taint"}
 
 
 def _pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
@@ -34,6 +44,11 @@ def _opt(name: str, **kw):
 
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
                                  "help_option_names": ["-h", "--help"]})
+@click.option("--kind", type=click.Choice(KINDS), default="pytorchjob", show_default=True,
+              help="what to print: the job for the pytorchjob or trainjob backend, or `runtime`, the "
+                   "ClusterTrainingRuntime a TrainJob references (built from the pod options given here)")
+@click.option("--runtime", "runtime_name", default=RUNTIME_NAME, show_default=True,
+              help="trainjob/runtime: the ClusterTrainingRuntime's name")
 @_opt("name")
 @_opt("namespace")
 @_opt("image")
@@ -73,28 +88,47 @@ def _opt(name: str, **kw):
 @_opt("run_id")
 @_opt("task_name")
 @click.pass_context
-def render_job(ctx: click.Context, node_selector, env, labels, max_restarts, **settings) -> None:
-    """Print the PyTorchJob that trains on EKS under NVRx, as YAML on stdout.
+def render_job(ctx: click.Context, kind, runtime_name, node_selector, env, labels, max_restarts, **settings) -> None:
+    """Print the job that trains on EKS under NVRx, as YAML on stdout: a PyTorchJob (--kind pytorchjob), a
+    TrainJob referencing the goodput-nvrx ClusterTrainingRuntime (--kind trainjob), or that runtime
+    (--kind runtime).
 
     Unknown options are the trainer's (`python -m trainer`, see `goodput train --help`); --data and
     --out default to the default dataset and runs/<name> on the FSx mount. Invalid settings exit
-    non-zero with every problem listed, and print no YAML.
+    non-zero with every problem listed, and print no YAML. A TrainJob is checked against the runtime's
+    defaults (deploy/trainer-v2/runtime/goodput-nvrx.yaml); settings that are the runtime's in Trainer v2
+    (backoff limit, scheduler, ...) are refused with the runtime's value.
 
     \b
-    Example:
+    Examples:
       goodput render-job --nodes 4 --image $ECR/goodput-trainer:0.1.0 --spot --node-group p5 \\
           --scheduler volcano --queue training --max-steps 5000 | kubectl apply -f -
+      goodput render-job --kind trainjob --nodes 4 --image $ECR/goodput-trainer:0.1.0 --spot | kubectl apply -f -
+      goodput render-job --kind runtime --image $ECR/goodput-trainer:0.1.0 | kubectl apply --server-side -f -
     """
     import yaml
 
     from components.pytorchjob import job_manifest
+    from components.trainjob import RuntimeSpec, runtime_manifest, trainjob_manifest
     from trainer.launch import LaunchConfig
 
-    spec = JobSpec(**settings, node_selector=_pairs(node_selector, "--node-selector"),
-                   env=_pairs(env, "--env"), labels=_pairs(labels, "--label"),
-                   trainer_args=list(ctx.args), launch=LaunchConfig(max_restarts=max_restarts))
+    extra = dict(node_selector=_pairs(node_selector, "--node-selector"), env=_pairs(env, "--env"),
+                 labels=_pairs(labels, "--label"), launch=LaunchConfig(max_restarts=max_restarts))
     try:
-        manifest = job_manifest(spec)
+        if kind == "runtime":
+            if ctx.args:
+                raise ValueError(f"a runtime has no trainer arguments (got {' '.join(ctx.args)}): they are a "
+                                 "TrainJob's")
+            # The pod settings given on the command line (those that differ from a job's defaults).
+            given = {k: v for k, v in settings.items() if v != _DEFAULTS[k] and k in RUNTIME_POD_SETTINGS}
+            manifest = runtime_manifest(RuntimeSpec.from_dict({"name": runtime_name, **given, **{
+                k: v for k, v in extra.items() if v != _DEFAULTS[k]}}))
+        else:
+            spec = JobSpec(**settings, **extra, trainer_args=list(ctx.args))
+            if kind == "trainjob":
+                manifest = trainjob_manifest(spec, RuntimeSpec(name=runtime_name))
+            else:
+                manifest = job_manifest(spec)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
 
