@@ -18,6 +18,8 @@ from pipelines.cli import COMMANDS, main
 
 ROOT = Path(__file__).resolve().parent.parent
 
+IMAGES = ["--component-image", "registry.example/goodput:0.1.0", "--trainer-image", "registry.example/trainer:0.1.0"]
+
 
 @click.command()
 @click.option("--kind", required=True)
@@ -84,7 +86,7 @@ def test_a_bug_keeps_its_traceback_and_says_so(cli):
 def test_compile_into_an_unwritable_place_names_the_option(cli, tmp_path):
     blocker = tmp_path / "a-file"
     blocker.write_text("")
-    res = cli("compile", "-o", str(blocker / "sub" / "p.yaml"))
+    res = cli("compile", *IMAGES, "-o", str(blocker / "sub" / "p.yaml"))
     assert res.exit_code == 2
     assert one_error_line(res.output) == (f"Error: -o {blocker}/sub/p.yaml: {blocker} is a file, not a directory; "
                                           "give a path you can write to")
@@ -96,7 +98,8 @@ def test_an_unwritable_fsx_root_is_one_line_and_creates_nothing(cli, tmp_path):
     blocker.write_text("")
     res = cli("train", "--fsx-root", str(blocker / "fsx"), "--out", str(tmp_path / "run"), "--max-steps", "2")
     assert res.exit_code == 2
-    assert one_error_line(res.output).startswith(f"Error: --fsx-root {blocker}/fsx: {blocker} is a file")
+    line = one_error_line(res.output)
+    assert line.startswith("Error: --fsx-root: ") and f"{blocker} is not a directory" in line
     assert sorted(p.name for p in tmp_path.iterdir()) == ["a-file"]
 
 
@@ -120,7 +123,7 @@ def _goodput() -> list[str]:
     (["schedule", "--name", "w", "--cron", "61 * * * *"], "invalid too: minute: 61 is outside 0-59"),
     (["run", "-p", "dataset_source=s3://b/p/", "-p", "max_steps=-5"], "--max-steps must be at least 1, got -5"),
     (["run", "-p", "dataset_source=s3://b/p/", "--inject-fault", "kill@x"], "bad fault 'kill@x'"),
-    (["compile", "-o", "{blocker}/p.yaml"], "-o {blocker}/p.yaml: {blocker} is a file, not a directory"),
+    (["compile", *IMAGES, "-o", "{blocker}/p.yaml"], "-o {blocker}/p.yaml: {blocker} is a file, not a directory"),
 ])
 def test_the_issues_examples_in_a_real_goodput_process(tmp_path, args, message):
     blocker = tmp_path / "a-file"

@@ -37,7 +37,7 @@ def test_a_bad_dataset_is_one_line_and_exit_2_with_nothing_created(tmp_path, man
     result, fsx, out = _train(tmp_path, "--data", str(data))
     assert result.exit_code == 2, result.output
     (line,) = result.output.strip().splitlines()
-    assert line.startswith("error: dataset ") and message in line, line
+    assert line.startswith("Error: dataset ") and message in line, line
     assert not fsx.exists() and not (tmp_path / "out").exists()
     assert sorted(p.name for p in data.iterdir()) == ([] if manifest is None else ["manifest.json"])
 
@@ -52,7 +52,7 @@ def test_an_unwritable_out_is_refused_before_anything_starts(tmp_path, dataset, 
     result = CliRunner().invoke(main, ["train", "--data", str(dataset), "--out", str(out)])
     assert result.exit_code == 2, result.output
     (line,) = result.output.strip().splitlines()
-    assert line.startswith("error: --out ") and str(out) in line
+    assert line.startswith("Error: --out ") and str(out) in line
     assert not out.exists() and not list(tmp_path.glob(".goodput-probe-*"))
 
 
@@ -88,10 +88,12 @@ def _tiny_dataset(path):
     from trainer.data import FORMAT
 
     path.mkdir()
-    for split, size in (("train", 100), ("val", 1000)):
-        (path / f"{split}_00000.bin").write_bytes(bytes(range(256))[:size] * (size // 256 + 1))
+    sizes = {"train": 100, "val": 1000}
+    for split, size in sizes.items():
+        (path / f"{split}_00000.bin").write_bytes((bytes(range(256)) * (size // 256 + 1))[:size])
     (path / "manifest.json").write_text(json.dumps({"format": FORMAT, "splits": {
-        split: {"shards": [{"path": f"{split}_00000.bin"}], "tokens": 100} for split in ("train", "val")}}))
+        split: {"shards": [{"path": f"{split}_00000.bin", "tokens": size}], "tokens": size}
+        for split, size in sizes.items()}}))
     return path
 
 

@@ -56,12 +56,9 @@ def train(ctx: click.Context, nproc: int, fsx_root: Path, restart: str, **launch
     from rich.table import Table
 
     started = time.time()
-    try:
-        code, summary = run_local_training([*ctx.args, "--restart-layers", restart],
-                                           LaunchConfig(nproc_per_node=nproc, **launch), fsx_root)
-    except ValueError as e:   # LaunchError, and a LaunchConfig field of the wrong kind
-        click.echo(f"error: {e}", err=True)
-        sys.exit(2)
+    # A LaunchError (a ValueError) is the CLI's one-line error, exit 2: nothing was created or started.
+    code, summary = run_local_training([*ctx.args, "--restart-layers", restart],
+                                       LaunchConfig(nproc_per_node=nproc, **launch), fsx_root)
     if summary is None:
         if code in (130, 143):
             stop = last_stop(ctx.args, since=started)
