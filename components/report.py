@@ -89,7 +89,8 @@ def _nice_ticks(lo: float, hi: float, n: int = 5) -> list[float]:
 
 
 def _tick_label(v: float) -> str:
-    return f"{v:.0f}" if abs(v) >= 10 or v == int(v) else f"{v:.2g}" if abs(v) < 1 else f"{v:.1f}"
+    # Every digit a nice tick has ("12.5", "0.25"), none of the float noise of first + i * step.
+    return f"{v:.6g}"
 
 
 class _Plot:

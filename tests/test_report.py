@@ -210,3 +210,11 @@ def test_a_long_run_is_drawn_with_a_bounded_number_of_points(tmp_path):
     for label in ("step rate over wall time", "loss against step"):
         points = sum(len(p.get("points").split()) for p in plots[label].iter(f"{SVG}polyline"))
         assert 100 < points <= 1200, (label, points)
+
+
+def test_tick_labels_say_the_value_they_stand_at():
+    from components.report import _nice_ticks, _tick_label
+
+    for lo, hi in ((0, 19), (0, 95), (0.3, 1.6), (0, 0.9), (0, 1234)):
+        for v in _nice_ticks(lo, hi, 8):
+            assert float(_tick_label(v)) == pytest.approx(v, rel=1e-9), (lo, hi, v)

@@ -375,8 +375,14 @@ def test_a_tokenizer_process_that_dies_fails_the_stage_instead_of_hanging(hf_tok
     deadline = time.monotonic() + 60
     victim = None
     tok_dir = tmp_path / "fsx" / "datasets" / "die" / "1" / ".stage" / "tok"
+    def spawned(p: psutil.Process) -> bool:
+        try:
+            return "spawn_main" in " ".join(p.cmdline())
+        except psutil.Error:                 # a zombie or a process gone meanwhile (children of other tests)
+            return False
+
     while victim is None and time.monotonic() < deadline and t.is_alive():
-        kids = [p for p in psutil.Process().children() if "spawn_main" in " ".join(p.cmdline())]
+        kids = [p for p in psutil.Process().children() if spawned(p)]
         busy = tok_dir.is_dir() and any(tok_dir.iterdir())           # the workers are tokenizing files
         victim = kids[0] if len(kids) == 2 and busy else None
         time.sleep(0.01)
