@@ -375,6 +375,7 @@ def test_a_tokenizer_process_that_dies_fails_the_stage_instead_of_hanging(hf_tok
     deadline = time.monotonic() + 60
     victim = None
     tok_dir = tmp_path / "fsx" / "datasets" / "die" / "1" / ".stage" / "tok"
+
     def spawned(p: psutil.Process) -> bool:
         try:
             return "spawn_main" in " ".join(p.cmdline())
