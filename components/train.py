@@ -138,6 +138,13 @@ def _train_local(args: list[str], name: str, fsx_root: Path, job: dict, nproc: i
     launch = local_launch(job, nproc, name)
     log(f"local training: {nproc} ranks under ft_launcher, {' '.join(args)}")
     code, summary = run_local_training(args, launch, fsx_root)
+    if code in (130, 143):
+        raise RuntimeError(f"local training was interrupted ({'SIGINT' if code == 130 else 'SIGTERM'}); the ranks "
+                           f"committed a checkpoint in {out / 'checkpoints'}")
+    if code == 2:
+        # The trainer refused something that would fail the same way again (settings, data): not retried.
+        raise ValueError(f"local training refused its settings or data (exit code 2); the run directory is {out} "
+                         "(events.jsonl says why)")
     if code != 0:
         raise RuntimeError(f"local training failed with exit code {code}; the run directory is {out} "
                            "(events.jsonl says what happened)")

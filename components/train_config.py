@@ -79,6 +79,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
     from components.job_kinds import backend_name
     from components.pytorchjob import INSTANCE_TYPES, JobSpec
     from trainer.config import parse_config
+    from trainer.launch import check_faults
 
     if not run_id or "{{$" in run_id:
         raise ValueError(f"run_id {run_id!r} must be set: pass dsl.PIPELINE_JOB_ID_PLACEHOLDER from the pipeline")
@@ -89,9 +90,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
             "--n-layer", str(int(n_layer)), "--n-head", str(int(n_head)), "--n-embd", str(int(n_embd)),
             "--seq-len", str(int(seq_len)), "--batch-size", str(int(batch_size)), "--parallel", parallel,
             "--seed", str(int(seed))]
-    for fault in (f.strip() for f in inject_fault.split(",")):
-        if fault:
-            args += ["--inject-fault", fault]
+    faults = [f.strip() for f in inject_fault.split(",") if f.strip()]
+    for fault in faults:
+        args += ["--inject-fault", fault]
     args += [str(a) for a in (extra_trainer_args or [])]
     try:
         parse_config(args)
@@ -105,6 +106,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
            "memory": memory, "shm_size": shm_size, "node_group": node_group, "scheduler": scheduler,
            "queue": queue}
     backend = backend_name(backend)
+    if backend != "local":      # the local backend's rank count is the train step's local_nproc
+        # A fault on a rank or a step the job does not have would never fire.
+        check_faults(faults, int(nodes) * gpus, int(max_steps))
     spec = {**job, "image": image, "nodes": int(nodes), "spot": bool(spot), "trainer_args": args}
     if backend == "pytorchjob":
         JobSpec.from_dict(spec).validate()

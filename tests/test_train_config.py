@@ -46,6 +46,9 @@ def test_numbers_arrive_as_integers_whatever_kfp_made_of_them():
     ({"scheduler": "yunikorn", "queue": "training"}, "not a YuniKorn queue path"),
     ({"image": "Bad Image"}, "not an image reference"),
     ({"run_id": "{{$.pipeline_job_uuid}}"}, "must be set"),
+    # faults that could never fire: 1 node x 8 GPUs is ranks 0..7, and max_steps is 200
+    ({"inject_fault": "kill@40:8"}, "rank 8 does not exist in a run of 8 rank"),
+    ({"inject_fault": "hang@500:0"}, "step 500 comes after the last step"),
 ])
 def test_bad_settings_fail_before_anything_runs(kw, message):
     settings = {"fsx_root": "/fsx", "dataset_name": "d", "dataset_version": "1", "run_id": "r", "image": "x/y:1",
