@@ -313,8 +313,8 @@ class TrainConfig:
             problems.append("--collective-timeout-s must be positive")
         if not 0 <= m.dropout < 1:
             problems.append(f"--dropout must be in [0, 1), got {m.dropout}")
-        if o.lr <= 0:
-            problems.append(f"--lr must be positive, got {o.lr}")
+        if o.lr < 0:   # 0 keeps the weights as built or loaded (--init-from): a round trip check
+            problems.append(f"--lr must not be negative, got {o.lr}")
         if not d.data:
             problems.append("--data is required: a dataset directory with manifest.json")
         from .faults import Fault
