@@ -204,8 +204,7 @@ class MetricsExporter:
         self.step_last = Gauge("goodput_step_last_seconds", "wall time of the last step, seconds", registry=r)
         self.tokens_per_s = Gauge("goodput_tokens_per_second", "tokens of the whole job per second, over the "
                                   "last step", registry=r)
-        self.mfu = Gauge("goodput_mfu_ratio", "model FLOPs utilisation of this device over the last step (achieved "
-                         "over dense bf16 peak FLOP/s; not set without a known peak)", registry=r)
+        self.mfu = None   # goodput_mfu_ratio: registered at the first known MFU, so CPU runs export no fake 0
         self.ckpt_block = Histogram("goodput_checkpoint_blocking_seconds", "time a checkpoint blocked training, "
                                     "seconds", buckets=CKPT_BUCKETS_S, registry=r)
         self.ckpt_block_last = Gauge("goodput_checkpoint_blocking_last_seconds", "blocking time of the last "
@@ -256,6 +255,11 @@ class MetricsExporter:
         if step_s > 0:
             self.tokens_per_s.set(tokens_per_step / step_s)
         if mfu is not None:
+            if self.mfu is None:
+                from prometheus_client import Gauge
+
+                self.mfu = Gauge("goodput_mfu_ratio", "model FLOPs utilisation of this device over the last step "
+                                 "(achieved over its dense bf16 peak FLOP/s)", registry=self.registry)
             self.mfu.set(mfu)
         self.data_wait_s.inc(wait_s)
         if self.data_wait.last_ratio is not None:
