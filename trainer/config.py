@@ -55,15 +55,17 @@ class ModelConfig:
         --model-config or --init-from takes the dataset's vocabulary size; any other is checked against it
         (``trainer.data.check_vocab``). Imports torch: only called to validate or to build.
         """
-        from .data import MANIFEST, check_vocab, read_manifest
+        from .data import check_vocab, read_manifest
         from .models import load_model_config, resolve_model
         from .models.hf import spec_for_hf_dir
 
         overrides = load_model_config(self.config)
         if self.name == "bytegpt":
             overrides = {**{k: getattr(self, k) for k in (*BYTEGPT_FLAGS, "seq_len")}, **overrides}
-        data_dir = Path(data_dir)
-        manifest = read_manifest(data_dir) if (data_dir / MANIFEST).is_file() else None
+        try:
+            manifest = read_manifest(Path(data_dir))
+        except (OSError, ValueError):   # no dataset yet, or a broken one: the dataset's own checks say why
+            manifest = None
         if self.init_from:
             spec = spec_for_hf_dir(self.name, self.init_from, overrides)
         else:
