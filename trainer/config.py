@@ -370,7 +370,7 @@ def describe_flags() -> list[tuple[str, list[tuple[str, str]]]]:
 
 def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
     """The trainer's argument parser, one group per config section."""
-    p = argparse.ArgumentParser(prog=prog, description="Train a byte-level transformer with FSDP2/DDP, "
+    p = argparse.ArgumentParser(prog=prog, description="Train a model (bytegpt, llama or your own) with FSDP2/DDP, "
                                 "NVRx async checkpoints and exact resume.",
                                 argument_default=argparse.SUPPRESS)
     p.add_argument("--config", type=Path, help="TOML file with [model], [data], ... tables")
