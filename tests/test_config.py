@@ -52,3 +52,33 @@ def test_every_flag_is_documented_with_its_default():
     flags = {flag.split()[0]: text for _, rows in describe_flags() for flag, text in rows}
     assert "--restart-layers" in flags and "--restart" not in flags   # see RestartConfig.restart
     assert all("(default:" in text for text in flags.values())
+
+
+def test_model_flags_and_their_defaults():
+    cfg = parse_config(["--data", "d", "--model", "llama", "--model-flavor", "debug", "--model-config",
+                        '{"n_layers": 2}', "--activation-checkpointing", "selective", "--compile"])
+    m = cfg.model
+    assert (m.name, m.flavor, m.activation_checkpointing, m.compile) == ("llama", "debug", "selective", True)
+    assert m.spec("d").config.n_layers == 2
+    default = parse_config(["--data", "d"])
+    assert default.model.name == "bytegpt" and default.restart.restart == "auto"
+    # bytegpt's flags are its fields: a run keeps building the model it always did.
+    assert parse_config(["--data", "d", "--n-layer", "3"]).model.spec("d").config.n_layer == 3
+
+
+def test_restart_layers_auto_resolves_to_the_installed_releases_default():
+    from trainer import compat
+
+    # On 0.4.1 (installed here) in-process restart is maintained: both layers, as before auto existed.
+    assert compat.resolve_restart_layers(parse_config(["--data", "d"]).restart.restart,
+                                         compat.release("0.4.1")) == "both"
+    assert parse_config(["--data", "d", "--restart-layers", "injob"]).restart.restart == "injob"
+
+
+def test_the_saved_config_names_the_resolved_model(tmp_path):
+    cfg = parse_config(["--data", "d", "--model", "llama", "--seq-len", "64"])
+    spec = cfg.model.spec("d")
+    cfg.save(tmp_path / "config.json", model=spec.describe())
+    saved = json.loads((tmp_path / "config.json").read_text())
+    assert saved["model"]["name"] == "llama" and saved["model"]["flavor"] == "debug"
+    assert saved["model"]["config"] == spec.describe()["config"] and saved["model"]["seq_len"] == 64

@@ -248,10 +248,15 @@ def test_off_by_default_and_series_names_are_what_the_module_declares(tmp_path):
                          world_size=1, events_path=tmp_path / "events.jsonl")
     try:
         on.observe_step(1, 0.2, 100)
+        # No device peak (CPU): no MFU series at all, rather than a 0 a dashboard would average in.
+        assert not any(name == "goodput_mfu_ratio" for name, _ in scrape(port))
+        on.observe_step(2, 0.2, 100, mfu=0.41)
         on.observe_checkpoint(0.05)
-        names = {name for name, _ in scrape(port)}
+        samples = scrape(port)
+        names = {name for name, _ in samples}
     finally:
         on.close()
+    assert value(samples, "goodput_mfu_ratio") == pytest.approx(0.41)
     families = {n.removesuffix(sfx) for n in names for sfx in ("_bucket", "_count", "_sum", "_created", "")
                 if n.endswith(sfx)}
     missing = [n for n in PROCESS_SERIES if n not in families | names]

@@ -1,9 +1,7 @@
 """A 2-rank training run on a BPE-tokenized dataset, and its evaluation in bits per byte.
 
-Waiting for the model's vocabulary to follow the dataset: ``ModelConfig.vocab_size`` (trainer/config.py)
-is fixed at 256 today, so ids of a 512-token BPE overflow the embedding and the run fails. The xfail is
-strict: once the trainer sizes the model from the manifest (``trainer.data.check_vocab`` before any rank
-starts), this test passes, strict xfail reports it, and the marker must go.
+The model's vocabulary follows the dataset's manifest (``ModelConfig.spec``): bytegpt is built with the
+BPE's 512 ids, which a byte-sized embedding could not hold.
 """
 
 from __future__ import annotations
@@ -23,8 +21,6 @@ from trainer.data import default_source_files, read_manifest
 TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8"]
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason="waits for ModelConfig.vocab_size to follow the dataset manifest (trainer/config.py)")
 def test_two_ranks_train_on_a_bpe_dataset_and_evaluate_in_bits_per_byte(tmp_path):
     src = tmp_path / "src"
     src.mkdir()

@@ -3,7 +3,8 @@
 Every field has a default and a help text with units; each becomes a command-line flag
 (``--field-name``, or the flag named in its metadata). Precedence is command line > ``--config FILE``
 (TOML, one table per section) > defaults, validated once in ``TrainConfig.validate``. The resolved
-config is saved as ``<out>/config.json``. This module imports no torch so that the CLI stays fast.
+config is saved as ``<out>/config.json``. This module imports no torch at import time, so that the CLI stays
+fast; validating the model (``ModelConfig.spec``) imports it.
 """
 
 from __future__ import annotations
@@ -21,14 +22,64 @@ def _f(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, "flag": flag, **kw})
 
 
+# ByteGPT's architecture flags, kept for --model bytegpt (where they override its fields); other models take
+# --model-config.
+BYTEGPT_FLAGS = ("n_layer", "n_head", "n_embd", "dropout")
+
+
 @dataclass
 class ModelConfig:
-    n_layer: int = _f(4, "transformer blocks")
-    n_head: int = _f(4, "attention heads per block")
-    n_embd: int = _f(128, "model width (embedding size)")
-    seq_len: int = _f(128, "context length in bytes")
-    dropout: float = _f(0.0, "dropout probability")
-    vocab_size: int = _f(256, "vocabulary size (bytes)", cli=False)
+    name: str = _f("bytegpt", "the model: bytegpt, llama, or package.module:function naming your own model "
+                              "factory (docs/models.md)", flag="--model")
+    flavor: str = _f("", "a named size of the model (llama: debug, llama3-1b, llama3-3b, llama3-8b, llama3-70b; "
+                         "empty = the model's default)", flag="--model-flavor")
+    config: str = _f("", "fields overriding the flavor's: inline JSON ('{\"n_layers\": 8}') or a .json/.toml file",
+                     flag="--model-config")
+    init_from: str = _f("", "a Hugging Face model directory (config.json + *.safetensors) whose weights a fresh "
+                            "run starts from; a run with a committed checkpoint resumes from that instead")
+    activation_checkpointing: str = _f("none", "recompute activations in backward: none, full (each block), "
+                                               "selective (keep matmul and attention outputs)",
+                                       choices=("none", "full", "selective"))
+    compile: bool = _f(False, "torch.compile each block's forward")
+    n_layer: int = _f(4, "bytegpt: transformer blocks")
+    n_head: int = _f(4, "bytegpt: attention heads per block")
+    n_embd: int = _f(128, "bytegpt: model width (embedding size)")
+    seq_len: int = _f(128, "tokens per training sequence (at most the model's max_seq_len)")
+    dropout: float = _f(0.0, "bytegpt: dropout probability")
+    vocab_size: int = _f(256, "bytegpt: vocabulary size (the dataset's, resolved at start)", cli=False)
+
+    def spec(self, data_dir: str | Path):
+        """The ``ModelSpec`` to train on the dataset in ``data_dir``; a ValueError says what to fix.
+
+        A model whose vocabulary is not tied to a tokenizer (``bytes`` or any) and not pinned by
+        --model-config or --init-from takes the dataset's vocabulary size; any other is checked against it
+        (``trainer.data.check_vocab``). Imports torch: only called to validate or to build.
+        """
+        from .data import check_vocab, read_manifest
+        from .models import load_model_config, resolve_model
+        from .models.hf import spec_for_hf_dir
+
+        overrides = load_model_config(self.config)
+        if self.name == "bytegpt":
+            overrides = {**{k: getattr(self, k) for k in (*BYTEGPT_FLAGS, "seq_len")}, **overrides}
+        try:
+            manifest = read_manifest(Path(data_dir))
+        except (OSError, ValueError):   # no dataset yet, or a broken one: the dataset's own checks say why
+            manifest = None
+        if self.init_from:
+            spec = spec_for_hf_dir(self.name, self.init_from, overrides)
+        else:
+            spec = resolve_model(self.name, self.flavor, overrides)
+            follows = (spec.vocab.tokenizer in ("bytes", "") and "vocab_size" not in overrides
+                       and dataclasses.is_dataclass(spec.config) and hasattr(spec.config, "vocab_size"))
+            if manifest is not None and follows and spec.vocab.size != manifest["vocab_size"]:
+                spec = resolve_model(self.name, spec.flavor, {**overrides, "vocab_size": manifest["vocab_size"]})
+        if manifest is not None:
+            check_vocab(data_dir, spec.vocab.size)
+        if self.seq_len > spec.max_seq_len:
+            raise ValueError(f"--seq-len {self.seq_len} is longer than --model {self.name} reads "
+                             f"(max_seq_len {spec.max_seq_len})")
+        return spec
 
 
 @dataclass
@@ -115,9 +166,10 @@ class RunConfig:
 
 @dataclass
 class RestartConfig:
-    restart: str = _f("both", "recovery layers: inprocess (NVRx Wrapper restarts the training function in the "
-                      "same processes), injob (ft_launcher restarts the worker group), or both",
-                      choices=("inprocess", "injob", "both"),
+    restart: str = _f("auto", "recovery layers: inprocess (NVRx Wrapper restarts the training function in the "
+                      "same processes), injob (ft_launcher restarts the worker group), both, or auto (the installed "
+                      "NVRx release's default: both while in-process restart is maintained, else injob)",
+                      choices=("auto", "inprocess", "injob", "both"),
                       # Not --restart: ft_launcher's argparse would claim it as an abbreviation of its own
                       # --restart-policy, even after the script name.
                       flag="--restart-layers")
@@ -236,6 +288,12 @@ class TrainConfig:
         problems = []
         if m.n_embd % m.n_head:
             problems.append(f"--n-embd ({m.n_embd}) must be divisible by --n-head ({m.n_head})")
+        defaults = ModelConfig()
+        changed = [_flag(f) for f in dataclasses.fields(m) if f.name in BYTEGPT_FLAGS
+                   and getattr(m, f.name) != getattr(defaults, f.name)]
+        if m.name != "bytegpt" and changed:
+            problems.append(f"{', '.join(changed)} set bytegpt's fields; give --model {m.name} its fields with "
+                            f"--model-config")
         for name, value in (("--n-layer", m.n_layer), ("--n-head", m.n_head), ("--seq-len", m.seq_len),
                             ("--batch-size", d.batch_size), ("--grad-accum", d.grad_accum),
                             ("--max-steps", r.max_steps), ("--ckpt-keep", c.keep),
@@ -257,8 +315,8 @@ class TrainConfig:
             problems.append("--collective-timeout-s must be positive")
         if not 0 <= m.dropout < 1:
             problems.append(f"--dropout must be in [0, 1), got {m.dropout}")
-        if o.lr <= 0:
-            problems.append(f"--lr must be positive, got {o.lr}")
+        if o.lr < 0:   # 0 keeps the weights as built or loaded (--init-from): a round trip check
+            problems.append(f"--lr must not be negative, got {o.lr}")
         if not d.data:
             problems.append("--data is required: a dataset directory with manifest.json")
         from .faults import Fault
@@ -272,6 +330,11 @@ class TrainConfig:
             problems.append("--chaos-seed needs --fault-every SECONDS > 0")
         problems += _mirror_and_spot_problems(c, self.spot)
         problems += _metrics_problems(self.metrics)
+        if not problems:
+            try:
+                self.model.spec(d.data)
+            except ValueError as e:   # ModelError, HFError, check_vocab: each says what to fix
+                problems.append(str(e))
         if problems:
             raise ValueError("invalid trainer configuration: " + "; ".join(problems))
         return self
@@ -279,8 +342,12 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
-    def save(self, path: Path) -> None:
-        path.write_text(json.dumps(self.to_dict(), indent=1, sort_keys=True))
+    def save(self, path: Path, model: dict | None = None) -> None:
+        """Write the config as JSON; ``model``: the resolved spec (``ModelSpec.describe()``: name, flavor,
+        config), which evaluate and export rebuild the model from (``spec_from_run_config``)."""
+        d = self.to_dict()
+        d["model"].update(model or {})
+        path.write_text(json.dumps(d, indent=1, sort_keys=True))
 
 
 def _flag(f: dataclasses.Field) -> str:
@@ -303,7 +370,7 @@ def describe_flags() -> list[tuple[str, list[tuple[str, str]]]]:
 
 def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
     """The trainer's argument parser, one group per config section."""
-    p = argparse.ArgumentParser(prog=prog, description="Train a byte-level transformer with FSDP2/DDP, "
+    p = argparse.ArgumentParser(prog=prog, description="Train a model (bytegpt, llama or your own) with FSDP2/DDP, "
                                 "NVRx async checkpoints and exact resume.",
                                 argument_default=argparse.SUPPRESS)
     p.add_argument("--config", type=Path, help="TOML file with [model], [data], ... tables")

@@ -8,7 +8,8 @@ container ports ``metrics-<local rank>`` and ``deploy/observability/podmonitor.y
 
 Per process (every rank): ``goodput_step`` (last completed optimizer step), ``goodput_steps_total``,
 ``goodput_step_seconds`` (histogram) and ``goodput_step_last_seconds``, ``goodput_tokens_per_second`` (the
-job's, from this rank's step time), ``goodput_checkpoint_blocking_seconds`` (histogram) and
+job's, from this rank's step time), ``goodput_mfu_ratio`` (model FLOPs utilisation of this rank's device over
+the last step; absent on CPU and GPUs of unknown peak), ``goodput_checkpoint_blocking_seconds`` (histogram) and
 ``..._last_seconds``, ``goodput_data_wait_seconds_total``, ``goodput_data_wait_ratio`` and
 ``goodput_data_starved_windows_total``. Per run (global rank 0, from ``events.jsonl`` at scrape time, so the
 numbers span every attempt and survive restarts of the process): ``goodput_ratio`` (productive step time /
@@ -43,7 +44,7 @@ RESTART_LAYERS = ("inprocess", "injob", "job")
 
 # Names of every series this module exports (the Grafana dashboard test checks its queries against them).
 PROCESS_SERIES = ("goodput_step", "goodput_steps_total", "goodput_step_seconds", "goodput_step_last_seconds",
-                  "goodput_tokens_per_second", "goodput_checkpoint_blocking_seconds",
+                  "goodput_tokens_per_second", "goodput_mfu_ratio", "goodput_checkpoint_blocking_seconds",
                   "goodput_checkpoint_blocking_last_seconds", "goodput_data_wait_seconds_total",
                   "goodput_data_wait_ratio", "goodput_data_starved_windows_total", "goodput_rank_info")
 RUN_SERIES = ("goodput_ratio", "goodput_restarts", "goodput_lost_steps", "goodput_last_committed_step")
@@ -203,6 +204,7 @@ class MetricsExporter:
         self.step_last = Gauge("goodput_step_last_seconds", "wall time of the last step, seconds", registry=r)
         self.tokens_per_s = Gauge("goodput_tokens_per_second", "tokens of the whole job per second, over the "
                                   "last step", registry=r)
+        self.mfu = None   # goodput_mfu_ratio: registered at the first known MFU, so CPU runs export no fake 0
         self.ckpt_block = Histogram("goodput_checkpoint_blocking_seconds", "time a checkpoint blocked training, "
                                     "seconds", buckets=CKPT_BUCKETS_S, registry=r)
         self.ckpt_block_last = Gauge("goodput_checkpoint_blocking_last_seconds", "blocking time of the last "
@@ -234,7 +236,7 @@ class MetricsExporter:
         """``next_batch`` timed: what the step waits for its data is measured, not assumed."""
         return self.timer.wrap(next_batch)
 
-    def observe_step(self, step: int, step_s: float, tokens_per_step: int) -> None:
+    def observe_step(self, step: int, step_s: float, tokens_per_step: int, mfu: float | None = None) -> None:
         wait_s = self.timer.take()
         starved = self.data_wait.observe(step_s, wait_s)
         if starved is not None:
@@ -252,6 +254,13 @@ class MetricsExporter:
         self.step_last.set(step_s)
         if step_s > 0:
             self.tokens_per_s.set(tokens_per_step / step_s)
+        if mfu is not None:
+            if self.mfu is None:
+                from prometheus_client import Gauge
+
+                self.mfu = Gauge("goodput_mfu_ratio", "model FLOPs utilisation of this device over the last step "
+                                 "(achieved over its dense bf16 peak FLOP/s)", registry=self.registry)
+            self.mfu.set(mfu)
         self.data_wait_s.inc(wait_s)
         if self.data_wait.last_ratio is not None:
             self.data_wait_ratio.set(self.data_wait.last_ratio)

@@ -1,19 +1,31 @@
-"""A decoder-only transformer over bytes (vocab 256). Only the model lives here; parallelism is
-applied from outside (``trainer.parallel``)."""
+"""A decoder-only transformer over bytes (vocab 256 unless the dataset's tokenizer has more). Only the model
+lives here; parallelism is applied from outside (``trainer.models.parallelize``)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .config import ModelConfig
+
+@dataclass
+class ByteGPTConfig:
+    """``--model bytegpt``'s fields (``--model-config``; ``--n-layer`` ... ``--dropout`` set them too)."""
+
+    n_layer: int = 4
+    n_head: int = 4
+    n_embd: int = 128
+    seq_len: int = 128
+    """positions of the learned position embedding: the longest sequence the model reads"""
+    dropout: float = 0.0
+    vocab_size: int = 256
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ByteGPTConfig):
         super().__init__()
         self.n_head = cfg.n_head
         self.qkv = nn.Linear(cfg.n_embd, 3 * cfg.n_embd)
@@ -30,7 +42,7 @@ class CausalSelfAttention(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ByteGPTConfig):
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
         self.attn = CausalSelfAttention(cfg)
@@ -44,7 +56,7 @@ class Block(nn.Module):
 
 
 class ByteGPT(nn.Module):
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ByteGPTConfig):
         super().__init__()
         self.cfg = cfg
         self.tok_emb = nn.Embedding(cfg.vocab_size, cfg.n_embd)

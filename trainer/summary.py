@@ -23,6 +23,9 @@ def summarize(events: list[dict], *, steps: int, tokens: int, final_val_loss: fl
         "n_params": n_params,
         "final_train_loss": step_events[-1]["loss"] if step_events else None,
         "final_val_loss": final_val_loss,
+        # Throughput of the steps (every attempt's): medians, so a restart's first slow step does not skew them.
+        "tokens_per_s_p50": _median(e.get("tokens_per_s") for e in step_events),
+        "mfu_p50": _median(e.get("mfu") for e in step_events),   # None on CPU: no device peak to divide by
         "checkpoints_committed": sum(e["event"] == "ckpt_committed" for e in events),
         "ckpt_saves": len(blocks),
         # A save's own figure (the lower middle one of an even count), not the mean of two.
@@ -34,6 +37,11 @@ def summarize(events: list[dict], *, steps: int, tokens: int, final_val_loss: fl
         "mirror": mirror_stats(events),
         **account(events),
     }
+
+
+def _median(values) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
 
 
 def write_summary(path: Path, summary: dict) -> None:

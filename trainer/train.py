@@ -5,14 +5,16 @@ Launch (2 CPU processes, gloo):
     goodput train --nproc 2 --max-steps 100 --out RUN_DIR          # under NVRx ft_launcher
     torchrun --standalone --nproc-per-node 2 -m trainer --data DATASET --out RUN_DIR --restart inprocess
 
-Restarted with the same arguments, it resumes from the newest committed checkpoint in RUN_DIR and ends
-with bitwise the same parameters as a run that was never interrupted.
+Any model of the protocol (``--model``, ``trainer.models``) trains the same way. Restarted with the same
+arguments, it resumes from the newest committed checkpoint in RUN_DIR and ends with bitwise the same
+parameters as a run that was never interrupted.
 
-Recovery layers (``--restart``): ``inprocess`` runs ``train`` under NVRx's in-process Wrapper, which
+Recovery layers (``--restart-layers``): ``inprocess`` runs ``train`` under NVRx's in-process Wrapper, which
 calls it again in the same processes after a fault; ``injob`` leaves faults to ft_launcher, which
-restarts the worker group; ``both`` (default) does the first for exceptions and hangs the Wrapper can
-abort, the second for processes that die. Everything that does not depend on the process group lives
-in ``Session`` and survives in-process restarts.
+restarts the worker group; ``both`` does the first for exceptions and hangs the Wrapper can abort, the
+second for processes that die; ``auto`` (default) is the installed NVRx release's choice
+(``compat.resolve_restart_layers``: ``both`` while in-process restart is maintained, else ``injob``).
+Everything that does not depend on the process group lives in ``Session`` and survives in-process restarts.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_state_dict
 
-from . import warmstart
+from . import compat, warmstart
 from .checkpoint import COMMITTED, CheckpointManager, step_dir
 from .config import OptimConfig, TrainConfig
 from .data import BatchSampler, Split, eval_windows
@@ -43,8 +45,10 @@ from .ft import FTManager
 from .goodput import IntervalPolicy
 from .live_state import LiveStateDict
 from .metrics import build_metrics
-from .model import ByteGPT
-from .parallel import Dist, ensure_launcher_env, init_distributed, parallelize
+from .models import ModelSpec, ParallelPlan, build_model, num_params
+from .models.hf import load_hf_weights
+from .models.mfu import device_peak_flops, mfu
+from .parallel import Dist, ensure_launcher_env, init_distributed
 from .restart import RECURRING, abort_process_group, iteration_store, run_with_inprocess_restart
 from .signals import SigtermFlag
 from .spot import build_spot_watcher
@@ -107,7 +111,7 @@ def params_sha256(model: torch.nn.Module) -> str | None:
     return h.hexdigest()
 
 
-def train_step(model, optimizer, sampler: BatchSampler, cfg: TrainConfig, d: Dist,
+def train_step(model, spec: ModelSpec, optimizer, sampler: BatchSampler, cfg: TrainConfig, d: Dist,
                before_optimizer_step=None) -> torch.Tensor:
     """One optimizer step over ``grad_accum`` micro-batches; returns the mean loss on this rank."""
     total = torch.zeros((), device=d.device)
@@ -115,7 +119,7 @@ def train_step(model, optimizer, sampler: BatchSampler, cfg: TrainConfig, d: Dis
     for _ in range(cfg.data.grad_accum):
         x, y = (torch.from_numpy(a).to(d.device, non_blocking=True) for a in sampler.next_batch())
         with autocast:
-            _, loss = model(x, y)
+            loss = spec.loss(model, x, y)
         (loss / cfg.data.grad_accum).backward()
         total += loss.detach()
     if cfg.optim.grad_clip > 0:
@@ -128,7 +132,7 @@ def train_step(model, optimizer, sampler: BatchSampler, cfg: TrainConfig, d: Dis
 
 
 @torch.no_grad()
-def validation_loss(model, split: Split, cfg: TrainConfig, d: Dist) -> float:
+def validation_loss(model, spec: ModelSpec, split: Split, cfg: TrainConfig, d: Dist) -> float:
     """Mean loss over the first ``eval_windows`` validation windows, split across ranks (collective)."""
     model.eval()
     windows = list(eval_windows(split, cfg.model.seq_len, cfg.data.eval_windows))
@@ -138,7 +142,7 @@ def validation_loss(model, split: Split, cfg: TrainConfig, d: Dist) -> float:
     sums = torch.zeros(2, dtype=torch.float64, device=d.device)
     for i in range(per_rank):
         x, y = mine[i] if i < len(mine) else windows[0]
-        _, loss = model(torch.from_numpy(x)[None].to(d.device), torch.from_numpy(y)[None].to(d.device))
+        loss = spec.loss(model, torch.from_numpy(x)[None].to(d.device), torch.from_numpy(y)[None].to(d.device))
         if i < len(mine):
             sums += torch.tensor([loss.item(), 1.0], dtype=torch.float64, device=d.device)
     dist.all_reduce(sums)
@@ -156,6 +160,7 @@ class Session:
         self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
         self.out = Path(cfg.run.out)
         self.out.mkdir(parents=True, exist_ok=True)
+        self.spec = cfg.model.spec(cfg.data.data)   # the model, its vocabulary checked against the dataset
         self.events_path = self.out / "events.jsonl"
         self.events = EventLog(self.events_path, self.rank)
         self.run_id: str | None = None    # rank 0's, from _record_start; the others learn it in restore
@@ -183,7 +188,7 @@ class Session:
         earlier = bool(starts)
         # Names the run across its restarts; memory snapshots left on a node are trusted only by their run.
         self.run_id = (starts[0].get("run_id") if starts else None) or uuid.uuid4().hex
-        self.cfg.save(self.out / "config.json")
+        self.cfg.save(self.out / "config.json", model=self.spec.describe())
         self.events.emit("run_start", world_size=self.world_size, restart_count=restart_count, run_id=self.run_id)
         if restart_count > 0:
             self.events.emit("restart", layer="injob", restart_count=restart_count)
@@ -221,10 +226,11 @@ def train(session: Session, call_wrapper=None) -> dict | None:
             events.emit("restart", layer="inprocess", iteration=iteration)
 
         # ---- build: the same on every rank (same seed), then sharded/replicated
-        torch.manual_seed(cfg.run.seed)
-        model = ByteGPT(cfg.model).to(d.device)
-        n_params = model.num_params()
-        model = parallelize(model, cfg.parallel.parallel, d)
+        spec = session.spec
+        plan = ParallelPlan(mode=cfg.parallel.parallel, activation_checkpointing=cfg.model.activation_checkpointing,
+                            compile=cfg.model.compile)
+        model = build_model(spec, plan, d, cfg.run.seed)
+        n_params = num_params(model)
         optimizer = build_optimizer(model, cfg.optim)
         scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer,
                                                       lambda s: get_lr(s, cfg.optim, cfg.run.max_steps))
@@ -234,6 +240,8 @@ def train(session: Session, call_wrapper=None) -> dict | None:
         ckpt = session.checkpoints(d)
         state = TrainState()
         tokens_per_step = cfg.data.batch_size * cfg.data.grad_accum * cfg.model.seq_len * d.world_size
+        # MFU per device, against its dense bf16 peak (None on CPU: no honest peak to divide by).
+        flops_per_token, peak_flops = spec.flops_per_token(cfg.model.seq_len), device_peak_flops(d.device)
 
         model_and_optim = LiveStateDict(model, optimizer)
 
@@ -253,12 +261,16 @@ def train(session: Session, call_wrapper=None) -> dict | None:
             set_rng_state(loaded[f"rng_rank{d.rank}"], d.device)
             ft.load_state_json(loaded["ft"])
         else:
+            if cfg.model.init_from:   # a fresh start only: a committed checkpoint or snapshot wins above
+                load_hf_weights(model, spec, cfg.model.init_from)   # collective: each rank reads its shards
+                if d.is_main:
+                    events.emit("init_from", path=cfg.model.init_from)
             # Per-rank stream for dropout; model init above used the shared seed.
             torch.manual_seed(cfg.run.seed + 1 + d.rank)
         sampler.batches_read = state.batches_read
         if d.is_main:
-            log.info("model %.2fM params, %s on %d x %s, %d tokens/step, %s", n_params / 1e6,
-                     cfg.parallel.parallel, d.world_size, d.device.type, tokens_per_step,
+            log.info("model %s (%s) %.2fM params, %s on %d x %s, %d tokens/step, %s", spec.name, spec.flavor,
+                     n_params / 1e6, cfg.parallel.parallel, d.world_size, d.device.type, tokens_per_step,
                      f"resumed from step {resumed_from} ({source})" if resumed_from is not None else "fresh start")
             events.emit("resumed" if resumed_from is not None else "fresh_start", step=state.step, source=source)
         policy = IntervalPolicy(cfg.checkpoint, events_path=session.events_path, start_step=state.step,
@@ -298,7 +310,7 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 ckpt.maybe_finalize()
                 t0 = time.monotonic()
                 snapshot_wait_s = 0.0
-                loss = train_step(model, optimizer, sampler, cfg, d, before_optimizer_step=before_update)
+                loss = train_step(model, spec, optimizer, sampler, cfg, d, before_optimizer_step=before_update)
                 scheduler.step()
                 state.step += 1
                 state.batches_read = sampler.batches_read
@@ -325,13 +337,16 @@ def train(session: Session, call_wrapper=None) -> dict | None:
             step_timeout_s = ft.observe_step() if steady else None
             if step_timeout_s is not None and d.is_main:
                 events.emit("ft_step_timeout", step=state.step, timeout_s=round(step_timeout_s, 3))
-            session.metrics.observe_step(state.step, step_s, tokens_per_step)
+            tokens_per_s = tokens_per_step / step_s if step_s > 0 else 0.0
+            step_mfu = mfu(tokens_per_s / d.world_size, flops_per_token, peak_flops)
+            session.metrics.observe_step(state.step, step_s, tokens_per_step, mfu=step_mfu)
             if d.is_main:
                 events.emit("step", step=state.step, loss=round(loss_mean, 6), step_s=round(step_s, 5),
-                            lr=scheduler.get_last_lr()[0], tokens=state.tokens)
+                            lr=scheduler.get_last_lr()[0], tokens=state.tokens, tokens_per_s=round(tokens_per_s, 1),
+                            **({"mfu": round(step_mfu, 5)} if step_mfu is not None else {}))
                 if state.step % cfg.run.log_every == 0 or state.step == 1:
                     log.info("step %d/%d loss %.4f %.0f ms %.0f tok/s", state.step, cfg.run.max_steps, loss_mean,
-                             step_s * 1e3, tokens_per_step / step_s)
+                             step_s * 1e3, tokens_per_s)
             if stop:
                 for step, copy in owed:   # due before the stop: taken from their copies in memory
                     with ft.section("checkpoint"), _atomic(call_wrapper):
@@ -384,7 +399,7 @@ def train(session: Session, call_wrapper=None) -> dict | None:
                 ckpt.save(state.step, app_state, blocking=True)
         ckpt.wait()
         ckpt.drop_replica()   # older than the final checkpoint
-        val_loss = validation_loss(model, session.split_val, cfg, d)
+        val_loss = validation_loss(model, spec, session.split_val, cfg, d)
         sha = params_sha256(model)
         summary = None
         if d.is_main:
@@ -447,7 +462,8 @@ def run(cfg: TrainConfig) -> dict | None:
     try:
         session = Session(cfg)
         try:
-            if cfg.restart.restart in ("inprocess", "both"):
+            layers = compat.resolve_restart_layers(cfg.restart.restart, compat.installed_release())
+            if layers in ("inprocess", "both"):
                 return run_with_inprocess_restart(lambda call_wrapper: train(session, call_wrapper), cfg.restart,
                                                   cuda=torch.cuda.is_available())
             return train(session)

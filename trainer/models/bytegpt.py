@@ -9,12 +9,11 @@ from __future__ import annotations
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-from ..config import ModelConfig
-from ..model import ByteGPT
+from ..model import ByteGPT, ByteGPTConfig
 from .registry import apply_overrides, pick_flavor
 from .spec import ModelSpec, Vocabulary
 
-FLAVORS = {"default": ModelConfig()}
+FLAVORS = {"default": ByteGPTConfig()}
 
 
 def _init_weights(model: nn.Module) -> None:
@@ -28,14 +27,14 @@ def _loss(model: nn.Module, inputs, targets):
     return loss
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def flops_per_token(cfg: ByteGPTConfig, seq_len: int) -> float:
     """6 per matmul weight (attention, MLP, head) plus attention's 12 * layers * width * seq_len."""
     matmul = cfg.n_layer * (4 * cfg.n_embd ** 2 + 8 * cfg.n_embd ** 2) + cfg.n_embd * cfg.vocab_size
     return 6.0 * matmul + 12.0 * cfg.n_layer * cfg.n_embd * seq_len
 
 
 def model_spec(flavor: str = "", overrides: dict | None = None) -> ModelSpec:
-    """``--model bytegpt``: the ``trainer.config.ModelConfig`` fields as overrides."""
+    """``--model bytegpt``: the ``trainer.model.ByteGPTConfig`` fields as overrides."""
     name, cfg = pick_flavor(FLAVORS, flavor, "default", "bytegpt")
     cfg = apply_overrides(cfg, overrides or {}, "bytegpt")
     if cfg.n_embd % cfg.n_head or min(cfg.n_layer, cfg.n_head, cfg.n_embd, cfg.seq_len) < 1:
