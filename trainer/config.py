@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import importlib.util
 import json
 import tomllib
 from dataclasses import dataclass, field
@@ -330,7 +331,9 @@ class TrainConfig:
             problems.append("--chaos-seed needs --fault-every SECONDS > 0")
         problems += _mirror_and_spot_problems(c, self.spot)
         problems += _metrics_problems(self.metrics)
-        if not problems:
+        # The model is built to check it, which needs torch: the component image that runs the pipeline's
+        # check-settings step and the job launcher has none, and there the trainer checks it when it starts.
+        if not problems and _torch_available():
             try:
                 self.model.spec(d.data)
             except ValueError as e:   # ModelError, HFError, check_vocab: each says what to fix
@@ -348,6 +351,13 @@ class TrainConfig:
         d = self.to_dict()
         d["model"].update(model or {})
         path.write_text(json.dumps(d, indent=1, sort_keys=True))
+
+
+def _torch_available() -> bool:
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except ImportError:          # an import hook that refuses it (tests of the component image)
+        return False
 
 
 def _flag(f: dataclasses.Field) -> str:
