@@ -37,9 +37,11 @@ TRAINER_HELP = "\n\n".join(
 @click.option("--nproc", default=2, show_default=True, help="Worker processes (GPUs, or CPU ranks with gloo).")
 @click.option("--fsx-root", default="fsx", show_default=True, type=click.Path(path_type=Path),
               help="Local stand-in for the FSx mount; the default dataset is built under it.")
-@click.option("--restart", type=click.Choice(["inprocess", "injob", "both"]), default="both", show_default=True,
+@click.option("--restart", type=click.Choice(["auto", "inprocess", "injob", "both"]), default="auto",
+              show_default=True,
               help="Recovery layers: inprocess (NVRx Wrapper restarts the training function in the same "
-                   "processes), injob (ft_launcher restarts the worker group), or both.")
+                   "processes), injob (ft_launcher restarts the worker group), both, or auto: what the installed "
+                   "NVRx release recommends (both up to 0.5, in-job where the in-process Wrapper is deprecated).")
 @launch_options
 @click.pass_context
 def train(ctx: click.Context, nproc: int, fsx_root: Path, restart: str, **launch: float) -> None:
