@@ -282,6 +282,40 @@ def test_a_save_whose_state_changed_structure_is_planned_afresh(tmp_path, proces
     assert torch.equal(target["model"]["w"], _state(5)["model"]["w"]) and target["train"]["step"] == 5
 
 
+@pytest.mark.parametrize("clones", [False, True])
+def test_planning_sees_the_state_being_saved_where_it_clones_it(tmp_path, process_group, monkeypatch, clones):
+    """NVRx 0.7 clones every CPU tensor while planning: the staging copy must already hold this save's state
+    (else the checkpoint is the previous save's). Where planning reads metadata only, it runs before the
+    copy, which then overlaps the loop's next forward and backward."""
+    import dataclasses
+
+    from nvidia_resiliency_ext.checkpointing.async_ckpt import state_dict_saver
+
+    from trainer import compat
+
+    rel = dataclasses.replace(compat.installed_release(), plan_copies_cpu_tensors=clones)
+    monkeypatch.setattr(compat, "installed_release", lambda: rel)
+    plan, seen = state_dict_saver.save_state_dict_async_plan, []
+
+    def planning(snapshot, *args, **kwargs):
+        seen.append(snapshot["model"]["w"].clone())
+        return plan(snapshot, *args, **kwargs)
+
+    monkeypatch.setattr(state_dict_saver, "save_state_dict_async_plan", planning)
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
+    try:
+        for step in (1, 2):
+            mgr.save(step, _state(step))
+            mgr.finish_snapshot()
+        mgr.wait()
+    finally:
+        mgr.close()
+    assert torch.equal(seen[1], _state(2 if clones else 1)["model"]["w"])
+    target = _zeros()
+    dcp.load(target, checkpoint_id=str(step_dir(tmp_path / "ckpt", 2)))
+    assert torch.equal(target["model"]["w"], _state(2)["model"]["w"])
+
+
 def test_delete_uncommits_before_removing(tmp_path):
     d = tmp_path / "step_000000001"
     d.mkdir()

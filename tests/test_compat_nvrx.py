@@ -270,7 +270,7 @@ def test_importing_the_gate_imports_no_torch():
 # ------------------------------------------------------------------------------- today's launch command
 
 def test_the_flags_launch_py_emits_today_parse_on_every_release():
-    """trainer/launch.py and components/pytorchjob.py, as they are: every flag is accepted by 0.4.1 to 0.7
+    """trainer/launch.py (on the gate) and components/pytorchjob.py: every flag is accepted by 0.4.1 to 0.7
     (none breaks at parse time); what changes meaning is listed by the next test."""
     from components.pytorchjob import JobSpec
 
@@ -282,11 +282,46 @@ def test_the_flags_launch_py_emits_today_parse_on_every_release():
         assert parse(version, local).training_script_args == TRAINER_ARGS
         assert parse(version, pod).training_script_args[:len(TRAINER_ARGS)] == TRAINER_ARGS
         assert parse(version, elastic).nnodes == "2:8"
-    # The gate builds the same options on 0.4.1, so moving launch.py onto it changes nothing there.
-    assert local[:local.index("-m")] == compat.launcher_args(LaunchConfig(), release("0.4.1"))
+    # On 0.4.1 launch.py builds the options it wrote by hand before it used the gate.
+    assert local[:local.index("-m")] == [
+        "--nnodes", "1", "--nproc-per-node", "2", "--standalone", "--max-restarts", "3", "--monitor-interval", "0.5",
+        "--term-timeout", "60", "--workers-stop-timeout", "1", "--ft-workload-check-interval", "1",
+        "--ft-rank-section-timeouts", "setup:600,step:300,checkpoint:900", "--ft-rank-out-of-section-timeout", "600"]
     # 0.5.0 parses today's command but, without the flag the gate adds, rendezvous fails on every node.
     assert parse("0.5.0", local).ft_use_infra_group_rank is None
     assert parse("0.5.0", command(LaunchConfig(), "0.5.0")).ft_use_infra_group_rank == "false"
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_launch_py_builds_the_command_for_the_release_it_is_given(version, monkeypatch):
+    from trainer.launch import launcher_command
+
+    monkeypatch.delenv(compat.VERSION_ENV, raising=False)
+    argv = launcher_command(CLUSTER, TRAINER_ARGS, release=release(version), extras=LauncherExtras(gpu=True))
+    assert launcher_options(argv) == command(CLUSTER, version, LauncherExtras(gpu=True))
+    assert parse(version, launcher_options(argv)).training_script_args == TRAINER_ARGS
+    monkeypatch.setenv(compat.VERSION_ENV, version)      # None: the image's pin
+    assert launcher_command(CLUSTER, TRAINER_ARGS, extras=LauncherExtras(gpu=True)) == argv
+
+
+def test_counts_the_pods_environment_fills_in_pass_through_unchanged():
+    """A TrainJob's node command takes its counts from $(PET_NNODES) and $(PET_NPROC_PER_NODE)."""
+    from trainer.launch import launcher_command
+
+    pod = LaunchConfig(nnodes="$(PET_NNODES)", nproc_per_node="$(PET_NPROC_PER_NODE)",
+                       rdzv_endpoint="$(PET_MASTER_ADDR):$(PET_MASTER_PORT)")
+    for version in VERSIONS:
+        ns = parse(version, launcher_options(launcher_command(pod, TRAINER_ARGS, release=release(version))))
+        assert (ns.nnodes, ns.nproc_per_node) == ("$(PET_NNODES)", "$(PET_NPROC_PER_NODE)")
+    with pytest.raises(ValueError, match="known node count"):
+        compat.launcher_args(pod, release("0.7.0"), LauncherExtras(spare_nodes=1))
+    with pytest.raises(ValueError, match="rdzv_endpoint"):       # may be many nodes
+        LaunchConfig(nnodes="$(PET_NNODES)").validate()
+    for bad in ("four", "$(PET NNODES)", 0, 2.5, True):
+        with pytest.raises(ValueError, match="nnodes"):
+            LaunchConfig(nnodes=bad, rdzv_endpoint="h:1").validate()
+    assert compat.launcher_args(LaunchConfig(nnodes=2.0, nproc_per_node="8", rdzv_endpoint="h:1"),
+                                release("0.4.1"))[:4] == ["--nnodes", "2", "--nproc-per-node", "8"]
 
 
 def test_what_todays_command_means_differently_on_later_releases():
@@ -336,19 +371,25 @@ def test_a_private_api_an_upgrade_removed_fails_loudly_naming_the_version(monkey
 def test_accessors_written_for_a_newer_release_refuse_the_installed_one():
     """Built for 0.7 but run on 0.4.1 (an image whose pin and package disagree): a clear error, not a wrong call."""
     with pytest.raises(compat.NVRxCompatError, match="get_write_results_queue is missing.*0.4.1"):
-        compat.fork_write_results_queue(release("0.7.0"))
+        compat.start_write_results_queue(release("0.7.0"))
     with pytest.raises(compat.NVRxCompatError, match="ChainedGPUHealthCheck is missing.*0.4.1"):
         compat.build_inprocess_health_checks(release("0.7.0"), cuda=True, max_rank_faults=3)
 
 
-def test_the_forked_write_results_queue_is_nvrx_s_own_cache(monkeypatch):
+def test_the_trainers_write_results_queue_is_the_one_nvrx_s_writers_use(monkeypatch):
+    import multiprocessing
+
     from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
 
     monkeypatch.setattr(filesystem_async, "_results_queue", None)
-    queue = compat.fork_write_results_queue(release("0.4.1"))
-    assert filesystem_async._get_write_results_queue() is queue     # NVRx's writers will use this one
-    queue.put("written")
-    assert queue.get(timeout=10) == "written"
+    assert compat.write_results_queue() is None
+    ours = multiprocessing.Queue()
+    compat.set_write_results_queue(ours)
+    assert compat.write_results_queue() is ours
+    assert compat.start_write_results_queue(release("0.4.1")) is ours    # NVRx's writers will use this one
+    monkeypatch.delattr(filesystem_async, "_results_queue")
+    with pytest.raises(compat.NVRxCompatError, match="_results_queue is missing"):
+        compat.set_write_results_queue(ours)
 
 
 def test_a_save_plan_is_trusted_after_one_planning():
@@ -388,6 +429,37 @@ def test_torch_private_helpers(process_group):
     staging = create_cpu_state_dict(state, share_memory=True)
     copy_state_dict(state, staging)
     assert torch.equal(staging["w"], state["w"]) and staging["w"].is_shared()
+    dst = [torch.zeros(3), torch.zeros(2)]
+    compat.foreach_copy(dst, [torch.ones(3), torch.full((2,), 2.0)])
+    assert dst[0].tolist() == [1.0] * 3 and dst[1].tolist() == [2.0] * 2
+    assert compat.local_tensor(state["w"]) is state["w"]
+
+
+def test_dtensor_internals(process_group):
+    import torch
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    live = distribute_tensor(torch.arange(4.0), init_device_mesh("cpu", (1,)), [Shard(0)])
+    assert compat.local_tensor(live) is live._local_tensor
+    host = compat.dtensor_like(torch.full((4,), 7.0), live)
+    assert host.placements == live.placements and host.device_mesh == live.device_mesh
+    assert compat.local_tensor(host).tolist() == [7.0] * 4
+
+
+def test_rank_monitor_accessors(monkeypatch):
+    from nvidia_resiliency_ext.fault_tolerance.data import FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR
+    from nvidia_resiliency_ext.fault_tolerance.rank_monitor_client import RankMonitorClient
+    from nvidia_resiliency_ext.inprocess.store import TCPStore
+
+    monkeypatch.delenv(FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR, raising=False)
+    assert not compat.under_ft_launcher()
+    monkeypatch.setenv(FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR, "/tmp/none.socket")
+    assert compat.under_ft_launcher()
+    assert compat.rank_monitor_socket(RankMonitorClient()) is None      # not connected yet
+    assert compat.wrapper_store_host_rank(TCPStore) == 0
+    key = RankMonitorClient.CURRENT_TIMEOUTS_STATE_KEY
+    assert compat.has_calculated_timeouts({key: {"section": {}}}) and not compat.has_calculated_timeouts({})
 
 
 def test_the_wrappers_health_check_is_ours_alone_where_it_adds_its_own():

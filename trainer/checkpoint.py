@@ -51,11 +51,11 @@ import psutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.tensor import DTensor
 
+from . import compat
 from .config import CheckpointConfig
 from .events import EventLog
 from .layout import COMMITTED, committed_steps, fsync_dir, read_marker, replica_dir, step_dir, step_of, write_atomic
@@ -107,13 +107,10 @@ def fork_write_results_queue() -> None:
     write result. That is after every in-job restart, and where no save came between the restart and the
     end of training, the final, blocking save waited those seconds. A fork has torch already.
     """
-    from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
-
-    # It ignores SIGTERM, as the writers do (see start_writer); the module global is NVRx's own cache of
-    # the queue, in 0.4.1 as in later releases (which take mp_mode="fork" for the same).
+    # It ignores SIGTERM, as the writers do (see start_writer).
     with _stop_signals_ignored():
         before = _children()
-        filesystem_async._results_queue = _results_queue("fork")
+        compat.set_write_results_queue(_results_queue("fork"))
         _forked_managers.extend(_children() - before)
 
 
@@ -135,6 +132,7 @@ def _children() -> set[int]:
 def _prepare_writer(module: str, rank_pid: int, companions: list[int]) -> None:
     """Runs in NVRx's persistent worker, once: tie its life to its rank's, and import the writer's module
     before the first write needs it."""
+    compat.writer_ignores_sigterm()
     die_with_parent(parent=rank_pid)
     threading.Thread(target=_end_with, args=(rank_pid, companions), name="end-with-rank", daemon=True).start()
     importlib.import_module(module)
@@ -179,8 +177,8 @@ def _staged(live: Any, staged: Any, pairs: list) -> Any:
             raise _StructureChanged
         if not isinstance(live, DTensor):
             pairs.append((live, staged))
-        elif staged._local_tensor.shape == live._local_tensor.shape:
-            pairs.append((live._local_tensor, staged._local_tensor))
+        elif compat.local_tensor(staged).shape == compat.local_tensor(live).shape:
+            pairs.append((compat.local_tensor(live), compat.local_tensor(staged)))
         else:   # the same global shape, sharded differently
             raise _StructureChanged
         return staged
@@ -335,20 +333,20 @@ class CheckpointManager:
         if self.cfg.sync or self.queue is not None:
             return
         from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
-        from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import (FileSystemWriterAsync,
-                                                                                     _get_write_results_queue)
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+
+        rel = compat.installed_release()
 
         # They ignore SIGTERM and SIGINT (inherited through spawn): the launcher signals the rank's whole
         # process group, and the writers must live on to finish the final checkpoint the rank writes after
         # it. They end when the rank closes the queue, or dies (_end_with, PR_SET_PDEATHSIG), or by SIGKILL.
         with _stop_signals_ignored():
             started = _children()
-            if filesystem_async._results_queue is None:   # not forked with the rank (a cold start)
-                filesystem_async._results_queue = _results_queue("spawn")
-            _get_write_results_queue()
+            if compat.write_results_queue() is None:   # not forked with the rank (a cold start)
+                compat.set_write_results_queue(_results_queue("spawn"))
+            compat.start_write_results_queue(rel)
             manager = _children() - started
-            self.queue = AsyncCallsQueue(persistent=True)
+            self.queue = AsyncCallsQueue(**compat.async_calls_queue_kwargs(rel, self.cfg.writer_nice))
             self.queue.schedule_async_request(
                 AsyncRequest(_prepare_writer, (FileSystemWriterAsync.__module__, os.getpid(), sorted(manager)), []))
         # The worker's niceness is set as it is born, not once it runs: its boot (importing torch, seconds
@@ -429,8 +427,8 @@ class CheckpointManager:
         usable = {s for s in everywhere if committed is None or s >= committed}
         if usable:
             step, source = max(usable), "memory"
-            restored = _copy_state_dict(self.snapshot if step == self.snapshot_step else self.replica_snapshot,
-                                        state)
+            copy_state_dict, _ = compat.cpu_state_dict_helpers()
+            restored = copy_state_dict(self.snapshot if step == self.snapshot_step else self.replica_snapshot, state)
             self.events.emit("ckpt_loaded", step=step, source=source)
         else:
             step, source, restored = self._load_committed(state), "checkpoint", state
@@ -454,7 +452,8 @@ class CheckpointManager:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache
 
         # Shared memory: NVRx's persistent worker receives the tensors without another copy.
-        self.staging = _create_cpu_state_dict(state, share_memory=True, pin_memory=self.d.device.type == "cuda")
+        _, create_cpu_state_dict = compat.cpu_state_dict_helpers()
+        self.staging = create_cpu_state_dict(state, share_memory=True, pin_memory=self.d.device.type == "cuda")
         # NVRx reuses the global save plan once it is stable: later saves plan without collectives.
         self.plan_cache, self.planner = CheckpointMetadataCache(), _StagingPlanner()
         return self.staging
@@ -482,13 +481,13 @@ class CheckpointManager:
         t0 = time.monotonic()
         staging, live = [s for _, s in pairs], [t for t, _ in pairs]
         if self.copy_stream is None:
-            torch._foreach_copy_(staging, live)
+            compat.foreach_copy(staging, live)
         else:
             # Device-to-host into pinned memory on a side stream, ordered after the optimizer step that
             # produced the state; the next step's kernels run on the default stream meanwhile.
             with torch.cuda.device(self.d.device), torch.cuda.stream(self.copy_stream):
                 self.copy_stream.wait_event(ready)
-                torch._foreach_copy_(staging, live, non_blocking=True)
+                compat.foreach_copy(staging, live, non_blocking=True)
             self.copy_stream.synchronize()
         return time.monotonic() - t0
 
@@ -569,7 +568,6 @@ class CheckpointManager:
     def _save_async(self, step: int, state: dict, path: Path, t0: float) -> None:
         """Plan the write and start the copy; ``self.copying`` records where the blocking time went (wait,
         commit, stage, plan, start)."""
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncRequest
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
 
@@ -591,17 +589,20 @@ class CheckpointManager:
         # The staging copy is about to be overwritten: it no longer holds the previous snapshot.
         self.snapshot = self.snapshot_step = None
         t_stage = time.monotonic()
-        # Planning reads the staging tensors' metadata only, not their data, so it runs before the copy.
+        rel = compat.installed_release()
+        # Up to 0.6 planning reads the staging tensors' metadata only, so it runs before the copy, which runs on
+        # behind the loop's next forward and backward. From 0.7 planning clones every CPU tensor: planned before
+        # the copy is complete, the checkpoint would hold what the staging copy held, the previous save's state.
+        copy = self._start_copy(pairs) if rel.plan_copies_cpu_tensors else None
+        if copy is not None:
+            copy.result()
+        t_copy = time.monotonic()
         writer = FileSystemWriterAsync(str(path), thread_count=self.cfg.write_threads)
         writer, metadata, _ = save_state_dict_async_plan(snapshot, writer, planner=self.planner, enable_cache=True,
                                                          metadata_cache=self.plan_cache)
-        if not self.plan_cache.validated_cache_reuse:
-            # NVRx trusts a plan once a second full planning (with a gather) produced the same one. That it
-            # stays valid is what _stage checks at every save, so it is trusted from the first.
-            central_plan, local_plan, _, _ = self.plan_cache.get_cache_metadata()
-            self.plan_cache.set_cache_metadata(central_plan, local_plan, False)
-            self.plan_cache.cached_global_metadata = metadata
-        save_fn, _, save_args = writer.get_save_function_and_args()
+        # NVRx trusts a plan once a second full planning (with a gather) produced the same one. That it
+        # stays valid is what _stage checks at every save, so it is trusted from the first.
+        compat.trust_save_plan(self.plan_cache, metadata)
         t_plan = time.monotonic()
 
         def finalize() -> None:
@@ -612,12 +613,15 @@ class CheckpointManager:
             self.writes_done += 1
             self.write_started = time.monotonic()   # the next one in flight, if any, has been running since
 
-        copy = self._start_copy(pairs)
+        request = compat.save_request(writer, [finalize], rel)
+        copy = copy or self._start_copy(pairs)
         now = time.monotonic()
-        self.copying = _Snapshot(step, snapshot, copy, AsyncRequest(save_fn, save_args, [finalize]),
-                                 _Pending(step, t0, writer if self.d.is_main else None, metadata), now - t0,
-                                 {"wait_s": t_wait - t0, "commit_s": t_commit - t_wait, "stage_s": t_stage - t_commit,
-                                  "plan_s": t_plan - t_stage, "start_s": now - t_plan})
+        phases = {"wait_s": t_wait - t0, "commit_s": t_commit - t_wait, "stage_s": t_stage - t_commit,
+                  "plan_s": t_plan - t_copy, "start_s": now - t_plan}
+        if rel.plan_copies_cpu_tensors:
+            phases["copy_before_plan_s"] = t_copy - t_stage
+        self.copying = _Snapshot(step, snapshot, copy, request,
+                                 _Pending(step, t0, writer if self.d.is_main else None, metadata), now - t0, phases)
 
     def finish_snapshot(self, *, report: bool = True) -> float:
         """Wait for the copy ``save`` started and hand the write to NVRx's worker; return the seconds waited.

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import importlib
 import importlib.metadata
-import inspect
 import os
+import re
 import signal
 from dataclasses import dataclass, field
 from typing import Any, Callable, Protocol
@@ -210,8 +210,8 @@ def import_straggler(rel: Release):
 class LaunchSettings(Protocol):
     """What ``launcher_args`` reads: the fields of ``trainer.launch.LaunchConfig``."""
 
-    nproc_per_node: int
-    nnodes: int
+    nproc_per_node: int | str          # or a $(VAR) placeholder the pod's environment fills in
+    nnodes: int | str
     max_restarts: int
     rdzv_endpoint: str
     rdzv_id: str
@@ -252,7 +252,8 @@ def launcher_args(launch: LaunchSettings, rel: Release, extras: LauncherExtras =
                 f"checkpoint:{launch.checkpoint_timeout_s:g}")
     args = [
         "--nnodes", nnodes_arg(launch.nnodes, rel, min_nodes=extras.min_nodes, spare_nodes=extras.spare_nodes),
-        "--nproc-per-node", str(launch.nproc_per_node),
+        "--nproc-per-node", str(launch.nproc_per_node if is_placeholder(launch.nproc_per_node)
+                                else count(launch.nproc_per_node, "nproc_per_node")),
         *rdzv,
         # Counted per node up to 0.5, for the whole job (every node's restarts together) from 0.6.
         "--max-restarts", str(launch.max_restarts),
@@ -267,15 +268,21 @@ def launcher_args(launch: LaunchSettings, rel: Release, extras: LauncherExtras =
     return args + _health_check_args(rel, extras)
 
 
-def nnodes_arg(nodes: int, rel: Release, *, min_nodes: int = 0, spare_nodes: int = 0) -> str:
+def nnodes_arg(nodes: int | str, rel: Release, *, min_nodes: int = 0, spare_nodes: int = 0) -> str:
     """``--nnodes``: a fixed size, elastic MIN:MAX (up to 0.5), or N active plus hot spares (0.6+).
 
     From 0.6 MIN:MAX no longer means "train with MIN to MAX nodes": exactly MIN nodes train and the rest
-    stand by, so an elastic job's meaning cannot be kept there.
+    stand by, so an elastic job's meaning cannot be kept there. ``nodes`` may be a placeholder the pod's
+    environment fills in (``$(PET_NNODES)``): it is passed as it is, and cannot take a MIN or spares.
     """
-    if nodes < 1 or min_nodes < 0 or spare_nodes < 0:
-        raise ValueError(f"need nodes >= 1 and no negative counts, got nodes={nodes} min_nodes={min_nodes} "
-                         f"spare_nodes={spare_nodes}")
+    if is_placeholder(nodes):
+        if min_nodes or spare_nodes:
+            raise ValueError(f"--nnodes {nodes} comes from the pod's environment: min_nodes and spare_nodes "
+                             f"need a known node count")
+        return str(nodes)
+    nodes = count(nodes, "nodes")
+    if min_nodes < 0 or spare_nodes < 0:
+        raise ValueError(f"need no negative counts, got min_nodes={min_nodes} spare_nodes={spare_nodes}")
     elastic = 0 < min_nodes < nodes
     if elastic and spare_nodes:
         raise ValueError("min_nodes (elastic) and spare_nodes (hot spares) cannot be combined")
@@ -291,6 +298,25 @@ def nnodes_arg(nodes: int, rel: Release, *, min_nodes: int = 0, spare_nodes: int
                              f"job; use spare_nodes instead")
         return f"{min_nodes}:{nodes}"
     return str(nodes)
+
+
+def is_placeholder(value: int | str) -> bool:
+    """A count the kubelet fills in from the pod's environment (``$(PET_NNODES)``)."""
+    return isinstance(value, str) and re.fullmatch(r"\$\([A-Za-z_][A-Za-z0-9_]*\)", value) is not None
+
+
+def count(value: int | str, name: str) -> int:
+    """A node or process count given as a number or its digits; at least 1."""
+    try:
+        n = float(value) if not isinstance(value, bool) else 0.5
+    except (TypeError, ValueError):
+        n = 0.5
+    if not n.is_integer():
+        raise ValueError(f"{name} must be a whole number or a $(VAR) placeholder, got {value!r}")
+    n = int(n)
+    if n < 1:
+        raise ValueError(f"{name} must be at least 1, got {value!r}")
+    return n
 
 
 def _health_check_args(rel: Release, extras: LauncherExtras) -> list[str]:
@@ -359,26 +385,26 @@ def writer_ignores_sigterm() -> None:
 
 
 def start_write_results_queue(rel: Release):
-    """NVRx's write-results queue (its manager spawned on first use), through the public call where one is."""
+    """NVRx's write-results queue, started now unless it exists (``set_write_results_queue``), through the
+    public call where there is one."""
     fs = _filesystem_async()
     if rel.public_results_queue:
         return _attr(fs, "get_write_results_queue")()
     return _attr(fs, "_get_write_results_queue")()
 
 
-def fork_write_results_queue(rel: Release):
-    """The same queue, its manager forked from this process (a rank forked warm has torch imported already;
-    a spawned manager imports it again on the first write result)."""
-    fs = _filesystem_async()
-    if rel.public_results_queue:
-        make = _attr(fs, "get_write_results_queue")
-        if "mp_mode" in inspect.signature(make).parameters:
-            return make(mp_mode="fork")
-    import multiprocessing
+def write_results_queue():
+    """The queue NVRx's writers report to, or None before one was made (its module-level cache)."""
+    return _attr(_filesystem_async(), "_results_queue")
 
-    _attr(fs, "_results_queue")       # the module global is NVRx's cache of the queue
-    fs._results_queue = multiprocessing.get_context("fork").Manager().Queue()
-    return fs._results_queue
+
+def set_write_results_queue(queue) -> None:
+    """Make ``queue`` the one NVRx's writers report to: the trainer's own, whose manager dies with the rank
+    (NVRx's ``get_write_results_queue(mp_mode)`` from 0.6 makes a plain one, which a SIGKILLed rank leaves
+    behind). Every checked release reads and fills the same module-level cache."""
+    fs = _filesystem_async()
+    _attr(fs, "_results_queue")
+    fs._results_queue = queue
 
 
 def trust_save_plan(plan_cache, metadata) -> None:
@@ -397,10 +423,29 @@ def _filesystem_async():
 
 # ------------------------------------------------------------------------------------------ rank monitor
 
+def under_ft_launcher() -> bool:
+    """Whether this rank was started by ft_launcher (its rank monitor's socket is in the environment)."""
+    from nvidia_resiliency_ext.fault_tolerance import data
+
+    return os.environ.get(_attr(data, "FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR")) is not None
+
+
+def rank_monitor_socket(client):
+    """A ``RankMonitorClient``'s connection to its monitor (None before ``init_workload_monitoring``)."""
+    return _attr(client, "rank_monitor_socket")
+
+
 def set_section_timeout(client, section: str, timeout: float) -> None:
     """Set one section's timeout on a ``RankMonitorClient`` through its state round trip (the path a
     restored checkpoint takes)."""
     client.load_state_dict(with_section_timeout(client.state_dict(), section, timeout))
+
+
+def has_calculated_timeouts(state: dict) -> bool:
+    """Whether a ``RankMonitorClient.state_dict()`` holds timeouts calculated from measured sections."""
+    from nvidia_resiliency_ext.fault_tolerance.rank_monitor_client import RankMonitorClient
+
+    return bool(state.get(_attr(RankMonitorClient, "CURRENT_TIMEOUTS_STATE_KEY")))
 
 
 def with_section_timeout(state: dict, section: str, timeout: float) -> dict:
@@ -416,6 +461,11 @@ def with_section_timeout(state: dict, section: str, timeout: float) -> dict:
                               f"['section'] (calculated section timeouts), the layout checked on NVRx "
                               f"{', '.join(CHECKED)}; trainer/compat.py must be updated") from None
     return state
+
+
+def wrapper_store_host_rank(store_cls) -> int:
+    """The rank that hosts an ``inprocess.store.TCPStore`` (subclass)'s server."""
+    return _attr(store_cls, "TCP_STORE_HOST_RANK")
 
 
 # ----------------------------------------------------------------------------------- private torch APIs
@@ -435,6 +485,28 @@ def cpu_state_dict_helpers() -> tuple[Callable, Callable]:
     return _attr(sdu, "_copy_state_dict"), _attr(sdu, "_create_cpu_state_dict")
 
 
+def local_tensor(t):
+    """A DTensor's local shard itself (``to_local()`` may return an autograd view), else ``t``."""
+    from torch.distributed.tensor import DTensor
+
+    return _attr(t, "_local_tensor") if isinstance(t, DTensor) else t
+
+
+def dtensor_like(local, like):
+    """A DTensor over ``local`` with ``like``'s mesh, placements and global shape, without communication
+    (``DTensor.from_local`` may redistribute or check shapes across ranks)."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(local, _attr(like, "_spec"), requires_grad=False)
+
+
+def foreach_copy(dst: list, src: list, non_blocking: bool = False) -> None:
+    """One batched copy of ``src`` into ``dst`` (torch's ``_foreach_copy_``: per-tensor copies cost more)."""
+    import torch
+
+    _attr(torch, "_foreach_copy_")(dst, src, non_blocking=non_blocking)
+
+
 # Every private or internal name the trainer touches (``X()`` creates an X to read an instance attribute),
 # resolved by ``check_internals``: a test runs it on the installed releases, so an upgrade that breaks one
 # fails there, not in a run.
@@ -450,6 +522,10 @@ INTERNALS: tuple[tuple[str, str], ...] = (
     ("torch.distributed.distributed_c10d", "_world.pg_names"),
     ("torch.distributed._state_dict_utils", "_copy_state_dict"),
     ("torch.distributed._state_dict_utils", "_create_cpu_state_dict"),
+    ("torch.distributed.tensor", "DTensor._local_tensor"),
+    ("torch.distributed.tensor", "DTensor._spec"),
+    ("torch", "_foreach_copy_"),
+    ("nvidia_resiliency_ext.fault_tolerance.rank_monitor_client", "RankMonitorClient().rank_monitor_socket"),
 )
 
 

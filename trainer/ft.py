@@ -23,6 +23,7 @@ import signal
 import socket
 import struct
 
+from . import compat
 from .checkpoint import HelperHung
 
 log = logging.getLogger(__name__)
@@ -32,12 +33,11 @@ class FTManager:
     def __init__(self, calc_after_steps: int, min_step_timeout_s: float, ipc_timeout_s: float = 30.0):
         self.calc_after_steps, self.min_step_timeout_s = calc_after_steps, min_step_timeout_s
         self.client = None
+        self.open_sections: set[str] = set()
         self.steps_seen = 0
         self.calculated = False
-        from nvidia_resiliency_ext.fault_tolerance.data import FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR
-
-        if os.environ.get(FT_RANK_MONITOR_IPC_SOCKET_ENV_VAR) is None:
-            return  # not under ft_launcher
+        if not compat.under_ft_launcher():
+            return
         from nvidia_resiliency_ext.fault_tolerance import RankMonitorClient
 
         self.client = RankMonitorClient()
@@ -53,7 +53,7 @@ class FTManager:
                              f"connection within {ipc_timeout_s:g}s (--ft-ipc-timeout-s): {e}") from e
         finally:
             socket.setdefaulttimeout(previous)
-        self.client.rank_monitor_socket.settimeout(ipc_timeout_s)
+        compat.rank_monitor_socket(self.client).settimeout(ipc_timeout_s)
         self.ipc_timeout_s = ipc_timeout_s
         self.safety_factor = self.client.cfg.safety_factor
 
@@ -67,8 +67,10 @@ class FTManager:
             yield
             return
         self._call(self.client.start_section, name)
+        self.open_sections.add(name)
         yield
         self._call(self.client.end_section, name)
+        self.open_sections.discard(name)
 
     def _call(self, fn, *args, **kwargs):
         """A call to the rank monitor; ``HelperHung`` if it is gone or does not answer in time (the rank then
@@ -87,7 +89,7 @@ class FTManager:
         stuck, it would hold up the launcher's shutdown (which joins it) and watches nothing; dead, the
         launcher's next rounds fail to connect and the run ends with this rank's message. A closed connection
         is no hang: the launcher closes it when it restarts the group."""
-        sock, self.client = getattr(self.client, "rank_monitor_socket", None), None
+        sock, self.client = compat.rank_monitor_socket(self.client), None
         if not kill:
             return
         with contextlib.suppress(OSError, AttributeError, TypeError):
@@ -96,10 +98,13 @@ class FTManager:
                 os.kill(pid, signal.SIGKILL)
 
     def reset(self) -> None:
-        """After an in-process restart: close whatever the failed attempt left open."""
+        """After an in-process restart: close whatever the failed attempt left open, each by name (from NVRx
+        0.5 ``end_all_sections()`` sends nothing)."""
         if self.client is not None:
             try:
-                self.client.end_all_sections()
+                for name in sorted(self.open_sections):
+                    self.client.end_section(name)
+                self.open_sections.clear()
             except Exception as e:  # the monitor may already be gone (the launcher is restarting the group)
                 log.warning("rank monitor unreachable while closing sections: %s", e)
 
@@ -123,10 +128,7 @@ class FTManager:
         # Tightening: never under the floor, never looser than the launcher's flag.
         timeout = min(configured, max(learned, self.min_step_timeout_s))
         if timeout != learned:
-            # Set through the client's public state round trip, the path a restored checkpoint takes.
-            state = self.client.state_dict()
-            state[self.client.CURRENT_TIMEOUTS_STATE_KEY]["section"]["section"]["step"] = timeout
-            self._call(self.client.load_state_dict, state)
+            self._call(compat.set_section_timeout, self.client, "step", timeout)
         log.info("rank monitor: step timeout set to %.1fs (%.1fx the longest of %d steps is %.1fs; floor %gs)",
                  timeout, self.safety_factor, self.steps_seen, learned, self.min_step_timeout_s)
         return timeout
@@ -139,7 +141,7 @@ class FTManager:
         if self.client is not None and state:
             loaded = json.loads(state)
             self._call(self.client.load_state_dict, loaded)
-            self.calculated = self.calculated or bool(loaded.get(self.client.CURRENT_TIMEOUTS_STATE_KEY))
+            self.calculated = self.calculated or compat.has_calculated_timeouts(loaded)
 
     def close(self) -> None:
         if self.client is not None:

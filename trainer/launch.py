@@ -1,9 +1,9 @@
 """The command that starts the trainer's processes: NVRx ``ft_launcher`` running ``python -m trainer``.
 
 One builder serves both faces: ``goodput train`` runs it on this machine (``--standalone``), and the
-PyTorchJob builder puts it into every pod (c10d rendezvous on the master service). Only flags that
-nvidia-resiliency-ext 0.4.1 and later releases all accept are used (no ``--ft-param-*``, no
-``--ft-restart-policy=min-healthy``). This module imports no torch.
+PyTorchJob and TrainJob builders put it into every pod (c10d rendezvous on the master service). The
+launcher's options are ``compat.launcher_args``: only flags the target NVRx release accepts, with their
+meaning on it. This module imports no torch.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from . import compat
 from .config import parse_config
 from .data import default_dataset_dir, ensure_default_dataset
 from .signals import STOP_SIGNALS, parent_death_preexec
@@ -26,8 +27,9 @@ from .warmstart import wait_unless_stopped
 class LaunchConfig:
     """How the worker group is started and when ft_launcher restarts it."""
 
-    nproc_per_node: int = field(default=2, metadata={"help": "worker processes per node (GPUs per node)"})
-    nnodes: int = field(default=1, metadata={"help": "nodes in the job"})
+    # Either may be a $(VAR) placeholder that the pod's environment fills in (a TrainJob's PET_NNODES).
+    nproc_per_node: int | str = field(default=2, metadata={"help": "worker processes per node (GPUs per node)"})
+    nnodes: int | str = field(default=1, metadata={"help": "nodes in the job"})
     max_restarts: int = field(default=3, metadata={"help": "in-job restarts of the worker group before failing"})
     rdzv_endpoint: str = field(default="", metadata={
         "help": "host:port of the c10d rendezvous; empty = --standalone (one node, local store)"})
@@ -54,17 +56,18 @@ class LaunchConfig:
                 "group skips the imports"})
 
     def validate(self) -> "LaunchConfig":
-        if self.nproc_per_node < 1 or self.nnodes < 1:
-            raise ValueError(f"need at least one node and one process per node, got nnodes={self.nnodes} "
-                             f"nproc_per_node={self.nproc_per_node}")
+        counts = {"nnodes": self.nnodes, "nproc_per_node": self.nproc_per_node}
+        known = {k: compat.count(v, k) for k, v in counts.items() if not compat.is_placeholder(v)}
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must not be negative, got {self.max_restarts}")
-        if self.nnodes > 1 and not self.rdzv_endpoint:
+        if known.get("nnodes", 2) > 1 and not self.rdzv_endpoint:   # a placeholder may be many nodes
             raise ValueError("a multi-node job needs rdzv_endpoint (host:port of the rendezvous)")
         return self
 
 
-def launcher_command(launch: LaunchConfig, trainer_args: list[str], *, executable: str | None = None) -> list[str]:
+def launcher_command(launch: LaunchConfig, trainer_args: list[str], *, executable: str | None = None,
+                     release: compat.Release | None = None,
+                     extras: compat.LauncherExtras = compat.LauncherExtras()) -> list[str]:
     """ft_launcher argv that runs ``python -m trainer <trainer_args>`` on one node (behind
     ``python -m trainer.warmstart`` unless ``launch.warm_start`` is off).
 
@@ -73,27 +76,18 @@ def launcher_command(launch: LaunchConfig, trainer_args: list[str], *, executabl
         trainer_args: arguments of ``python -m trainer``.
         executable: Python interpreter for a local run (the launcher module runs under it); None means
             the ``ft_launcher`` entry point on PATH, as in the trainer image.
+        release: the NVRx release the command is for (the trainer image's pin); None means
+            ``compat.target_release()``: ``$GOODPUT_NVRX_VERSION``, else the installed one.
+        extras: launcher features only some releases have (hot spares, health checks); one the release
+            lacks is a ``ValueError``.
     """
     launch.validate()
     head = [executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher"] if executable else ["ft_launcher"]
     # Cold too, the wrapper's zygote is the node's janitor: it ends what a killed launcher leaves behind.
     head = [executable or "python", "-m", "trainer.warmstart", *([] if launch.warm_start else ["--cold"]), *head]
-    rdzv = (["--standalone"] if not launch.rdzv_endpoint else
-            ["--rdzv-backend", "c10d", "--rdzv-endpoint", launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id])
-    sections = (f"setup:{launch.setup_timeout_s:g},step:{launch.step_timeout_s:g},"
-                f"checkpoint:{launch.checkpoint_timeout_s:g}")
     return [
         *head,
-        "--nnodes", str(launch.nnodes),
-        "--nproc-per-node", str(launch.nproc_per_node),
-        *rdzv,
-        "--max-restarts", str(launch.max_restarts),
-        "--monitor-interval", f"{launch.monitor_interval_s:g}",
-        "--term-timeout", f"{launch.term_timeout_s:g}",
-        "--workers-stop-timeout", f"{launch.workers_stop_timeout_s:g}",
-        "--ft-workload-check-interval", f"{launch.workload_check_interval_s:g}",
-        "--ft-rank-section-timeouts", sections,
-        "--ft-rank-out-of-section-timeout", f"{launch.out_of_section_timeout_s:g}",
+        *compat.launcher_args(launch, compat.target_release() if release is None else release, extras),
         "-m", "trainer",
         *trainer_args,
     ]
@@ -171,7 +165,10 @@ def validate_launch(trainer_args: list[str], launch: LaunchConfig, fsx_root: Pat
         launch.validate()
     except ValueError as e:
         raise LaunchError(str(e)) from None
-    check_faults(cfg.faults.inject_fault, launch.nproc_per_node * launch.nnodes, cfg.run.max_steps)
+    if compat.is_placeholder(launch.nproc_per_node) or compat.is_placeholder(launch.nnodes):
+        raise LaunchError(f"a local run needs node and process counts, got nnodes={launch.nnodes} "
+                          f"nproc_per_node={launch.nproc_per_node}")
+    check_faults(cfg.faults.inject_fault, int(launch.nproc_per_node) * int(launch.nnodes), cfg.run.max_steps)
     _check_writable(Path(cfg.run.out), "--out")
     if default_data:
         if not (default_dataset_dir(fsx_root) / "manifest.json").is_file():   # to be built

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.tensor import DTensor
+
+from . import compat
 
 
 class LiveStateDict:
@@ -30,7 +31,7 @@ class LiveStateDict:
         """What the dicts refer to: the optimizer's state (a load replaces it) and the memory of every
         parameter (the dicts hold detached views of it, which FSDP2 can re-point at first use)."""
         state = self.optimizer.state
-        memory = tuple((_local(p).data_ptr(), p.shape) for p in self.model.parameters())
+        memory = tuple((compat.local_tensor(p).data_ptr(), p.shape) for p in self.model.parameters())
         return state, len(state), memory
 
     def __call__(self) -> tuple[dict, dict]:
@@ -43,7 +44,3 @@ class LiveStateDict:
         groups = [{**{k: v for k, v in group.items() if k != "params"}, "params": built_group["params"]}
                   for group, built_group in zip(self.optimizer.param_groups, self._optim_sd["param_groups"])]
         return self._model_sd, {"state": self._optim_sd["state"], "param_groups": groups}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t

@@ -28,6 +28,7 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
+from . import compat
 from .layout import write_atomic
 
 log = logging.getLogger(__name__)
@@ -40,10 +41,6 @@ class _Leaf:
 
     def __init__(self, index: int):
         self.index = index
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t._local_tensor if isinstance(t, DTensor) else t
 
 
 def _tensors(state: Any, out: list) -> list:
@@ -61,7 +58,7 @@ def _tensors(state: Any, out: list) -> list:
 
 def _specs(state: Any) -> list[tuple[torch.dtype, torch.Size]]:
     """(dtype, shape) of the local part of each tensor of ``state``: what a slot stores."""
-    return [(_local(t).dtype, _local(t).shape) for t in _tensors(state, [])]
+    return [(compat.local_tensor(t).dtype, compat.local_tensor(t).shape) for t in _tensors(state, [])]
 
 
 def _layout(state: Any) -> list[tuple[str, tuple]]:
@@ -77,7 +74,7 @@ def _rebuild(template: Any, live: Any, views: list[torch.Tensor], counter: list[
         counter[0] += 1
         # A host-memory shard with the live DTensor's spec (as torch's _create_cpu_state_dict makes them;
         # DTensor.from_local would move it to the mesh's device).
-        return DTensor(view, live._spec, requires_grad=False) if isinstance(live, DTensor) else view
+        return compat.dtensor_like(view, live) if isinstance(live, DTensor) else view
     if isinstance(template, dict):
         return {k: _rebuild(v, live[k], views, counter) for k, v in template.items()}
     if isinstance(template, (list, tuple)):

@@ -22,6 +22,7 @@ from typing import Callable, Optional
 
 import torch.distributed as dist
 
+from . import compat
 from .checkpoint import HelperHung
 from .config import RestartConfig
 from .parallel import free_port, wait_until_listening
@@ -35,16 +36,16 @@ def build_wrapper(cfg: RestartConfig, cuda: bool):
     """The configured ``inprocess.Wrapper`` (imported lazily: only the in-process modes need it)."""
     from nvidia_resiliency_ext import inprocess
 
-    checks = [inprocess.health_check.FaultCounter(max_rank_faults=cfg.max_rank_faults)]
-    if cuda:
-        checks.insert(0, inprocess.health_check.CudaHealthCheck())
+    rel = compat.installed_release()
+    checks = compat.build_inprocess_health_checks(rel, cuda=cuda, max_rank_faults=cfg.max_rank_faults,
+                                                  local_rank=int(os.environ.get("LOCAL_RANK", "0")))
     interval = timedelta(seconds=cfg.monitor_interval_s)
 
     class Store(inprocess.store.TCPStore):
         """NVRx's store, joined only once its host (rank 0) listens: see ``wait_until_listening``."""
 
         def __init__(self, **kwargs):
-            if int(os.environ["RANK"]) != self.TCP_STORE_HOST_RANK:
+            if int(os.environ["RANK"]) != compat.wrapper_store_host_rank(type(self)):
                 wait_until_listening(os.environ["MASTER_ADDR"], kwargs["port"], cfg.barrier_timeout_s)
             super().__init__(**kwargs)
 
@@ -55,7 +56,7 @@ def build_wrapper(cfg: RestartConfig, cuda: bool):
             _abandon_gloo_groups()
             return state
 
-    return inprocess.Wrapper(
+    wrapper = inprocess.Wrapper(
         # Composed right to left: the gloo groups are kept before AbortTorchDistributed destroys them.
         abort=inprocess.Compose(inprocess.abort.AbortTorchDistributed(), KeepGlooGroups()),
         # The Wrapper's own store gets its own port: MASTER_PORT is the launcher's rendezvous store.
@@ -73,6 +74,9 @@ def build_wrapper(cfg: RestartConfig, cuda: bool):
         completion_timeout=timedelta(seconds=cfg.barrier_timeout_s),
         last_call_wait=timedelta(seconds=min(1.0, cfg.monitor_interval_s * 2)),
     )
+    # From 0.5 the Wrapper adds device checks of its own (that fail without NVML): ours are the whole list.
+    compat.install_restart_health_checks(wrapper, checks, rel)
+    return wrapper
 
 
 def run_with_inprocess_restart(fn: Callable, cfg: RestartConfig, cuda: bool):
@@ -103,7 +107,7 @@ _abandoned_groups: list = []
 
 def _abandon_gloo_groups() -> None:
     if dist.is_available() and dist.is_initialized():
-        groups = list(dist.distributed_c10d._world.pg_names)   # NVRx's abort reads the same registry
+        groups = compat.process_group_names()   # NVRx's abort reads the same registry
         _abandoned_groups.extend(g for g in groups if dist.get_backend(g) == "gloo")
 
 
