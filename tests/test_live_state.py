@@ -8,8 +8,9 @@ import pytest
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
+from trainer.compat import local_tensor as _local
 from trainer.config import parse_config
-from trainer.live_state import LiveStateDict, _local
+from trainer.live_state import LiveStateDict
 from trainer.model import ByteGPT
 from trainer.parallel import parallelize
 from trainer.train import build_optimizer, get_lr
