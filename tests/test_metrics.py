@@ -81,7 +81,8 @@ def test_metrics_of_a_real_training_run_move_while_it_trains(tmp_path, start_run
     # A tiny warning threshold: every window of this run counts as starved, which proves the batch timer is
     # wired into the real loop (the threshold logic itself is tested below with hand-made numbers).
     # Synchronous checkpoints commit at once, so the second scrape need not wait for background writers.
-    run = start_run(tmp_path / "run", "--max-steps", "16", "--ckpt-every", "5", "--ckpt-sync",
+    # Enough steps that the run is still going when the second scrape's condition is met.
+    run = start_run(tmp_path / "run", "--max-steps", "60", "--ckpt-every", "5", "--ckpt-sync",
                     "--metrics-port", str(port),
                     "--metrics-addr", "127.0.0.1", "--metrics-refresh-s", "0", "--data-wait-window", "5",
                     "--data-wait-warn", "0.000001",

@@ -370,6 +370,7 @@ def test_a_tokenizer_process_that_dies_fails_the_stage_instead_of_hanging(hf_tok
         except StageError as e:
             outcome.append(e)
 
+    started = time.time()
     t = threading.Thread(target=stage)
     t.start()
     deadline = time.monotonic() + 60
@@ -377,9 +378,10 @@ def test_a_tokenizer_process_that_dies_fails_the_stage_instead_of_hanging(hf_tok
     tok_dir = tmp_path / "fsx" / "datasets" / "die" / "1" / ".stage" / "tok"
 
     def spawned(p: psutil.Process) -> bool:
+        """A tokenizer process of this stage: other tests of this process may have left children of their own."""
         try:
-            return "spawn_main" in " ".join(p.cmdline())
-        except psutil.Error:                 # a zombie or a process gone meanwhile (children of other tests)
+            return p.create_time() >= started - 1 and "spawn_main" in " ".join(p.cmdline())
+        except psutil.Error:                 # a zombie, or a process gone meanwhile
             return False
 
     while victim is None and time.monotonic() < deadline and t.is_alive():
