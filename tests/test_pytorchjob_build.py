@@ -266,6 +266,10 @@ def test_hot_spares_are_workers_beyond_the_training_nodes_under_an_elastic_polic
     cmd = _pod(m, "Worker")["containers"][0]["command"]
     assert cmd[cmd.index("--nnodes") + 1] == "4:6" and cmd[cmd.index("--ft-segment") + 1] == "2"
     assert cmd[cmd.index("--rdzv-endpoint") + 1] == "hs-worker-0:23456"
+    # The supervisor streams the store's pod: worker 0 (no Master replica).
+    from components.job_kinds import PYTORCHJOB
+
+    assert PYTORCHJOB.master_selector("hs", m)[0].endswith("replica-type=worker,training.kubeflow.org/replica-index=0")
     # One training node and a spare: two pods, so a rendezvous service instead of --standalone.
     one = _pod(job_manifest(spec(name="one", nodes=1, hot_spares=1, nvrx_release="0.6.0")), "Worker")
     assert "--standalone" not in one["containers"][0]["command"]

@@ -11,6 +11,7 @@ release other than the one installed (the trainer image's pin: ``target_release(
 import on first use and fail naming the API and the installed version when an upgrade broke one.
 
     release = target_release()                       # installed, or $GOODPUT_NVRX_VERSION
+    pods = image_release(job_nvrx_release)           # a pod's command: the trainer image's (IMAGE_RELEASE)
     argv = ["ft_launcher", *launcher_args(launch, release, LauncherExtras(gpu=True)), "-m", "trainer", ...]
     layers = resolve_restart_layers("auto", release)  # "injob" where in-process restart is deprecated
 """
