@@ -351,7 +351,7 @@ BAD = {
     "segment not dividing nodes": (dict(nodes=6, nvlink_segment=4, nvrx_release="0.7.0"), "must divide"),
     "segment without gpus": (dict(gpus_per_node=0, nodes=4, nvlink_segment=2, nvrx_release="0.7.0"), "GPU nodes"),
     "health endpoint before 0.6": (dict(node_health_check_endpoint="/var/run/nvhcd/nvhcd.sock",
-                                        nvrx_release="0.5.0"), "need nvidia-resiliency-ext >= 0.6.0"),
+                                        nvrx_release="0.5.0"), "needs nvidia-resiliency-ext >= 0.6.0"),
     "health endpoint not a socket path": (dict(node_health_check_endpoint="localhost:50051", nvrx_release="0.7.0"),
                                           "Unix socket's absolute path"),
     "health socket in a shared host directory": (dict(node_health_check_endpoint="/var/run/nvhcd.sock",

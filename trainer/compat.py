@@ -372,7 +372,8 @@ def _health_check_args(rel: Release, extras: LauncherExtras) -> list[str]:
               "progress_file": (extras.progress_file, rel.progress_tracking)}
     missing = [name for name, (value, available) in wanted.items() if value and not available]
     if missing:
-        raise ValueError(f"{', '.join(missing)} need {DIST} >= 0.6.0; the target is {rel.version}")
+        raise ValueError(f"{', '.join(missing)} need{'s' if len(missing) == 1 else ''} {DIST} >= 0.6.0; the "
+                         f"target is {rel.version}")
     if extras.node_health_check_endpoint and not uds_path(extras.node_health_check_endpoint):
         raise ValueError(f"node_health_check_endpoint must be a Unix socket's absolute path (/var/run/nvhcd/"
                          f"nvhcd.sock or unix:///var/run/nvhcd/nvhcd.sock), got "
