@@ -1,14 +1,17 @@
 """Build the Kubeflow ``PyTorchJob`` (kubeflow.org/v1) that runs the trainer on EKS under NVRx.
 
-One pod per node: Master x1 + Worker x(nodes-1), or Worker xnodes with an ``elasticPolicy`` when
-``min_nodes`` < ``nodes``. Every pod runs ``ft_launcher`` (``trainer.launch.launcher_command``) with a
-c10d rendezvous on ``<name>-master-0:<port>`` (``<name>-worker-0`` for elastic jobs): the Service the
-Training Operator creates for replica 0, whose pod hostname matches, so that pod hosts the store.
+One pod per node: Master x1 + Worker x(nodes-1), or Worker x(nodes+hot_spares) with an ``elasticPolicy``
+for an elastic job (``min_nodes`` < ``nodes``, NVRx up to 0.5) or one with hot spares (NVRx 0.6+). Every pod
+runs ``ft_launcher`` (``trainer.launch.launcher_command``, built for the trainer image's NVRx release,
+``nvrx_release``) with a c10d rendezvous on ``<name>-master-0:<port>`` (``<name>-worker-0`` without a
+Master): the Service the Training Operator creates for replica 0, whose pod hostname matches, so that pod
+hosts the store.
 
 Everything is validated before a manifest exists: ``build_pytorchjob`` raises ``ValueError`` listing
 every bad setting. The manifest is made from ``kubeflow.training`` models, never hand-written dicts::
 
     goodput render-job --nodes 2 --gpus-per-node 8 --image ECR/goodput:0.1.0 --spot | kubectl apply -f -
+    goodput render-job --nodes 8 --hot-spares 1 --nvrx-release 0.7.0 --image ECR/goodput:0.1.0-nvrx0.7.0
 
 This module imports neither torch nor kfp.
 """
@@ -26,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+from trainer import compat
 from trainer.launch import LaunchConfig, launcher_command
 
 __all__ = ["JobSpec", "build_pytorchjob", "job_manifest", "job_name_for", "label_value", "image_ref_problem",
@@ -36,6 +40,7 @@ API_VERSION = "kubeflow.org/v1"
 KIND = "PyTorchJob"
 # The Training Operator finds the master port by these names (MASTER_PORT, elastic rendezvous port).
 CONTAINER_NAME = "pytorch"
+HEALTH_VOLUME = "node-health"      # the node health daemon's socket directory (node_health_check_endpoint)
 PORT_NAME = "pytorchjob-port"
 RUN_ID_LABEL = "goodput.dev/kfp-run-id"
 TASK_LABEL = "goodput.dev/kfp-task"
@@ -162,7 +167,12 @@ class JobSpec:
     trainer_args: list = _f([], "arguments of `python -m trainer`; --data and --out default to paths on FSx")
     # Shape.
     nodes: int = _f(1, "nodes (pods) in the job, one pod per node")
-    min_nodes: int = _f(0, "elastic: fewest nodes the job runs with (0 = fixed size = nodes)")
+    min_nodes: int = _f(0, "elastic: fewest nodes the job runs with (0 = fixed size = nodes; NVRx 0.4.1 and 0.5 "
+                           "only: from 0.6 --nnodes MIN:MAX means hot spares)")
+    hot_spares: int = _f(0, "nodes beyond `nodes` that stand by and take a failed node's place at the next in-job "
+                            "restart (NVRx >= 0.6: --nnodes N:N+k, nodes+k pods under an elasticPolicy); 0 = none")
+    nvlink_segment: int = _f(0, "hot spares by NVLink domain (--ft-segment, NVRx >= 0.6): nodes per segment, "
+                                "for multi-node NVLink systems such as GB200 NVL72; 0 = each node on its own")
     gpus_per_node: int = _f(8, "GPUs (or MIG slices, gpu_resource) per pod; 0 = a CPU job")
     gpu_resource: str = _f(GPU_RESOURCE, "the GPU resource: nvidia.com/gpu, or a MIG slice such as "
                                          "nvidia.com/mig-3g.40gb (the device plugin's mixed strategy)")
@@ -210,6 +220,14 @@ class JobSpec:
     labels: dict = _f({}, "extra labels on the job and its pods")
     run_id: str = _f("", "KFP run id (label on the job and pods)")
     task_name: str = _f("", "KFP task name (label on the job and pods)")
+    # NVRx.
+    nvrx_release: str = _f("", "NVRx release in the trainer image (its io.goodput.nvrx-release label): the launch "
+                               f"command is built for it; empty = {compat.IMAGE_RELEASE}, what "
+                               "images/trainer.Dockerfile installs by default")
+    node_health_check_endpoint: str = _f("", "Unix socket of an nvhcd-compatible node health daemon on every node, "
+                                             "in a directory of its own, e.g. /var/run/nvhcd/nvhcd.sock (NVRx >= "
+                                             "0.6): ft_launcher asks it before each rendezvous and an unhealthy "
+                                             "node leaves the job; the directory is mounted from the node")
     launch: LaunchConfig = field(default_factory=LaunchConfig, metadata={
         "help": "ft_launcher settings (max_restarts, rank-monitor timeouts); node/process counts and "
                 "the rendezvous are set by the builder"})
@@ -235,6 +253,16 @@ class JobSpec:
     @property
     def elastic(self) -> bool:
         return 0 < self.min_nodes < self.nodes
+
+    @property
+    def pods(self) -> int:
+        """Pods of the job: the training nodes and the hot spares."""
+        return self.nodes + max(self.hot_spares, 0)
+
+    @property
+    def workers_only(self) -> bool:
+        """Elastic or with hot spares: Worker replicas under an elasticPolicy, the store on worker 0."""
+        return self.elastic or self.hot_spares > 0
 
     @property
     def procs(self) -> int:
@@ -265,11 +293,21 @@ class JobSpec:
 
     @property
     def rdzv_host(self) -> str:
-        return f"{self.name}-{'worker' if self.elastic else 'master'}-0"
+        return f"{self.name}-{'worker' if self.workers_only else 'master'}-0"
+
+    @property
+    def release(self) -> compat.Release:
+        """The NVRx release the pods' launch command is for (``NVRxCompatError`` for one not checked)."""
+        return compat.image_release(self.nvrx_release or None)
+
+    def launcher_extras(self) -> compat.LauncherExtras:
+        return compat.LauncherExtras(
+            gpu=self.gpus_per_node > 0, min_nodes=self.min_nodes if self.elastic else 0, spare_nodes=self.hot_spares,
+            segment=self.nvlink_segment, node_health_check_endpoint=self.node_health_check_endpoint)
 
     def launch_config(self) -> LaunchConfig:
         """The launcher settings for one pod: counts and the rendezvous filled in by the builder."""
-        single = self.nodes == 1
+        single = self.pods == 1
         return dataclasses.replace(
             self.launch, nproc_per_node=self.procs, nnodes=self.nodes,
             # One node needs no rendezvous service: a local store (--standalone) avoids waiting for DNS.
@@ -290,8 +328,14 @@ class JobSpec:
         return args
 
     def pod_command(self) -> list[str]:
-        elastic_nnodes = f"{self.min_nodes}:{self.nodes}" if self.elastic else None
-        return _with_nnodes(launcher_command(self.launch_config(), self.full_trainer_args()), elastic_nnodes)
+        return launcher_command(self.launch_config(), self.full_trainer_args(), release=self.release,
+                                extras=self.launcher_extras())
+
+    @property
+    def health_check_dir(self) -> str:
+        """The node's directory holding the health daemon's socket, mounted into the pods ("" without one)."""
+        path = compat.uds_path(self.node_health_check_endpoint)
+        return str(PurePosixPath(path).parent) if path else ""
 
     # Validation -----------------------------------------------------------------------------
 
@@ -303,6 +347,7 @@ class JobSpec:
         self._check_placement(p)
         self._check_policies(p)
         self._check_trainer(p)
+        self._check_nvrx(p)
         return p
 
     def validate(self) -> "JobSpec":
@@ -373,7 +418,7 @@ class JobSpec:
     def _check_names(self, p: list[str]) -> None:
         # The operator makes a Service per replica named like the pod, so the name must be a DNS-1035
         # label and still fit 63 characters with the longest replica suffix.
-        last_worker = self.nodes - 1 if self.elastic else self.nodes - 2
+        last_worker = self.pods - 1 if self.workers_only else self.pods - 2
         longest = f"-worker-{last_worker}" if last_worker >= 10 else "-master-0"
         if not _DNS1035.match(self.name):
             p.append(f"name {self.name!r} is not a DNS-1035 label (lowercase letters, digits and '-', "
@@ -479,6 +524,33 @@ class JobSpec:
                 p.append(f"trainer {flag} {value} is not on the FSx mount {self.fsx_mount}: the pods would "
                          "not share it and it would vanish with them")
 
+    def _check_nvrx(self, p: list[str]) -> None:
+        """The launch command can be built for the image's NVRx release, with what that release offers."""
+        try:
+            rel = self.release
+        except compat.NVRxCompatError as e:
+            p.append(f"nvrx_release: {e}")
+            return
+        if self.hot_spares < 0 or self.nvlink_segment < 0:
+            p.append(f"hot_spares and nvlink_segment must not be negative, got {self.hot_spares} and "
+                     f"{self.nvlink_segment}")
+            return
+        try:
+            if self.nodes >= 1 and self.procs >= 1:       # else reported by _check_shape
+                compat.launcher_args(self.launch_config(), rel, self.launcher_extras())
+        except ValueError as e:
+            p.append(f"NVRx {rel.version} (nvrx_release): {e}")
+        folder = self.health_check_dir
+        if folder and (folder in _SHARED_HOST_DIRS or PurePosixPath(folder) in (
+                PurePosixPath(self.fsx_mount), PurePosixPath("/dev/shm"))):
+            p.append(f"node_health_check_endpoint {self.node_health_check_endpoint}: the pods mount {folder} from "
+                     "the node, so the socket must be in a directory of its own, e.g. /var/run/nvhcd/nvhcd.sock")
+
+
+# Host directories a pod must not mount for a health daemon's socket: they hold far more than the socket.
+_SHARED_HOST_DIRS = {"/", "/run", "/var/run", "/var", "/tmp", "/var/tmp", "/dev", "/etc", "/proc", "/sys", "/usr",
+                     "/home", "/root", "/var/lib", "/opt", "/mnt"}
+
 
 def _coerced(cls, d: dict) -> dict:
     """Values from KFP (a dict parameter is a protobuf Struct: every number a float, maybe a string) as
@@ -522,14 +594,6 @@ def parse_trainer_args(args: list[str]):
 
 def _has_flag(args: list[str], flag: str) -> bool:
     return any(a == flag or a.startswith(flag + "=") for a in args)
-
-
-def _with_nnodes(argv: list[str], nnodes: str | None) -> list[str]:
-    """Elastic jobs need ``--nnodes MIN:MAX``; ``launcher_command`` writes a plain node count."""
-    if nnodes is None:
-        return argv
-    i = argv.index("--nnodes")
-    return [*argv[:i + 1], nnodes, *argv[i + 2:]]
 
 
 def _label_problem(key: str, value: str) -> str:
@@ -617,13 +681,20 @@ def build_pytorchjob(spec: JobSpec):
                *_metrics_ports(spec, m)],
         resources=m.V1ResourceRequirements(requests=requests, limits=limits),
         volume_mounts=[m.V1VolumeMount(name="fsx", mount_path=spec.fsx_mount),
-                       m.V1VolumeMount(name="dshm", mount_path="/dev/shm")],
+                       m.V1VolumeMount(name="dshm", mount_path="/dev/shm"),
+                       *([m.V1VolumeMount(name=HEALTH_VOLUME, mount_path=spec.health_check_dir, read_only=True)]
+                         if spec.health_check_dir else [])],
     )
     volumes = [
         m.V1Volume(name="fsx", persistent_volume_claim=m.V1PersistentVolumeClaimVolumeSource(claim_name=spec.pvc)),
         # NCCL and the checkpoint staging copy live in shared memory; the default 64 MiB is far too small.
         m.V1Volume(name="dshm", empty_dir=m.V1EmptyDirVolumeSource(medium="Memory", size_limit=res["shm"])),
     ]
+    if spec.health_check_dir:
+        # The node's health daemon socket. DirectoryOrCreate: a node without the daemon still runs the pod, and
+        # NVRx skips a check whose socket is missing when ft_launcher starts.
+        volumes.append(m.V1Volume(name=HEALTH_VOLUME, host_path=m.V1HostPathVolumeSource(
+            path=spec.health_check_dir, type="DirectoryOrCreate")))
     node_selector = {**({"eks.amazonaws.com/nodegroup": spec.node_group} if spec.node_group else {}),
                      **({INSTANCE_TYPE_LABEL: spec.instance_type} if spec.instance_type else {}),
                      **{str(k): str(v) for k, v in spec.node_selector.items()}}
@@ -649,13 +720,15 @@ def build_pytorchjob(spec: JobSpec):
     def replica(count: int):
         return m.KubeflowOrgV1ReplicaSpec(replicas=count, restart_policy=spec.restart_policy, template=template)
 
-    replicas = ({"Worker": replica(spec.nodes)} if spec.elastic else
+    replicas = ({"Worker": replica(spec.pods)} if spec.workers_only else
                 {"Master": replica(1), **({"Worker": replica(spec.nodes - 1)} if spec.nodes > 1 else {})})
     elastic = None
-    if spec.elastic:
+    if spec.workers_only:
+        # Elastic (NVRx up to 0.5): min..max nodes train. Hot spares (0.6+): `nodes` train, the rest stand by;
+        # either way ft_launcher's --nnodes says MIN:MAX, as the operator's PET_NNODES does.
         elastic = m.KubeflowOrgV1ElasticPolicy(
             # Not nProcPerNode: deprecated, and the webhook rejects it next to spec.nprocPerNode.
-            min_replicas=spec.min_nodes, max_replicas=spec.nodes,
+            min_replicas=spec.min_nodes if spec.elastic else spec.nodes, max_replicas=spec.pods,
             max_restarts=spec.launch.max_restarts, rdzv_backend="c10d", rdzv_port=spec.master_port,
             rdzv_id=spec.name)
     gang = None

@@ -32,9 +32,13 @@ JobSet's failure policy then decides by why the pod failed (``FAILURE_RULES``):
   is broken) and any other failure (1: ft_launcher gave up after ``max_restarts`` in-job restarts; 137:
   killed): recreate the gang on new pods, counted against ``backoff_limit`` (``failurePolicy.maxRestarts``).
 
-Trainer v2.3 has no elastic training (``--nnodes MIN:MAX``); ``min_nodes`` is refused here and needs
-the PyTorchJob backend. Everything is validated before a manifest exists: the builders raise
-``ValueError`` listing every bad setting. This module imports neither torch nor kfp.
+The command is built for the NVRx release of the image (``nvrx_release``): the runtime's for the runtime's
+image, and a TrainJob whose release, launch settings or devices make another command carries its own.
+Trainer v2.3 has no elastic training (``--nnodes MIN:MAX``), and a node command reads its node count from
+``$(PET_NNODES)``: ``min_nodes``, ``hot_spares`` and ``nvlink_segment`` are refused here and need the
+PyTorchJob backend. The node health-check endpoint is the runtime's (its pods mount the socket's directory).
+Everything is validated before a manifest exists: the builders raise ``ValueError`` listing every bad
+setting. This module imports neither torch nor kfp.
 """
 
 from __future__ import annotations
@@ -45,7 +49,7 @@ from typing import Any
 
 from components.pytorchjob import (CONTAINER_NAME, PORT_NAME, MANAGED_BY, JobSpec, _coerced, _DNS1123_SUBDOMAIN,
                                    job_manifest)
-from trainer.launch import LaunchConfig, launcher_command
+from trainer.launch import launcher_command
 
 __all__ = ["RuntimeSpec", "build_runtime", "build_trainjob", "runtime_manifest", "trainjob_manifest",
            "trainer_command", "node_command", "FAILURE_RULES", "MASTER_POD_SELECTOR", "RUNTIME_NAME"]
@@ -110,6 +114,7 @@ class RuntimeSpec:
     pods: JobSpec = field(default_factory=_default_pods, metadata={
         "help": "the pods' defaults as JobSpec settings: image, image_pull_policy, gpus_per_node, efa_per_node, "
                 "cpu, memory, shm_size, pvc, fsx_mount, tolerations, priority_class, service_account, "
+                "nvrx_release (of the image), node_health_check_endpoint, "
                 "scheduler (the gang: volcano or scheduler-plugins), scheduler_name, backoff_limit (JobSet "
                 "restarts), ttl_after_finished_s, termination_grace_s, metrics_port, env, labels, launch; "
                 "the rest of JobSpec is a TrainJob's"})
@@ -152,27 +157,20 @@ def _problems(spec: JobSpec) -> list[str]:
 
 # Commands ---------------------------------------------------------------------------------------
 
-def node_command(launch: LaunchConfig) -> list[str]:
-    """The ft_launcher command of every node pod, up to ``-m trainer``: counts and the rendezvous come from
-    the torch plugin's ``PET_*`` variables (``$(VAR)``, expanded by the kubelet)."""
-    argv = launcher_command(dataclasses.replace(
-        launch, nnodes=1, nproc_per_node=1, rdzv_endpoint="$(PET_MASTER_ADDR):$(PET_MASTER_PORT)",
-        rdzv_id=f"$({JOB_NAME_ENV})"), [])
-    for flag, env in (("--nnodes", "PET_NNODES"), ("--nproc-per-node", "PET_NPROC_PER_NODE")):
-        argv[argv.index(flag) + 1] = f"$({env})"
-    return argv
-
-
-def _runtime_launch(launch: LaunchConfig) -> LaunchConfig:
-    # Counts and the rendezvous are the Trainer's; only the rest tells two launch settings apart.
-    return dataclasses.replace(launch, nproc_per_node=1, nnodes=1, rdzv_endpoint="", rdzv_id="")
+def node_command(spec: JobSpec) -> list[str]:
+    """The ft_launcher command of every node pod of ``spec`` (a job's or the runtime's pod settings), up to
+    ``-m trainer``, for its NVRx release (``nvrx_release``): counts and the rendezvous come from the torch
+    plugin's ``PET_*`` variables (``$(VAR)``, expanded by the kubelet)."""
+    launch = dataclasses.replace(spec.launch, nnodes="$(PET_NNODES)", nproc_per_node="$(PET_NPROC_PER_NODE)",
+                                 rdzv_endpoint="$(PET_MASTER_ADDR):$(PET_MASTER_PORT)", rdzv_id=f"$({JOB_NAME_ENV})")
+    return launcher_command(launch, [], release=spec.release, extras=spec.launcher_extras())
 
 
 def trainer_command(spec: JobSpec) -> list[str]:
     """The exact argv of a TrainJob's trainer container, before the kubelet expands ``$(PET_*)``: its command
-    (the runtime's, or the job's own when its launch settings differ: the same list either way) followed by
-    its args (``python -m trainer``'s arguments)."""
-    return [*node_command(spec.launch), *spec.full_trainer_args()]
+    (the runtime's, or the job's own when it differs: the same list either way) followed by its args
+    (``python -m trainer``'s arguments)."""
+    return [*node_command(spec), *spec.full_trainer_args()]
 
 
 # Validation -------------------------------------------------------------------------------------
@@ -183,6 +181,10 @@ def _trainjob_problems(spec: JobSpec, runtime: RuntimeSpec) -> list[str]:
     if spec.elastic:
         p.append(f"min_nodes={spec.min_nodes}: Kubeflow Trainer v2.3 has no elastic training (--nnodes MIN:MAX); "
                  "use the pytorchjob backend for elastic jobs, or set min_nodes=0")
+    for key in ("hot_spares", "nvlink_segment"):
+        if getattr(spec, key):
+            p.append(f"{key}={getattr(spec, key)}: a TrainJob's node command takes its node count from the Trainer "
+                     "($(PET_NNODES)), and --nnodes N:N+k or --ft-segment need it known; use the pytorchjob backend")
     for key, why in (("restart_policy", "TrainJob pods never restart in place (restartPolicy Never, so that pod "
                                         "failure policies apply); restarts are the runtime's JobSet failure policy"),
                      ("clean_pod_policy", "a PyTorchJob setting; a finished TrainJob's pods go with its JobSet "
@@ -191,7 +193,8 @@ def _trainjob_problems(spec: JobSpec, runtime: RuntimeSpec) -> list[str]:
         if getattr(spec, key) != _jobspec_default(key):
             p.append(f"{key}={getattr(spec, key)!r} is not used by a TrainJob: {why}")
     # Settings of the JobSet or of fields a TrainJob cannot patch: they are the runtime's.
-    for key in ("backoff_limit", "ttl_after_finished_s", "fsx_mount", "image_pull_policy", "metrics_port"):
+    for key in ("backoff_limit", "ttl_after_finished_s", "fsx_mount", "image_pull_policy", "metrics_port",
+                "node_health_check_endpoint"):
         if getattr(spec, key) != getattr(rt, key):
             p.append(f"{key}={getattr(spec, key)!r} differs from ClusterTrainingRuntime {runtime.name}'s "
                      f"{getattr(rt, key)!r}: in Trainer v2 it is the runtime's; use the runtime's value, or "
@@ -249,7 +252,7 @@ def build_runtime(runtime: RuntimeSpec | None = None):
     (c,) = pod.containers
     assert c.name == CONTAINER_NAME
     c.name = NODE
-    c.command = node_command(rt.launch)
+    c.command = node_command(rt)
     # The torch plugin adds the rendezvous port itself; the metrics ports stay for the PodMonitor.
     c.ports = [port for port in c.ports or [] if port.name != PORT_NAME] or None
     c.env = [*(c.env or []), m.IoK8sApiCoreV1EnvVar(name=JOB_NAME_ENV, value_from=m.IoK8sApiCoreV1EnvVarSource(
@@ -308,7 +311,11 @@ def build_trainjob(spec: JobSpec, runtime: RuntimeSpec | None = None):
     _validate_trainjob(spec, runtime)
     template = _pod(spec)
     pod, (c,) = template.spec, template.spec.containers
-    launch_differs = _runtime_launch(spec.launch) != _runtime_launch(runtime.pods.launch)
+    # The runtime's command is for its own launch settings, NVRx release and devices: a job that differs in any
+    # carries its own.
+    command = node_command(spec)
+    if command == node_command(runtime.pods):
+        command = None
     # What only the pod spec can say, as a patch: list fields (tolerations, volumes by name) are replaced
     # whole, so the job's own placement is complete without the runtime's.
     pod_patch = m.TrainerV1alpha1PodSpecPatch(
@@ -335,7 +342,7 @@ def build_trainjob(spec: JobSpec, runtime: RuntimeSpec | None = None):
             active_deadline_seconds=spec.active_deadline_s or None,
             trainer=m.TrainerV1alpha1Trainer(
                 image=spec.image, num_nodes=spec.nodes, num_proc_per_node=spec.procs,
-                command=node_command(spec.launch) if launch_differs else None,
+                command=command,
                 args=spec.full_trainer_args(), env=c.env, resources_per_node=c.resources),
             runtime_patches=[patch]))
 

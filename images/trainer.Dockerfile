@@ -3,11 +3,19 @@
 # `ft_launcher ... -m trainer ...` in it; the evaluate step runs here too (it needs torch).
 #
 #   docker build -f images/trainer.Dockerfile -t $REGISTRY/goodput-trainer:0.1.0 .
+#   docker build -f images/trainer.Dockerfile --build-arg NVRX_RELEASE=0.7.0 -t $REGISTRY/goodput-trainer:0.1.0-nvrx0.7.0 .
 #
 # Pipeline parameter trainer_image=$REGISTRY/goodput-trainer:0.1.0; GOODPUT_EVALUATE_IMAGE at compile time.
+# The pods' launch command is built for the image's NVRx release: the default below (trainer/compat.py's
+# IMAGE_RELEASE, which a test ties to it), or the one an image built with another NVRX_RELEASE carries in its
+# io.goodput.nvrx-release label, given to `goodput render-job --nvrx-release` / the job option nvrx_release.
 FROM nvcr.io/nvidia/pytorch:25.06-py3
 
 ARG EFA_INSTALLER_VERSION=1.43.2
+# A release trainer/compat.py was checked on (0.4.1, 0.5.0, 0.6.0, 0.7.0; 0.6 and 0.7 need Python 3.12 and
+# glibc 2.39, which this base has). The build fails for any other.
+ARG NVRX_RELEASE=0.4.1
+LABEL io.goodput.nvrx-release="${NVRX_RELEASE}"
 
 # EFA: the container gets the devices from the EFA device plugin; it needs the userspace side only (no kernel
 # module). The NGC image's own verbs libraries conflict with EFA's rdma-core, so they go first.
@@ -30,14 +38,16 @@ COPY images/requirements-components.txt images/requirements-trainer.txt images/
 # NGC's torch is a pre-release build (e.g. 2.8.0a0+...): held at exactly that version, so no requirement can
 # make pip replace it with a PyPI wheel built for another CUDA.
 RUN pip list --format=freeze | grep -E '^torch==' > /tmp/base-constraints.txt \
- && pip install -c /tmp/base-constraints.txt -r images/requirements-trainer.txt
+ && pip install -c /tmp/base-constraints.txt -r images/requirements-trainer.txt "nvidia-resiliency-ext==${NVRX_RELEASE}"
 
 COPY pyproject.toml README.md ./
 COPY trainer trainer
 COPY components components
 COPY pipelines pipelines
+# The installed NVRx is the labelled one, and one the launch command is checked for.
 RUN pip install --no-deps . \
  && python -c "import torch, nvidia_resiliency_ext, prometheus_client, trainer.train, components.evaluate" \
+ && python -c "from trainer import compat; assert compat.installed_release() == compat.image_release('${NVRX_RELEASE}')" \
  && ft_launcher --help > /dev/null \
  && python -m trainer --help > /dev/null
 

@@ -136,12 +136,13 @@ def test_a_command_built_for_each_release_uses_only_flags_it_accepts(version, la
 
 
 def test_what_only_0_6_and_later_offer_reaches_their_command():
-    extras = LauncherExtras(gpu=True, spare_nodes=2, node_health_check_endpoint="unix:///var/run/nvhcd.sock",
+    extras = LauncherExtras(gpu=True, spare_nodes=2, segment=2, node_health_check_endpoint="unix:///var/run/nvhcd.sock",
                             storage_paths=("/fsx", "/fsx/runs/x"), dist_storage_check=True,
                             progress_file="/fsx/runs/x/checkpoints/resumable_step")
     for version in ("0.6.0", "0.7.0"):
         ns = parse(version, command(CLUSTER, version, extras))
         assert ns.nnodes == "4:6"                          # 4 train, 2 hot spares stand by
+        assert ns.ft_segment == 2                          # in whole NVLink domains of 2 nodes
         assert ns.ft_node_health_check_endpoint == "unix:///var/run/nvhcd.sock"
         assert ns.ft_storage_healthcheck_path == "/fsx,/fsx/runs/x"
         assert ns.ft_enable_dist_storage_healthcheck == "true"
@@ -149,7 +150,7 @@ def test_what_only_0_6_and_later_offer_reaches_their_command():
         assert ns.ft_enable_nic_healthcheck is None       # GPU: NVRx's default (on)
         assert parse(version, command(LaunchConfig(), version)).ft_enable_nic_healthcheck == "false"   # CPU
     for version in ("0.4.1", "0.5.0"):
-        for one in (dict(spare_nodes=2), dict(node_health_check_endpoint="/run/h.sock"),
+        for one in (dict(spare_nodes=2), dict(segment=2, gpu=True), dict(node_health_check_endpoint="/run/h.sock"),
                     dict(storage_paths=("/fsx",)), dict(dist_storage_check=True), dict(progress_file="/f")):
             with pytest.raises(ValueError, match=f"0.6.0.*{version}|{version}"):
                 compat.launcher_args(CLUSTER, release(version), LauncherExtras(**one))
@@ -255,6 +256,32 @@ def test_the_target_release_is_the_override_then_the_image_pin_then_the_installe
         compat.target_release()
     with pytest.raises(compat.NVRxCompatError, match="not installed"):
         compat.installed_release()
+
+
+def test_a_pods_command_is_for_the_images_release_never_the_installed_one(monkeypatch):
+    """The component image that builds jobs has no NVRx; a release whose launcher was not read is refused there,
+    not guessed at."""
+    monkeypatch.setattr(compat, "installed_version", lambda: None)
+    monkeypatch.setenv(compat.VERSION_ENV, "0.5.0")
+    assert compat.image_release() == release(compat.IMAGE_RELEASE)
+    assert compat.image_release("0.7.3") == release("0.7.3")                   # a patch release of a checked one
+    with pytest.raises(compat.NVRxCompatError, match="0.8.0 is newer than the releases .* NVRX_RELEASE"):
+        compat.image_release("0.8.0")
+    with pytest.raises(compat.NVRxCompatError, match="older than 0.4.1"):
+        compat.image_release("0.4.0")
+
+
+def test_segments_and_the_health_endpoint_are_checked_where_nvrx_would_not():
+    seg = dict(gpu=True, spare_nodes=1)
+    with pytest.raises(ValueError, match="must divide"):
+        compat.launcher_args(CLUSTER, release("0.7.0"), LauncherExtras(segment=3, **seg))
+    with pytest.raises(ValueError, match="GPU nodes"):
+        compat.launcher_args(CLUSTER, release("0.7.0"), LauncherExtras(segment=2))
+    for bad in ("localhost:50051", "dns:///nvhcd", "nvhcd.sock", "unix://relative.sock"):   # NVRx skips these
+        with pytest.raises(ValueError, match="Unix socket's absolute path"):
+            compat.launcher_args(CLUSTER, release("0.6.0"), LauncherExtras(node_health_check_endpoint=bad))
+    assert compat.uds_path("unix:///var/run/nvhcd/nvhcd.sock") == compat.uds_path("/var/run/nvhcd/nvhcd.sock") == \
+        "/var/run/nvhcd/nvhcd.sock"
 
 
 def test_nccl_releases_that_segfault_on_abort_keep_in_process_restart_off():

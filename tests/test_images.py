@@ -63,6 +63,19 @@ def _canonical(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
+def build_arg(path: Path, name: str) -> str:
+    """The default of a Dockerfile's ``ARG name=default``."""
+    (value,) = [args.partition("=")[2] for op, args in instructions(path) if op == "ARG" and
+                args.partition("=")[0] == name]
+    return value
+
+
+def trainer_pins() -> dict[str, str]:
+    """The trainer image's pins: its requirements and NVRx at the NVRX_RELEASE build arg's default."""
+    return {**pins(IMAGES / "requirements-trainer.txt"),
+            "nvidia-resiliency-ext": build_arg(IMAGES / "trainer.Dockerfile", "NVRX_RELEASE")}
+
+
 @pytest.fixture(params=["trainer", "components"])
 def image(request):
     return request.param, instructions(IMAGES / f"{request.param}.Dockerfile")
@@ -132,7 +145,7 @@ def test_entrypoints_exist(image):
         # The PyTorchJob's command is ft_launcher (the console script of the pinned NVRx) behind the image's
         # python running trainer.warmstart.
         dist = importlib.metadata.distribution("nvidia-resiliency-ext")
-        assert dist.version == pins(IMAGES / "requirements-trainer.txt")["nvidia-resiliency-ext"]
+        assert dist.version == trainer_pins()["nvidia-resiliency-ext"]
         assert any(e.name == "ft_launcher" for e in dist.entry_points if e.group == "console_scripts")
         from components.pytorchjob import JobSpec
 
@@ -142,7 +155,7 @@ def test_entrypoints_exist(image):
 
 def test_requirement_pins_satisfy_pyproject():
     deps = [Requirement(d) for d in PYPROJECT["project"]["dependencies"]]
-    light, trainer = pins(IMAGES / "requirements-components.txt"), pins(IMAGES / "requirements-trainer.txt")
+    light, trainer = pins(IMAGES / "requirements-components.txt"), trainer_pins()
     assert not {_canonical(n) for n in light} & TRAINER_ONLY                 # the light image has no torch/NVRx
     for dep in deps:
         name = _canonical(dep.name)
@@ -155,6 +168,42 @@ def test_requirement_pins_satisfy_pyproject():
     # And the pins are what these tests run with.
     for name, version in trainer.items():
         assert importlib.metadata.version(name) == version, name
+
+
+def test_the_trainer_image_pins_and_labels_the_nvrx_release_the_launch_commands_default_to():
+    """One pin: trainer/compat.py's IMAGE_RELEASE is the NVRX_RELEASE build arg's default, the image installs
+    NVRx at that arg and nowhere else, carries it as a label, and the tests here run on it."""
+    from trainer import compat
+
+    dockerfile = IMAGES / "trainer.Dockerfile"
+    ins = instructions(dockerfile)
+    assert build_arg(dockerfile, "NVRX_RELEASE") == compat.IMAGE_RELEASE
+    assert ("LABEL", f'{compat.IMAGE_RELEASE_LABEL}="${{NVRX_RELEASE}}"') in ins
+    # The ARG is declared after FROM (so RUN and LABEL see it) and before the install that uses it.
+    ops = [op for op, _ in ins]
+    (install,) = [i for i, (op, a) in enumerate(ins) if op == "RUN" and "requirements-trainer.txt" in a]
+    assert ops.index("FROM") < [i for i, (op, a) in enumerate(ins) if a.startswith("NVRX_RELEASE=")][0] < install
+    assert '"nvidia-resiliency-ext==${NVRX_RELEASE}"' in ins[install][1]
+    pinned = [p.name for p in IMAGES.iterdir() for line in p.read_text().splitlines()
+              if re.match(r"\s*nvidia[-_]resiliency[-_]ext\s*[=<>~]", line)]
+    assert pinned == [], f"NVRx pinned outside the build arg: {pinned}"
+    from components.pytorchjob import JobSpec
+
+    assert JobSpec(image="x").release == compat.release(compat.IMAGE_RELEASE)     # what pods are built for
+    assert str(compat.installed_version()) == compat.IMAGE_RELEASE, \
+        "the image's NVRx release must be the one these tests run on"
+
+
+@pytest.mark.parametrize("release, ok", [("0.4.1", True), ("0.7.0", False), ("0.8.0", False), ("0.3.0", False)])
+def test_the_trainer_image_build_refuses_an_nvrx_it_did_not_install_or_the_gate_does_not_know(release, ok):
+    """The build's own check, run here (NVRx 0.4.1 installed) with the build arg set to ``release``: an image
+    whose installed NVRx is not the labelled one, or one the launch command is not checked for, fails to build."""
+    (run,) = [a for op, a in instructions(IMAGES / "trainer.Dockerfile")
+              if op == "RUN" and "compat.installed_release()" in a]
+    (code,) = [c for c in re.findall(r'python -c "([^"]*)"', run) if "installed_release" in c]
+    res = subprocess.run([sys.executable, "-c", code.replace("${NVRX_RELEASE}", release)], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert (res.returncode == 0) == ok, res.stderr[-2000:]
 
 
 def test_dockerignore_keeps_the_context_small_but_complete():
@@ -171,6 +220,13 @@ class Block(importlib.abc.MetaPathFinder):
         if name.split('.')[0] in ('torch', 'nvidia_resiliency_ext'):
             raise ImportError('not in the component image: ' + name)
 sys.meta_path.insert(0, Block())
+import importlib.metadata
+_version = importlib.metadata.version
+def version(dist):   # the component image has no NVRx distribution either
+    if dist == 'nvidia-resiliency-ext':
+        raise importlib.metadata.PackageNotFoundError(dist)
+    return _version(dist)
+importlib.metadata.version = version
 """
 
 
@@ -189,6 +245,8 @@ from components.pytorchjob import JobSpec, job_manifest
 from components.stage import stage_dataset
 m = job_manifest(JobSpec(image='x', nodes=2, trainer_args=['--max-steps', '10']))
 assert m['kind'] == 'PyTorchJob'
+from components.trainjob import trainjob_manifest
+assert trainjob_manifest(JobSpec(image='x', nodes=2, nvrx_release='0.7.0'))['kind'] == 'TrainJob'
 r = stage_dataset({str(src)!r}, {str(tmp_path / 'fsx')!r}, 'd', '1', val_percent=50)
 assert r.files == 8, r
 assert 'torch' not in sys.modules

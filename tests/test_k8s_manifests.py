@@ -16,6 +16,7 @@ from kubernetes import client as k8s
 
 from components.pytorchjob import INSTANCE_TYPES, JobSpec, job_manifest
 from components.supervise import run_job
+from trainer.launch import LaunchConfig
 
 try:
     from tests.deploy_checks import DEPLOY, render
@@ -65,6 +66,42 @@ def test_every_builder_variant_is_created_and_read_back_unpruned(admin_ns, varia
     got = co.get_namespaced_custom_object("kubeflow.org", "v1", admin_ns.name, "pytorchjobs", name)
     assert missing(m["spec"], got["spec"], "spec") == []
     assert missing(m["metadata"]["labels"], got["metadata"]["labels"], "labels") == []
+
+
+def test_trainjobs_for_each_nvrx_release_and_a_runtime_with_the_node_health_daemon_are_taken_whole(admin_ns):
+    """The runtime for 0.7 images on nodes with a health daemon (the socket directory mounted from the node), and
+    TrainJobs on it: a 0.7 one (the runtime's command) and a 0.6 one with launch settings of its own (its own
+    command); their JobSets too."""
+    import uuid
+
+    from components.trainjob import RuntimeSpec, runtime_manifest, trainjob_manifest
+    from tests.test_trainjob_build import effective_jobset
+
+    co = k8s.CustomObjectsApi(admin_ns.server.admin)
+    endpoint = "/var/run/nvhcd/nvhcd.sock"
+    rt = RuntimeSpec(name=f"goodput-nvrx-0-7-{uuid.uuid4().hex[:6]}", pods=JobSpec(
+        image=IMG, scheduler="volcano", nvrx_release="0.7.0", node_health_check_endpoint=endpoint))
+    sent = runtime_manifest(rt)
+    back = co.create_cluster_custom_object("trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes", sent)
+    try:
+        assert missing(sent["spec"], back["spec"], "spec") == []
+        pod = sent["spec"]["template"]["spec"]["replicatedJobs"][0]["template"]["spec"]["template"]["spec"]
+        assert {"name": "node-health", "hostPath": {"path": "/var/run/nvhcd", "type": "DirectoryOrCreate"}} in \
+            pod["volumes"]
+        for release, launch, own_command in (("0.7.0", LaunchConfig(), False), ("0.6.0", LaunchConfig(max_restarts=7),
+                                                                                True)):
+            name = f"tj-nvrx-{release.replace('.', '-')}"
+            job = trainjob_manifest(JobSpec(image=IMG, name=name, namespace=admin_ns.name, nodes=2, launch=launch,
+                                            nvrx_release=release, node_health_check_endpoint=endpoint), rt)
+            assert ("command" in job["spec"]["trainer"]) == own_command
+            got = co.create_namespaced_custom_object("trainer.kubeflow.org", "v1alpha1", admin_ns.name, "trainjobs",
+                                                     job)
+            assert missing(job["spec"], got["spec"], "spec") == []
+            jobset = effective_jobset(sent, job)
+            got = co.create_namespaced_custom_object("jobset.x-k8s.io", "v1alpha2", admin_ns.name, "jobsets", jobset)
+            assert missing(jobset["spec"], got["spec"], "spec") == []
+    finally:
+        co.delete_cluster_custom_object("trainer.kubeflow.org", "v1alpha1", "clustertrainingruntimes", rt.name)
 
 
 def test_yunikorn_task_group_asks_for_what_each_pod_requests(admin_ns):

@@ -131,6 +131,15 @@ VARIANTS = {
     "mig-slice": dict(gpus_per_node=1, gpu_resource="nvidia.com/mig-3g.40gb", instance_type="p4de.24xlarge"),
     "instance-p4d": dict(nodes=2, instance_type="p4d.24xlarge"),
     "instance-g6e": dict(nodes=2, instance_type="g6e.12xlarge", gpus_per_node=4),
+    # NVRx releases of the image: the command is built for each; 0.6+ offers hot spares and a node health daemon.
+    "nvrx-0.5": dict(nodes=2, nvrx_release="0.5.0"),
+    "nvrx-0.6-cpu": dict(gpus_per_node=0, nproc_per_node=2, nodes=2, nvrx_release="0.6.0"),
+    "hot-spares-0.7": dict(nodes=4, hot_spares=2, nvrx_release="0.7.0", scheduler="volcano"),
+    "one-node-one-spare-0.6": dict(nodes=1, hot_spares=1, nvrx_release="0.6.0"),
+    "nvlink-segments-0.7": dict(nodes=8, hot_spares=4, nvlink_segment=4, nvrx_release="0.7.0",
+                                scheduler="yunikorn"),
+    "node-health-daemon-0.7": dict(nodes=2, nvrx_release="0.7.0",
+                                   node_health_check_endpoint="unix:///var/run/nvhcd/nvhcd.sock"),
 }
 
 
@@ -244,6 +253,41 @@ def test_pod_command_is_ft_launcher_with_a_c10d_rendezvous_on_replica_0():
     assert args.standalone
 
 
+def test_hot_spares_are_workers_beyond_the_training_nodes_under_an_elastic_policy():
+    """NVRx 0.6+: --nnodes N:N+k trains on N nodes, k stand by; the job has N+k Worker pods, the PyTorchJob's
+    elasticPolicy says min N max N+k (the operator's PET_NNODES), the gang needs only the N."""
+    m = job_manifest(spec(name="hs", nodes=4, hot_spares=2, nvlink_segment=2, nvrx_release="0.7.0",
+                          scheduler="volcano"))
+    assert set(m["spec"]["pytorchReplicaSpecs"]) == {"Worker"} and _pod(m, "Worker")
+    assert m["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 6
+    assert {k: m["spec"]["elasticPolicy"][k] for k in ("minReplicas", "maxReplicas")} == \
+        {"minReplicas": 4, "maxReplicas": 6}
+    assert m["spec"]["runPolicy"]["schedulingPolicy"]["minAvailable"] == 4
+    cmd = _pod(m, "Worker")["containers"][0]["command"]
+    assert cmd[cmd.index("--nnodes") + 1] == "4:6" and cmd[cmd.index("--ft-segment") + 1] == "2"
+    assert cmd[cmd.index("--rdzv-endpoint") + 1] == "hs-worker-0:23456"
+    # The supervisor streams the store's pod: worker 0 (no Master replica).
+    from components.job_kinds import PYTORCHJOB
+
+    assert PYTORCHJOB.master_selector("hs", m)[0].endswith("replica-type=worker,training.kubeflow.org/replica-index=0")
+    # One training node and a spare: two pods, so a rendezvous service instead of --standalone.
+    one = _pod(job_manifest(spec(name="one", nodes=1, hot_spares=1, nvrx_release="0.6.0")), "Worker")
+    assert "--standalone" not in one["containers"][0]["command"]
+
+
+def test_the_node_health_daemons_socket_directory_is_mounted_read_only_from_the_node():
+    pod = _pod(job_manifest(spec(nodes=2, nvrx_release="0.6.0",
+                                 node_health_check_endpoint="unix:///var/run/nvhcd/nvhcd.sock")))
+    (c,) = pod["containers"]
+    assert c["command"][c["command"].index("--ft-node-health-check-endpoint") + 1] == \
+        "unix:///var/run/nvhcd/nvhcd.sock"
+    assert {"name": "node-health", "mountPath": "/var/run/nvhcd", "readOnly": True} in c["volumeMounts"]
+    assert {"name": "node-health", "hostPath": {"path": "/var/run/nvhcd", "type": "DirectoryOrCreate"}} in \
+        pod["volumes"]
+    plain = _pod(job_manifest(spec(nodes=2, nvrx_release="0.6.0")))
+    assert "node-health" not in {v["name"] for v in plain["volumes"]}
+
+
 def test_cpu_job_and_overrides():
     m = job_manifest(spec(gpus_per_node=0, env={"NCCL_DEBUG": "INFO"}))
     c = _pod(m)["containers"][0]
@@ -296,6 +340,23 @@ BAD = {
     "port out of range": (dict(master_port=80), "master_port"),
     "negative max restarts": (dict(launch=LaunchConfig(max_restarts=-1)), "max_restarts"),
     "image with spaces": (dict(image="my image"), "is not an image reference"),
+    "nvrx release not checked": (dict(nvrx_release="0.8.0"), "newer than the releases the launch command is checked"),
+    "nvrx release too old": (dict(nvrx_release="0.3.0"), "older than 0.4.1"),
+    "nvrx release not a version": (dict(nvrx_release="latest"), "'latest' is not a version"),
+    "hot spares before 0.6": (dict(hot_spares=1, nvrx_release="0.5.0"), "hot spares need nvidia-resiliency-ext >= 0.6"),
+    "negative hot spares": (dict(hot_spares=-1, nvrx_release="0.7.0"), "must not be negative"),
+    "elastic on 0.6": (dict(nodes=8, min_nodes=4, nvrx_release="0.6.0"), "cannot mean an elastic job"),
+    "elastic with hot spares": (dict(nodes=8, min_nodes=4, hot_spares=1, nvrx_release="0.5.0"), "hot spares"),
+    "segment before 0.6": (dict(nodes=4, nvlink_segment=2, nvrx_release="0.5.0"), "--ft-segment needs"),
+    "segment not dividing nodes": (dict(nodes=6, nvlink_segment=4, nvrx_release="0.7.0"), "must divide"),
+    "segment without gpus": (dict(gpus_per_node=0, nodes=4, nvlink_segment=2, nvrx_release="0.7.0"), "GPU nodes"),
+    "health endpoint before 0.6": (dict(node_health_check_endpoint="/var/run/nvhcd/nvhcd.sock",
+                                        nvrx_release="0.5.0"), "needs nvidia-resiliency-ext >= 0.6.0"),
+    "health endpoint not a socket path": (dict(node_health_check_endpoint="localhost:50051", nvrx_release="0.7.0"),
+                                          "Unix socket's absolute path"),
+    "health socket in a shared host directory": (dict(node_health_check_endpoint="/var/run/nvhcd.sock",
+                                                      nvrx_release="0.7.0"), "a directory of its own"),
+    "spares make names too long": (dict(name="a" * 54, nodes=8, hot_spares=3, nvrx_release="0.7.0"), "too long"),
 }
 
 

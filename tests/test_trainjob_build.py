@@ -141,8 +141,14 @@ COSCHEDULING = RuntimeSpec(name="goodput-nvrx-coscheduling", schedule_timeout_s=
                            pods=JobSpec(image=IMG, scheduler="scheduler-plugins"))
 CPU = RuntimeSpec(name="goodput-nvrx-cpu",
                   pods=JobSpec(image=IMG, gpus_per_node=0, nproc_per_node=4, scheduler="", backoff_limit=1))
+# A runtime for images with NVRx 0.7 on nodes that run a node health daemon.
+NVRX_0_7 = RuntimeSpec(name="goodput-nvrx-0-7", pods=JobSpec(
+    image=IMG, scheduler="volcano", nvrx_release="0.7.0", node_health_check_endpoint="/var/run/nvhcd/nvhcd.sock"))
 VARIANTS = {
     "defaults": (dict(), VOLCANO),
+    "nvrx-0.5-image": (dict(nodes=2, nvrx_release="0.5.0"), VOLCANO),
+    "nvrx-0.7-health-daemon": (dict(nodes=4, nvrx_release="0.7.0",
+                                    node_health_check_endpoint="/var/run/nvhcd/nvhcd.sock"), NVRX_0_7),
     "one-node": (dict(nodes=1), VOLCANO),
     "multi-node-spot": (dict(nodes=4, spot=True, node_group="p5-spot",
                              node_selector={"eks.amazonaws.com/capacityType": "SPOT"}), VOLCANO),
@@ -216,7 +222,8 @@ def test_builds_kubeflow_trainer_api_models():
 
 # The pods are the PyTorchJob backend's pods ---------------------------------------------------------------
 
-@pytest.mark.parametrize("variant", ["multi-node-spot", "p4d", "kfp-labels-env", "deadline-tolerations"])
+@pytest.mark.parametrize("variant", ["multi-node-spot", "p4d", "kfp-labels-env", "deadline-tolerations",
+                                     "nvrx-0.7-health-daemon"])
 def test_trainjob_pods_are_the_pytorchjob_pods(variant):
     settings, runtime = VARIANTS[variant]
     s = spec(**settings)
@@ -399,6 +406,11 @@ BAD = {
     "bad trainer flag": (dict(trainer_args=["--steps-max", "10"]), "invalid trainer arguments"),
     "spot with on-demand selector": (dict(spot=True, node_selector={"eks.amazonaws.com/capacityType": "ON_DEMAND"}),
                                      "allows only on-demand nodes"),
+    "hot spares": (dict(nodes=4, hot_spares=1, nvrx_release="0.7.0"), "hot_spares=1: a TrainJob's node command"),
+    "nvlink segment": (dict(nodes=4, nvlink_segment=2, nvrx_release="0.7.0"), "use the pytorchjob backend"),
+    "health daemon not the runtime's": (dict(nvrx_release="0.7.0", node_health_check_endpoint="/run/nvhcd/x.sock"),
+                                        "node_health_check_endpoint='/run/nvhcd/x.sock' differs"),
+    "nvrx release not checked": (dict(nvrx_release="0.9.1"), "newer than the releases"),
 }
 
 

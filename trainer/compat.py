@@ -11,6 +11,7 @@ release other than the one installed (the trainer image's pin: ``target_release(
 import on first use and fail naming the API and the installed version when an upgrade broke one.
 
     release = target_release()                       # installed, or $GOODPUT_NVRX_VERSION
+    pods = image_release(job_nvrx_release)           # a pod's command: the trainer image's (IMAGE_RELEASE)
     argv = ["ft_launcher", *launcher_args(launch, release, LauncherExtras(gpu=True)), "-m", "trainer", ...]
     layers = resolve_restart_layers("auto", release)  # "injob" where in-process restart is deprecated
 """
@@ -31,6 +32,11 @@ DIST = "nvidia-resiliency-ext"
 VERSION_ENV = "GOODPUT_NVRX_VERSION"
 CHECKED = ("0.4.1", "0.5.0", "0.6.0", "0.7.0")
 _OLDEST, _NEWEST = Version(CHECKED[0]), Version(CHECKED[-1])
+# The release images/trainer.Dockerfile installs unless built with another NVRX_RELEASE (tests/test_images.py
+# ties the two; the image carries it as the label IMAGE_RELEASE_LABEL): the one the GPU path was checked on.
+# Pods' launch commands are built for it unless a job names its image's release.
+IMAGE_RELEASE = "0.4.1"
+IMAGE_RELEASE_LABEL = "io.goodput.nvrx-release"
 # NCCL releases in which aborting a communicator (what in-process restart does) segfaults: NVRx 0.5 notes.
 _NCCL_ABORT_SEGFAULT = ((2, 28, 3), (2, 28, 9))
 
@@ -125,6 +131,21 @@ def target_release(version: str | Version | None = None) -> Release:
         raise NVRxCompatError(f"{DIST} is not installed here: name the trainer image's release "
                               f"(e.g. {VERSION_ENV}=0.7.0) to build a command for it")
     return release(chosen)
+
+
+def image_release(version: str | Version | None = None) -> Release:
+    """The release a pod's launch command is built for: ``version`` (the trainer image's, its
+    ``io.goodput.nvrx-release`` label), else ``IMAGE_RELEASE``.
+
+    Never the installed one: the launcher that builds a job may have none (the component image) or another.
+    A release newer than those checked is refused, not taken as the newest: the pod's ft_launcher parses the
+    command, and which flags it takes is unknown."""
+    rel = release(version or IMAGE_RELEASE)
+    if not rel.checked:
+        raise NVRxCompatError(f"{DIST} {rel.version} is newer than the releases the launch command is checked "
+                              f"against ({', '.join(CHECKED)}): build the trainer image with one of those "
+                              f"(--build-arg NVRX_RELEASE=...) or add {rel.version} to trainer/compat.py")
+    return rel
 
 
 def _parse(version: str | Version) -> Version:
@@ -233,6 +254,7 @@ class LauncherExtras:
     gpu: bool = False                  # NCCL over the node's NICs: their link-state check runs (0.6+)
     min_nodes: int = 0                 # elastic: fewest nodes to train with (0.4.1-0.5 only; 0 = fixed size)
     spare_nodes: int = 0               # hot spares waiting to replace a failed node (0.6+)
+    segment: int = 0                   # nodes per NVLink-domain segment of the active nodes (0.6+, GPU); 0 = off
     node_health_check_endpoint: str = ""     # UDS of a node health-check daemon, e.g. unix:///var/run/nvhcd.sock
     storage_paths: tuple[str, ...] = field(default_factory=tuple)   # absolute paths checked before rendezvous
     dist_storage_check: bool = False   # Lustre/NFS mounts reachable before rendezvous (FSx is Lustre)
@@ -252,6 +274,7 @@ def launcher_args(launch: LaunchSettings, rel: Release, extras: LauncherExtras =
                 f"checkpoint:{launch.checkpoint_timeout_s:g}")
     args = [
         "--nnodes", nnodes_arg(launch.nnodes, rel, min_nodes=extras.min_nodes, spare_nodes=extras.spare_nodes),
+        *_segment_args(launch.nnodes, rel, extras),
         "--nproc-per-node", str(launch.nproc_per_node if is_placeholder(launch.nproc_per_node)
                                 else count(launch.nproc_per_node, "nproc_per_node")),
         *rdzv,
@@ -295,9 +318,32 @@ def nnodes_arg(nodes: int | str, rel: Release, *, min_nodes: int = 0, spare_node
         if rel.hot_spares:
             raise ValueError(f"{DIST} {rel.version} trains on exactly MIN of --nnodes MIN:MAX nodes (the rest "
                              f"are hot spares), so min_nodes={min_nodes} < nodes={nodes} cannot mean an elastic "
-                             f"job; use spare_nodes instead")
+                             f"job; use hot spares (spare_nodes) instead")
         return f"{min_nodes}:{nodes}"
     return str(nodes)
+
+
+def _segment_args(nodes: int | str, rel: Release, extras: LauncherExtras) -> list[str]:
+    """``--ft-segment``: hot spares and ranks by NVLink domain (GPU ClusterUUID, read with nvidia-smi), whole
+    segments of the active nodes kept together; the active node count must be a multiple of it."""
+    if not extras.segment:
+        return []
+    if extras.segment < 0:
+        raise ValueError(f"--ft-segment must be a number of nodes (0 = off), got {extras.segment}")
+    if not rel.hot_spares:
+        raise ValueError(f"--ft-segment needs {DIST} >= 0.6.0; the target is {rel.version}")
+    if not extras.gpu:
+        raise ValueError("--ft-segment groups nodes by their GPUs' NVLink domain: it needs GPU nodes")
+    if is_placeholder(nodes) or count(nodes, "nodes") % extras.segment:
+        raise ValueError(f"--ft-segment {extras.segment} must divide the number of training nodes, got {nodes}")
+    return ["--ft-segment", str(extras.segment)]
+
+
+def uds_path(endpoint: str) -> str:
+    """The socket file of a node health-check endpoint (``/path`` or ``unix:///path``), or "" for anything
+    else: NVRx skips, without a word, an endpoint that is not an absolute Unix socket path."""
+    path = endpoint[len("unix://"):] if endpoint.startswith("unix://") else endpoint
+    return path if path.startswith("/") and not path.endswith("/") and "," not in path else ""
 
 
 def is_placeholder(value: int | str) -> bool:
@@ -326,7 +372,12 @@ def _health_check_args(rel: Release, extras: LauncherExtras) -> list[str]:
               "progress_file": (extras.progress_file, rel.progress_tracking)}
     missing = [name for name, (value, available) in wanted.items() if value and not available]
     if missing:
-        raise ValueError(f"{', '.join(missing)} need {DIST} >= 0.6.0; the target is {rel.version}")
+        raise ValueError(f"{', '.join(missing)} need{'s' if len(missing) == 1 else ''} {DIST} >= 0.6.0; the "
+                         f"target is {rel.version}")
+    if extras.node_health_check_endpoint and not uds_path(extras.node_health_check_endpoint):
+        raise ValueError(f"node_health_check_endpoint must be a Unix socket's absolute path (/var/run/nvhcd/"
+                         f"nvhcd.sock or unix:///var/run/nvhcd/nvhcd.sock), got "
+                         f"{extras.node_health_check_endpoint!r}: NVRx would skip the check silently")
     relative = [p for p in extras.storage_paths if not p.startswith("/")]
     if relative or "," in "".join(extras.storage_paths):
         raise ValueError(f"storage_paths must be absolute paths without commas, got {list(extras.storage_paths)}")

@@ -8,6 +8,7 @@ import dataclasses
 import click
 
 from components.pytorchjob import JobSpec
+from trainer import compat
 
 _HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(JobSpec)}
 _DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory()
@@ -18,7 +19,8 @@ RUNTIME_NAME = "goodput-nvrx"
 RUNTIME_POD_SETTINGS = {"image", "image_pull_policy", "gpus_per_node", "gpu_resource", "efa_per_node", "cpu",
                         "memory", "shm_size", "pvc", "fsx_mount", "priority_class", "service_account", "scheduler",
                         "scheduler_name", "backoff_limit", "ttl_after_finished_s", "termination_grace_s",
-                        "metrics_port", "nproc_per_node", "instance_type", "spot_taint"}
+                        "metrics_port", "nproc_per_node", "instance_type", "spot_taint", "nvrx_release",
+                        "node_health_check_endpoint"}
 
 
 def _pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
@@ -29,6 +31,14 @@ def _pairs(values: tuple[str, ...], what: str) -> dict[str, str]:
             raise click.UsageError(f"{what} {v!r}: expected KEY=VALUE")
         out[key] = value
     return out
+
+
+def _release(ctx, param, value: str) -> str:
+    """The trainer image's NVRx release, refused at once unless the launch command is checked for it."""
+    try:
+        return str(compat.image_release(value).version)
+    except compat.NVRxCompatError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 def _opt(name: str, **kw):
@@ -55,6 +65,8 @@ def _opt(name: str, **kw):
 @_opt("image_pull_policy", type=click.Choice(["Always", "IfNotPresent", "Never"]))
 @_opt("nodes", type=int)
 @_opt("min_nodes", type=int)
+@_opt("hot_spares", type=int)
+@_opt("nvlink_segment", type=int)
 @_opt("gpus_per_node", type=int)
 @_opt("gpu_resource")
 @_opt("instance_type")
@@ -84,7 +96,13 @@ def _opt(name: str, **kw):
 @click.option("--env", "env", multiple=True, metavar="NAME=VALUE", help=_HELP["env"])
 @click.option("--label", "labels", multiple=True, metavar="KEY=VALUE", help=_HELP["labels"])
 @click.option("--max-restarts", type=int, default=3, show_default=True,
-              help="in-job restarts of the worker group by ft_launcher (layer 2 of recovery)")
+              help="in-job restarts of the worker group by ft_launcher (layer 2 of recovery; counted per node up "
+                   "to NVRx 0.5, for the whole job from 0.6)")
+@_opt("nvrx_release", default=compat.IMAGE_RELEASE, callback=_release,
+      help=f"NVRx release in the trainer image (its {compat.IMAGE_RELEASE_LABEL} label): the launch command uses "
+           f"only what that release's ft_launcher accepts; one of {', '.join(compat.CHECKED)} (or a patch release "
+           "of one)")
+@_opt("node_health_check_endpoint")
 @_opt("run_id")
 @_opt("task_name")
 @click.pass_context
@@ -105,6 +123,8 @@ def render_job(ctx: click.Context, kind, runtime_name, node_selector, env, label
           --scheduler volcano --queue training --max-steps 5000 | kubectl apply -f -
       goodput render-job --kind trainjob --nodes 4 --image $ECR/goodput-trainer:0.1.0 --spot | kubectl apply -f -
       goodput render-job --kind runtime --image $ECR/goodput-trainer:0.1.0 | kubectl apply --server-side -f -
+      goodput render-job --nodes 8 --hot-spares 1 --nvrx-release 0.7.0 --image $ECR/goodput-trainer:0.1.0-nvrx0.7.0 \\
+          --node-health-check-endpoint /var/run/nvhcd/nvhcd.sock | kubectl apply -f -
     """
     import yaml
 
