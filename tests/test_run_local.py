@@ -22,6 +22,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipelines.cli import main
+from tests.conftest import marked as _marked
 from trainer.layout import committed_steps
 
 GOODPUT = [sys.executable, "-c", "from pipelines.cli import main; main()"]
@@ -173,19 +174,6 @@ def test_an_error_that_would_recur_is_not_retried(tmp_path):
 
 
 # ---- Ctrl-C ----------------------------------------------------------------------------------------------
-
-def _marked(value: str) -> list[int]:
-    needle = f"GOODPUT_TEST_RUN={value}".encode()
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if needle in (proc / "environ").read_bytes().split(b"\0") and \
-                    (proc / "stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z":
-                found.append(int(proc.name))
-        except (OSError, IndexError):
-            continue
-    return found
-
 
 @pytest.mark.timeout(400)
 def test_ctrl_c_commits_a_checkpoint_retries_nothing_registers_nothing_and_exits_130(tmp_path):
