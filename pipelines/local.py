@@ -131,8 +131,8 @@ _DETERMINISTIC = {"ValueError", "LaunchError", "ParamError", "UsageError", "BadP
 class _Progress(io.TextIOBase):
     """stdout while kfp.local runs: everything into the log file, the readable part to the terminal.
 
-    kfp.local's own log lines become goodput's progress lines: "Executing task 'train-op'" is ``train: started``
-    and "Task 'train-op' finished with status SUCCESS" is ``train: done in 42.1 s`` (``names``: the steps'
+    kfp.local's own log lines become goodput's progress lines: "Executing task 'train-op'" is ``[train] started``
+    and "Task 'train-op' finished with status SUCCESS" is ``[train] done in 42.1 s`` (``names``: the steps'
     display names by task name); its other lines (the pipeline's status, the outputs' listing) are left out.
     Left out on the terminal too unless ``verbose`` (all of it stays in the log): kfp's executor preamble (the
     executor input as JSON, "Looking for component", ...), the listing of each task's outputs (the summary
@@ -148,7 +148,7 @@ class _Progress(io.TextIOBase):
         r"|The pynvml package is deprecated|^\s*import pynvml"
         r"|GPU Health checks disabled|Health checks are disabled|gpu_ib_map|gpu_pci_map|/sys/class/infiniband"
         r"|NIC health|Failed to shut down NVML"
-        r"|Streamed logs:$"
+        r"|Streamed logs:$|^-{20,}$"
         # ft_launcher and its rank monitors (their errors stay), NVRx's loggers
         r"|\] \[(INFO|WARNING|ALWAYS|DEBUG)\] \[(ft_launcher|RankMonServer)"
         r"|^\s*\*{10,}\s*$|^\s*Rendezvous info:|^\s*--rdzv-backend=|^\s*Setting OMP_NUM_THREADS"
@@ -235,9 +235,9 @@ class _Progress(io.TextIOBase):
         name = self.names.get(task, task)
         if m["started"]:
             self.started[task] = time.monotonic()
-            return f"{name}: started"
+            return f"[{name}] started"
         took = f" in {time.monotonic() - self.started[task]:.1f} s" if task in self.started else ""
-        return f"{name}: done{took}" if m["status"] == "SUCCESS" else f"{name}: {m['status'].lower()}{took}"
+        return f"[{name}] done{took}" if m["status"] == "SUCCESS" else f"[{name}] {m['status'].lower()}{took}"
 
     def show(self, plain: str) -> bool:
         if self.block_end is not None:
