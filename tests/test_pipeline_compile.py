@@ -305,3 +305,25 @@ def test_compile_is_deterministic_and_holds_no_credential(tmp_path):
     assert hashlib.sha256(first).hexdigest() == hashlib.sha256(second).hexdigest()
     for value in secrets.values():
         assert value.encode() not in first
+
+
+def test_the_parameters_the_docs_name_are_the_pipelines(compiled):
+    """deploy/README.md's and docs/cli.md's lists of pipeline parameters name parameters that exist."""
+    import re
+    from pathlib import Path
+
+    _, spec, _ = compiled
+    params = set(spec["root"]["inputDefinitions"]["parameters"])
+    root = Path(__file__).resolve().parents[1]
+    deploy = (root / "deploy" / "README.md").read_text()
+    table = deploy[deploy.index("| pipeline parameters | node groups |"):]
+    named = set(re.findall(r"`(\w+)=", table[:table.index("\n\n")]))
+    listed = deploy[deploy.index("The pipeline parameters that shape the trainer pods"):]
+    named |= set(re.findall(r"`(\w+)`", listed[:listed.index("The train backend")]))
+    cli = (root / "docs" / "cli.md").read_text()
+    main = cli[cli.index("Main parameters"):]
+    named |= set(re.findall(r"`(\w+)`", main[:main.index("The backend is not")]))
+    values = {"llama", "bytegpt", "debug"}           # the model parameters' values, named in the same list
+    assert named - values - params == set()
+    assert {"model", "model_flavor", "model_config", "init_from", "evaluate_gpu_resource", "node_group",
+            "efa_per_node", "shm_size", "scheduler", "queue"} <= named
