@@ -35,14 +35,12 @@ import contextlib
 import importlib.util
 import inspect
 import json
-import re
 import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
 PRODUCTION = "production"
 """``init_from`` value naming the registry's current production model."""
-_USER_MODEL = re.compile(r"^[A-Za-z_]\w*(\.[A-Za-z_]\w*)*:[A-Za-z_]\w*$")
 
 
 class TrainSettings(NamedTuple):
@@ -166,18 +164,11 @@ def _check_vocab(config, vocab: int, tokenizer: str) -> None:
 
 def _model_importable(model: str) -> bool:
     """A built-in, or a user model whose package is installed here (else only the trainer image has it)."""
-    if not _USER_MODEL.match(model):
+    if ":" not in model:
         return True        # a built-in, or a bad name the trainer refuses with the reason
     try:
         return importlib.util.find_spec(model.partition(":")[0]) is not None
     except (ImportError, ValueError):
-        return False
-
-
-def _torch_available() -> bool:
-    try:
-        return importlib.util.find_spec("torch") is not None
-    except ImportError:          # an import hook that refuses it (tests of the component image)
         return False
 
 
@@ -206,7 +197,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         model: ``bytegpt``, ``llama`` or ``package.module:function`` (the user's model factory, installed in
             the trainer image; docs/models.md).
         model_flavor: a named size of the model (llama: debug, llama3-1b, llama3-3b, llama3-8b, llama3-70b);
-            empty = its default.
+            empty = its default; ignored with ``init_from`` (its config.json is the architecture).
         model_config: inline JSON of fields overriding the flavor's, e.g. ``{"n_layers": 8}``; empty = none.
         init_from: the weights a fresh run starts from: a Hugging Face model directory on FSx, ``s3://`` of one
             (staged to FSx first) or ``production`` (the registry's production model); empty = random init.
@@ -252,7 +243,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
     """
     from components.job_kinds import backend_name
     from components.pytorchjob import _GPU_RESOURCE, GPU_RESOURCE, INSTANCE_TYPES, JobSpec
-    from trainer.config import parse_config
+    from trainer.config import _torch_available, parse_config
     from trainer.launch import check_faults
 
     if not run_id or "{{$" in run_id:
@@ -271,7 +262,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
     source, init_dir = resolve_init_from(init_from, fsx_root=root, registry=registry, model_name=name,
                                          endpoint_url=endpoint_url, reachable=reachable)
     run_dir = f"{root}/runs/{run_id}"
-    model_args = ["--model", model] + (["--model-flavor", model_flavor] if model_flavor else []) \
+    # With init_from the directory's config.json is the architecture: a flavor would be ignored, so none is passed.
+    flavor = model_flavor if model_flavor and not init_from.strip() else ""
+    model_args = ["--model", model] + (["--model-flavor", flavor] if flavor else []) \
         + (["--model-config", model_config] if model_config.strip() else [])
     head = ["--data", f"{root}/datasets/{dataset_name}/{dataset_version}", "--out", run_dir,
             "--max-steps", str(int(max_steps)), "--ckpt-every", str(int(ckpt_every))]

@@ -120,7 +120,7 @@ def pipeline_parameters(
         model: the model: llama, bytegpt (the byte-level demo GPT), or package.module:function naming your
             own model factory, installed in the trainer image (docs/models.md).
         model_flavor: a named size: llama debug, llama3-1b, llama3-3b, llama3-8b or llama3-70b; empty = the
-            model's default.
+            model's default; ignored with init_from (the directory's config.json is the architecture).
         model_config: inline JSON of model fields overriding the flavor's, e.g. {{"n_layers": 8}} (llama) or
             {{"n_layer": 12, "n_head": 12, "n_embd": 768}} (bytegpt); empty = none.
         init_from: weights a fresh run starts from (a run with a committed checkpoint resumes from that): a

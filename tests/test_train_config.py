@@ -134,8 +134,9 @@ def llama_dir(tmp_path_factory):
 
 
 def test_init_from_a_directory_is_passed_as_it_is_and_its_architecture_checked(llama_dir, tmp_path):
-    s = build_train_config(**SETTINGS, model="llama", init_from=str(llama_dir))
+    s = build_train_config(**SETTINGS, model="llama", model_flavor="llama3-1b", init_from=str(llama_dir))
     assert s.trainer_args[s.trainer_args.index("--init-from") + 1] == str(llama_dir) and s.init_from_source == ""
+    assert "--model-flavor" not in s.trainer_args, "the directory's config.json is the architecture"
     with pytest.raises(ValueError, match="--seq-len 512 is longer"):       # the directory's config decides
         build_train_config(**SETTINGS, model="llama", init_from=str(llama_dir), seq_len=512)
     with pytest.raises(ValueError, match="bytegpt has no Hugging Face layout"):
