@@ -41,6 +41,8 @@ from typing import NamedTuple
 
 PRODUCTION = "production"
 """``init_from`` value naming the registry's current production model."""
+BASELINE_INIT_FROM = "init_from"
+"""``baseline`` value naming the model the run started from (wherever ``init_from`` put it)."""
 
 
 class TrainSettings(NamedTuple):
@@ -52,6 +54,7 @@ class TrainSettings(NamedTuple):
     init_from_source: str       # s3:// prefix the stage-model step copies to init_from_dir; "" = nothing to copy
     init_from_dir: str          # the trainer's --init-from ("" = a fresh start)
     model_name: str             # the model's name in the registry
+    baseline_dir: str           # the Hugging Face directory evaluate scores as the baseline ("" = none)
     evaluate_accelerator: str   # the evaluate pod's GPU resource ...
     evaluate_gpus: int          # ... and how many (0: CPU)
 
@@ -106,6 +109,21 @@ def resolve_init_from(init_from: str, *, fsx_root: str, registry: str, model_nam
         raise ValueError(f"init_from {init_from!r}: no config.json there (a Hugging Face model directory: "
                          f"config.json + *.safetensors)")
     return "", init_from
+
+
+def _baseline_dir(baseline: str, init_dir: str, require_beat_baseline: bool, reachable: bool) -> str:
+    """The directory evaluate scores as the baseline; its problems are found now, not after training."""
+    baseline = baseline.strip()
+    if baseline == BASELINE_INIT_FROM:
+        if not init_dir and reachable:
+            raise ValueError("baseline=init_from needs init_from (the model the run starts from)")
+        baseline = init_dir
+    elif baseline and reachable and not (Path(baseline) / "config.json").is_file():
+        raise ValueError(f"baseline {baseline!r}: no config.json there (a Hugging Face model directory, or "
+                         f"init_from)")
+    if require_beat_baseline and not baseline and reachable:
+        raise ValueError("require_beat_baseline needs a baseline: a Hugging Face model directory, or init_from")
+    return baseline
 
 
 @contextlib.contextmanager
@@ -182,7 +200,8 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
                        gpu_resource: str = "nvidia.com/gpu", efa_per_node: int = -1, cpu: str = "", memory: str = "",
                        shm_size: str = "", node_group: str = "", scheduler: str = "", queue: str = "",
                        spot: bool = False, registry: str = "", model_name: str = "", endpoint_url: str = "",
-                       evaluate_gpu_resource: str = "", reachable: bool = True) -> TrainSettings:
+                       evaluate_gpu_resource: str = "", baseline: str = "", require_beat_baseline: bool = False,
+                       reachable: bool = True) -> TrainSettings:
     """The train step's inputs (``TrainSettings``), validated as the trainer and the job builder will.
 
     Args:
@@ -235,6 +254,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         endpoint_url: S3-compatible endpoint for ``s3://`` init_from and registry; empty for AWS S3.
         evaluate_gpu_resource: the evaluate pod's GPU: ``nvidia.com/gpu``, a MIG slice such as
             ``nvidia.com/mig-3g.40gb``, or empty for a CPU pod.
+        baseline: the model evaluate scores beside the run's: a Hugging Face directory, or ``init_from`` (the
+            one the run started from); empty = none.
+        require_beat_baseline: promote only a model better than ``baseline`` (which must then be given).
         reachable: FSx, the registry and S3 can be read from here; False (``goodput run`` before submitting)
             leaves what needs them, and a model package installed only in the trainer image, to the step.
 
@@ -261,6 +283,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
     name = registry_name(model, model_name)
     source, init_dir = resolve_init_from(init_from, fsx_root=root, registry=registry, model_name=name,
                                          endpoint_url=endpoint_url, reachable=reachable)
+    baseline_dir = _baseline_dir(baseline, init_dir, require_beat_baseline, reachable)
     run_dir = f"{root}/runs/{run_id}"
     # With init_from the directory's config.json is the architecture: a flavor would be ignored, so none is passed.
     flavor = model_flavor if model_flavor and not init_from.strip() else ""
@@ -308,8 +331,8 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
             from components.trainjob import RuntimeSpec, build_trainjob
 
             build_trainjob(JobSpec.from_dict(spec), RuntimeSpec())
-    return TrainSettings(args, job, run_dir, source, init_dir, name, evaluate_gpu_resource or GPU_RESOURCE,
-                         1 if evaluate_gpu_resource else 0)
+    return TrainSettings(args, job, run_dir, source, init_dir, name, baseline_dir,
+                         evaluate_gpu_resource or GPU_RESOURCE, 1 if evaluate_gpu_resource else 0)
 
 
 def check_run_parameters(params: dict, *, reachable: bool = False) -> None:

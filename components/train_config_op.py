@@ -51,10 +51,12 @@ def train_config_op(
     model_name: str = "",
     endpoint_url: str = "",
     evaluate_gpu_resource: str = "",
+    baseline: str = "",
+    require_beat_baseline: bool = False,
     extra_trainer_args: list = [],
 ) -> NamedTuple("TrainConfig", [("trainer_args", list), ("job_options", dict), ("run_dir", str),
                                 ("init_from_source", str), ("init_from_dir", str), ("model_name", str),
-                                ("evaluate_accelerator", str), ("evaluate_gpus", int)]):
+                                ("baseline_dir", str), ("evaluate_accelerator", str), ("evaluate_gpus", int)]):
     """Check the run's settings; build the train step's trainer arguments, job settings and run directory.
 
     Args:
@@ -96,6 +98,8 @@ def train_config_op(
         model_name: the model's name in the registry; empty = the model's.
         endpoint_url: S3-compatible endpoint; empty for AWS S3.
         evaluate_gpu_resource: the evaluate pod's GPU resource (nvidia.com/gpu or a MIG slice); empty = CPU.
+        baseline: a Hugging Face directory evaluate scores beside the run, or init_from; empty = none.
+        require_beat_baseline: promote only a model better than the baseline (which must be given).
         extra_trainer_args: further trainer arguments.
     """
     from collections import namedtuple
@@ -112,6 +116,6 @@ def train_config_op(
         image=image, nodes=nodes, gpus_per_node=gpus_per_node, spot=spot, gpu_resource=gpu_resource,
         efa_per_node=efa_per_node, cpu=cpu, memory=memory, shm_size=shm_size, node_group=node_group,
         scheduler=scheduler, queue=queue, registry=registry, model_name=model_name, endpoint_url=endpoint_url,
-        evaluate_gpu_resource=evaluate_gpu_resource)
+        evaluate_gpu_resource=evaluate_gpu_resource, baseline=baseline, require_beat_baseline=require_beat_baseline)
     print("trainer arguments:", " ".join(settings.trainer_args))
     return namedtuple("TrainConfig", settings._fields)(*settings)

@@ -152,9 +152,10 @@ def pipeline_parameters(
         inject_fault: KIND@STEP[:RANK] faults for the trainer, comma-separated (recovery drills).
         promotion_threshold: promote only below this validation loss (nats per token).
         promotion_tolerance: and at most this much worse than the production model.
-        baseline: a Hugging Face model directory on FSx (e.g. the model the run started from) scored on the
-            same validation windows; empty = none.
-        require_beat_baseline: promote only a model strictly better than ``baseline``.
+        baseline: a model scored on the same validation windows: a Hugging Face model directory on FSx, or
+            init_from (the model the run started from, wherever init_from put it); empty = none.
+        require_beat_baseline: promote only a model strictly better than ``baseline`` (checked before staging:
+            it needs one).
         evaluate_gpu_resource: the evaluate pod's GPU: nvidia.com/gpu, or a MIG slice such as
             nvidia.com/mig-3g.40gb (a whole GPU is waste for scoring); empty = a CPU pod.
         model_name: the model's name in the registry; empty = the model's (llama, bytegpt, your module's name).
@@ -226,7 +227,8 @@ def _wire(backend: str, *, local_nproc=None, **p) -> None:
             efa_per_node=p["efa_per_node"], cpu=p["cpu"], memory=p["memory"], shm_size=p["shm_size"],
             node_group=p["node_group"], scheduler=p["scheduler"], queue=p["queue"], registry=p["registry"],
             model_name=p["model_name"], endpoint_url=p["s3_endpoint_url"],
-            evaluate_gpu_resource=p["evaluate_gpu_resource"])
+            evaluate_gpu_resource=p["evaluate_gpu_resource"], baseline=p["baseline"],
+            require_beat_baseline=p["require_beat_baseline"])
         # FSx and the S3 secret: it checks that init_from exists and reads the registry's production model.
         step_pod(config).set_display_name("check settings").set_caching_options(False)
 
@@ -267,7 +269,7 @@ def _wire(backend: str, *, local_nproc=None, **p) -> None:
 
         evaluate = evaluate_op(run_dir=config.outputs["run_dir"], threshold=p["promotion_threshold"],
                                tolerance=p["promotion_tolerance"], model_name=config.outputs["model_name"],
-                               registry=p["registry"], baseline=p["baseline"],
+                               registry=p["registry"], baseline=config.outputs["baseline_dir"],
                                require_beat_baseline=p["require_beat_baseline"], endpoint_url=p["s3_endpoint_url"])
         evaluate.after(train)                         # reads the run directory on FSx that train wrote
         step_pod(evaluate).set_display_name("evaluate").set_caching_options(False).set_retry(2, backoff_duration="60s")

@@ -99,6 +99,8 @@ def test_dag_edges_stage_train_evaluate_register(compiled):
     # evaluate and register use the registry name the check resolved (model_name empty: the model's)
     assert evaluate["inputs"]["parameters"]["model_name"]["taskOutputParameter"] == {
         "outputParameterKey": "model_name", "producerTask": "train-config-op"}
+    assert evaluate["inputs"]["parameters"]["baseline"]["taskOutputParameter"] == {
+        "outputParameterKey": "baseline_dir", "producerTask": "train-config-op"}
 
 
 def test_no_step_is_taken_from_the_cache(compiled):

@@ -53,6 +53,10 @@ def test_numbers_arrive_as_integers_whatever_kfp_made_of_them():
     ({"init_from": "/nonexistent/llama"}, "no config.json there"),
     ({"init_from": "hf://meta-llama/Llama-3.2-1B"}, "give a Hugging Face model directory"),
     ({"evaluate_gpu_resource": "nvidia.com/mig-big"}, "evaluate_gpu_resource"),
+    # evaluation's settings, which would otherwise fail only after training
+    ({"require_beat_baseline": True}, "require_beat_baseline needs a baseline"),
+    ({"baseline": "init_from"}, "baseline=init_from needs init_from"),
+    ({"baseline": "/nonexistent/base"}, "baseline '/nonexistent/base': no config.json"),
     ({"image": ""}, "an image is required"),
     ({"backend": "laptop"}, "backend must be one of pytorchjob, trainjob, local"),
     # A TrainJob's settings that are its runtime's in Trainer v2 (goodput-nvrx: backoff limit 3, Volcano).
@@ -137,6 +141,10 @@ def test_init_from_a_directory_is_passed_as_it_is_and_its_architecture_checked(l
     s = build_train_config(**SETTINGS, model="llama", model_flavor="llama3-1b", init_from=str(llama_dir))
     assert s.trainer_args[s.trainer_args.index("--init-from") + 1] == str(llama_dir) and s.init_from_source == ""
     assert "--model-flavor" not in s.trainer_args, "the directory's config.json is the architecture"
+    assert s.baseline_dir == ""
+    s = build_train_config(**SETTINGS, model="llama", init_from=str(llama_dir), baseline="init_from",
+                           require_beat_baseline=True)
+    assert s.baseline_dir == str(llama_dir), "the baseline is the model the run starts from"
     with pytest.raises(ValueError, match="--seq-len 512 is longer"):       # the directory's config decides
         build_train_config(**SETTINGS, model="llama", init_from=str(llama_dir), seq_len=512)
     with pytest.raises(ValueError, match="bytegpt has no Hugging Face layout"):
@@ -193,10 +201,10 @@ def test_init_from_s3_is_staged_to_fsx_and_checked_before(s3, tmp_path):
     server, bucket = s3
     fsx = tmp_path / "fsx"
     s = build_train_config(**{**SETTINGS, "fsx_root": str(fsx)}, model="llama", init_from=f"s3://{bucket}/llama",
-                           endpoint_url=server.url)
+                           endpoint_url=server.url, baseline="init_from")
     assert s.init_from_source == f"s3://{bucket}/llama"
     assert s.init_from_dir == str(fsx / "pretrained" / bucket / "llama")
-    assert s.trainer_args[s.trainer_args.index("--init-from") + 1] == s.init_from_dir
+    assert s.trainer_args[s.trainer_args.index("--init-from") + 1] == s.init_from_dir == s.baseline_dir
     assert not fsx.exists(), "checking writes nothing"
     with pytest.raises(ValueError, match="cannot read .*empty/config.json"):
         build_train_config(**SETTINGS, model="llama", init_from=f"s3://{bucket}/empty", endpoint_url=server.url)
