@@ -111,18 +111,18 @@ def resolve_init_from(init_from: str, *, fsx_root: str, registry: str, model_nam
     return "", init_from
 
 
-def _baseline_dir(baseline: str, init_dir: str, require_beat_baseline: bool, reachable: bool) -> str:
+def _baseline_dir(baseline: str, init_from: str, init_dir: str, require_beat_baseline: bool, reachable: bool) -> str:
     """The directory evaluate scores as the baseline; its problems are found now, not after training."""
     baseline = baseline.strip()
+    if require_beat_baseline and not baseline:
+        raise ValueError("require_beat_baseline needs a baseline: a Hugging Face model directory, or init_from")
     if baseline == BASELINE_INIT_FROM:
-        if not init_dir and reachable:
+        if not init_from.strip():
             raise ValueError("baseline=init_from needs init_from (the model the run starts from)")
-        baseline = init_dir
-    elif baseline and reachable and not (Path(baseline) / "config.json").is_file():
+        return init_dir
+    if baseline and reachable and not (Path(baseline) / "config.json").is_file():
         raise ValueError(f"baseline {baseline!r}: no config.json there (a Hugging Face model directory, or "
                          f"init_from)")
-    if require_beat_baseline and not baseline and reachable:
-        raise ValueError("require_beat_baseline needs a baseline: a Hugging Face model directory, or init_from")
     return baseline
 
 
@@ -201,6 +201,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
                        shm_size: str = "", node_group: str = "", scheduler: str = "", queue: str = "",
                        spot: bool = False, registry: str = "", model_name: str = "", endpoint_url: str = "",
                        evaluate_gpu_resource: str = "", baseline: str = "", require_beat_baseline: bool = False,
+                       train_timeout_s: float = 7 * 86400.0, stage_parallelism: int = 4,
                        reachable: bool = True) -> TrainSettings:
     """The train step's inputs (``TrainSettings``), validated as the trainer and the job builder will.
 
@@ -257,6 +258,8 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         baseline: the model evaluate scores beside the run's: a Hugging Face directory, or ``init_from`` (the
             one the run started from); empty = none.
         require_beat_baseline: promote only a model better than ``baseline`` (which must then be given).
+        train_timeout_s: the train step's deadline in seconds (above 0).
+        stage_parallelism: most stage worker pods (at least 1).
         reachable: FSx, the registry and S3 can be read from here; False (``goodput run`` before submitting)
             leaves what needs them, and a model package installed only in the trainer image, to the step.
 
@@ -270,6 +273,13 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
 
     if not run_id or "{{$" in run_id:
         raise ValueError(f"run_id {run_id!r} must be set: pass dsl.PIPELINE_JOB_ID_PLACEHOLDER from the pipeline")
+    for what, value, least in (("nodes", int(nodes), 1), ("gpus_per_node", int(gpus_per_node), -1),
+                               ("stage_parallelism", int(stage_parallelism), 1)):
+        if value < least:
+            raise ValueError(f"{what} must be at least {least}, got {value}"
+                             + (" (-1: every GPU of instance_type)" if what == "gpus_per_node" else ""))
+    if not float(train_timeout_s) > 0:
+        raise ValueError(f"train_timeout_s must be above 0 seconds, got {train_timeout_s}")
     if evaluate_gpu_resource and not _GPU_RESOURCE.match(evaluate_gpu_resource):
         raise ValueError(f"evaluate_gpu_resource {evaluate_gpu_resource!r} must be empty (a CPU pod), nvidia.com/gpu "
                          f"or a MIG slice like nvidia.com/mig-3g.40gb")
@@ -283,7 +293,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
     name = registry_name(model, model_name)
     source, init_dir = resolve_init_from(init_from, fsx_root=root, registry=registry, model_name=name,
                                          endpoint_url=endpoint_url, reachable=reachable)
-    baseline_dir = _baseline_dir(baseline, init_dir, require_beat_baseline, reachable)
+    baseline_dir = _baseline_dir(baseline, init_from, init_dir, require_beat_baseline, reachable)
     run_dir = f"{root}/runs/{run_id}"
     # With init_from the directory's config.json is the architecture: a flavor would be ignored, so none is passed.
     flavor = model_flavor if model_flavor and not init_from.strip() else ""
@@ -318,8 +328,6 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
                "memory": memory, "shm_size": shm_size, "node_group": node_group, "scheduler": scheduler,
                "queue": queue}
         backend = backend_name(backend)
-        if int(nodes) < 1:
-            raise ValueError(f"nodes must be at least 1, got {int(nodes)}")
         if backend != "local":      # the local backend's rank count is the train step's local_nproc
             # A fault on a rank or a step the job does not have would never fire.
             check_faults(faults, int(nodes) * gpus, int(max_steps))

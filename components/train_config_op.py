@@ -53,6 +53,8 @@ def train_config_op(
     evaluate_gpu_resource: str = "",
     baseline: str = "",
     require_beat_baseline: bool = False,
+    train_timeout_s: float = 7 * 86400.0,
+    stage_parallelism: int = 4,
     extra_trainer_args: list = [],
 ) -> NamedTuple("TrainConfig", [("trainer_args", list), ("job_options", dict), ("run_dir", str),
                                 ("init_from_source", str), ("init_from_dir", str), ("model_name", str),
@@ -100,6 +102,8 @@ def train_config_op(
         evaluate_gpu_resource: the evaluate pod's GPU resource (nvidia.com/gpu or a MIG slice); empty = CPU.
         baseline: a Hugging Face directory evaluate scores beside the run, or init_from; empty = none.
         require_beat_baseline: promote only a model better than the baseline (which must be given).
+        train_timeout_s: the train step's deadline in seconds.
+        stage_parallelism: most stage worker pods.
         extra_trainer_args: further trainer arguments.
     """
     from collections import namedtuple
@@ -116,6 +120,7 @@ def train_config_op(
         image=image, nodes=nodes, gpus_per_node=gpus_per_node, spot=spot, gpu_resource=gpu_resource,
         efa_per_node=efa_per_node, cpu=cpu, memory=memory, shm_size=shm_size, node_group=node_group,
         scheduler=scheduler, queue=queue, registry=registry, model_name=model_name, endpoint_url=endpoint_url,
-        evaluate_gpu_resource=evaluate_gpu_resource, baseline=baseline, require_beat_baseline=require_beat_baseline)
+        evaluate_gpu_resource=evaluate_gpu_resource, baseline=baseline, require_beat_baseline=require_beat_baseline,
+        train_timeout_s=train_timeout_s, stage_parallelism=stage_parallelism)
     print("trainer arguments:", " ".join(settings.trainer_args))
     return namedtuple("TrainConfig", settings._fields)(*settings)

@@ -228,7 +228,8 @@ def _wire(backend: str, *, local_nproc=None, **p) -> None:
             node_group=p["node_group"], scheduler=p["scheduler"], queue=p["queue"], registry=p["registry"],
             model_name=p["model_name"], endpoint_url=p["s3_endpoint_url"],
             evaluate_gpu_resource=p["evaluate_gpu_resource"], baseline=p["baseline"],
-            require_beat_baseline=p["require_beat_baseline"])
+            require_beat_baseline=p["require_beat_baseline"], train_timeout_s=p["train_timeout_s"],
+            stage_parallelism=p["stage_parallelism"])
         # FSx and the S3 secret: it checks that init_from exists and reads the registry's production model.
         step_pod(config).set_display_name("check settings").set_caching_options(False)
 

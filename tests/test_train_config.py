@@ -40,6 +40,9 @@ def test_numbers_arrive_as_integers_whatever_kfp_made_of_them():
     ({"nodes": 0}, "nodes must be at least 1"),
     ({"nodes": 0, "backend": "local"}, "nodes must be at least 1"),
     ({"nodes": -2, "backend": "trainjob"}, "nodes must be at least 1"),
+    ({"gpus_per_node": -2}, "gpus_per_node must be at least -1"),
+    ({"train_timeout_s": 0.0}, "train_timeout_s must be above 0"),
+    ({"stage_parallelism": 0}, "stage_parallelism must be at least 1"),
     # the model: name, flavor, config, vocabulary, checked by the trainer's own registry
     ({"model": "gpt5"}, "expected a built-in"),
     ({"model": "llama", "model_flavor": "llama3-7b"}, "llama has the flavors debug"),
