@@ -283,12 +283,15 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
     if evaluate_gpu_resource and not _GPU_RESOURCE.match(evaluate_gpu_resource):
         raise ValueError(f"evaluate_gpu_resource {evaluate_gpu_resource!r} must be empty (a CPU pod), nvidia.com/gpu "
                          f"or a MIG slice like nvidia.com/mig-3g.40gb")
-    if model_config.strip():
+    if model_config.strip():       # inline JSON here (the trainer's --model-config also takes a file)
         try:
-            json.loads(model_config)
+            fields = json.loads(model_config)
         except json.JSONDecodeError as e:
             raise ValueError(f"model_config is not valid JSON ({e.msg} at column {e.colno}): {model_config[:80]!r}; "
                              f"give an object such as {{\"n_layers\": 8}}") from None
+        if not isinstance(fields, dict):
+            raise ValueError(f"model_config must be a JSON object of model fields, e.g. {{\"n_layers\": 8}}; got "
+                             f"{model_config[:80]!r}")
     root = str(fsx_root).rstrip("/")
     name = registry_name(model, model_name)
     source, init_dir = resolve_init_from(init_from, fsx_root=root, registry=registry, model_name=name,

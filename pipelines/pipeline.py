@@ -31,6 +31,8 @@ KINDS = {"pytorchjob": "PyTorchJob", "trainjob": "Kubeflow Trainer v2 TrainJob",
          "local": "local ft_launcher process tree (goodput run --local)"}
 
 
+# The Create-run form of the cluster pipelines: names, types, defaults, and (the docstring's Args) descriptions.
+# Never called; its docstring is the template of every variant's ({train}: what that backend's train step runs).
 def pipeline_parameters(
     dataset_source: str,
     dataset_name: str = "corpus",

@@ -49,6 +49,7 @@ def test_numbers_arrive_as_integers_whatever_kfp_made_of_them():
     ({"model": "bytegpt", "model_flavor": "llama3-1b"}, "bytegpt has the flavors"),
     ({"model": "llama", "model_config": '{"n_layers": 2,}'}, "model_config is not valid JSON"),
     ({"model": "llama", "model_config": '{"n_layerz": 2}'}, "llama has no field"),
+    ({"model": "llama", "model_config": '[2]'}, "model_config must be a JSON object"),
     ({"model": "llama", "model_config": '{"vocab_size": 256}', "tokenizer": "bpe:8192"},
      "tokenizer 'bpe:8192': the dataset's tokenizer .* has a vocabulary of 8192 tokens but the model's vocab_size "
      "is 256"),
