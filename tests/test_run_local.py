@@ -136,6 +136,36 @@ def test_run_local_trains_llama_from_a_transformers_directory(tmp_path):
     assert " - INFO - " not in out and "Executing task" not in out
 
 
+@pytest.mark.timeout(480)
+def test_run_local_stages_an_s3_init_from_to_fsx_and_scores_it_as_the_baseline(tmp_path, monkeypatch):
+    """-p init_from=s3://...: check settings reads its config.json from S3, the "stage init_from" step copies it
+    to <fsx>/pretrained/, the trainer starts from that copy, and evaluate scores it as the baseline."""
+    from tests.llama_dirs import save_small_llama
+    from tests.s3_stand_in import CREDENTIALS, MotoS3
+
+    for k, v in {**CREDENTIALS, "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(k, v)        # the run's processes inherit them
+    hf = save_small_llama(tmp_path / "pretrained")
+    fsx = tmp_path / "fsx"
+    with MotoS3() as s3:
+        s3.client().create_bucket(Bucket="models")
+        for f in hf.iterdir():
+            s3.client().upload_file(str(f), "models", f"llama/{f.name}")
+        code, out = _goodput_run(["--fsx-root", str(fsx), "-p", "model=llama", "-p", "init_from=s3://models/llama",
+                                  "-p", f"s3_endpoint_url={s3.url}", "-p", "baseline=init_from",
+                                  "-p", "max_steps=6", "-p", "ckpt_every=3"])
+    assert code == 0, out[-6000:]
+    staged = fsx / "pretrained" / "models" / "llama"
+    assert {p.name: p.read_bytes() for p in hf.iterdir()} == {
+        p.name: p.read_bytes() for p in staged.iterdir() if p.name != ".staged.json"}
+    (run_dir,) = (fsx / "runs").iterdir()
+    (start,) = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "init_from"]
+    assert start["path"] == str(staged)
+    evaluation = json.loads((run_dir / "evaluation" / "evaluation.json").read_text())
+    assert evaluation["baseline"]["dir"] == str(staged) and evaluation["baseline"]["val_loss"] > 0
+    assert "[stage init_from] done" in out
+
+
 def test_run_local_rejects_bad_arguments_before_running(tmp_path):
     fsx = tmp_path / "fsx"
     for args, message in ((["-p", "max_stepz=3"], "unknown parameter(s) max_stepz"),
