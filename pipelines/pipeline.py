@@ -179,7 +179,7 @@ TRAIN_STEPS = {
     "local": "``local_nproc`` ft_launcher ranks in the step itself",
 }
 LOCAL_PARAMETERS = [inspect.Parameter("local_nproc", inspect.Parameter.KEYWORD_ONLY, default=2, annotation=int)]
-LOCAL_ARGS = "        local_nproc: ranks of the local backend (processes on this machine).\n"
+LOCAL_ARGS = "\n    local_nproc: ranks of the local backend (trainer processes on this machine)."
 
 
 def build_pipeline(backend: str = "pytorchjob"):
@@ -201,8 +201,7 @@ def build_pipeline(backend: str = "pytorchjob"):
     goodput_pipeline.__signature__ = signature.replace(
         parameters=[p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
     doc = inspect.getdoc(pipeline_parameters).replace("{train}", TRAIN_STEPS[backend])
-    goodput_pipeline.__doc__ = doc.replace("{{", "{").replace("}}", "}") + "\n" + (
-        LOCAL_ARGS.strip("\n").lstrip() if backend == "local" else "")
+    goodput_pipeline.__doc__ = doc.replace("{{", "{").replace("}}", "}") + (LOCAL_ARGS if backend == "local" else "")
     return dsl.pipeline(name=PIPELINE_NAME, description=DESCRIPTION.format(kind=KINDS[backend]))(goodput_pipeline)
 
 

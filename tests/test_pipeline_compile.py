@@ -158,6 +158,7 @@ def test_parameters_and_defaults(compiled):
         "llama", "llama3-1b", "", "")
     assert defaults["model_name"] == "" and defaults["evaluate_gpu_resource"] == ""
     assert "package.module:function" in params["model"]["description"]
+    assert all(p.get("description") for p in params.values()), "every parameter of the form is described"
     assert "production" in params["init_from"]["description"]
     from pipelines.pipeline import goodput_pipeline
 
@@ -209,6 +210,8 @@ def test_the_local_variant_adds_only_local_nproc(compiled, tmp_path):
     local, _ = yaml.safe_load_all(compile_pipeline(tmp_path / "local.yaml", backend="local").read_text())
     params = local["root"]["inputDefinitions"]["parameters"]
     assert set(params) - set(spec["root"]["inputDefinitions"]["parameters"]) == {"local_nproc"}
+    assert all(p.get("description") for p in params.values()), "every parameter of the form is described"
+    assert "ranks" in params["local_nproc"]["description"]
     _, train = find(local, "train")
     assert train["inputs"]["parameters"]["backend"]["runtimeValue"]["constant"] == "local"
     assert train["inputs"]["parameters"]["local_nproc"]["componentInputParameter"] == "pipelinechannel--local_nproc"
