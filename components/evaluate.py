@@ -9,10 +9,11 @@ Any model the trainer trains is evaluated the same way: the run's ``config.json`
 is built whole on the CPU (``build_local``) and each committed checkpoint (``<run>/checkpoints/step_<N>/``
 with ``COMMITTED``) is loaded into it with ``torch.distributed.checkpoint.load(..., no_dist=True)``: only
 the ``model.*`` entries are read, no process group is needed, and a run trained with FSDP2 or DDP on any
-number of ranks loads the same way. Validation loss is the spec's loss (mean cross entropy, nats per
-token) over the same deterministic windows the trainer uses for ``final_val_loss``
-(``trainer.data.eval_windows``); bits per byte = loss / ln 2 / bytes per token, where bytes per token is
-the validation split's text bytes over its tokens (the manifest's ``splits.val``; 1 for the byte
+number of ranks loads the same way. Scoring runs on the pod's GPU when it has one (the pipeline's
+``evaluate_gpu_resource``: a whole GPU or a MIG slice), else on the CPU. Validation loss is the spec's loss
+(mean cross entropy, nats per token) over the same deterministic windows the trainer uses for
+``final_val_loss`` (``trainer.data.eval_windows``); bits per byte = loss / ln 2 / bytes per token, where
+bytes per token is the validation split's text bytes over its tokens (the manifest's ``splits.val``; 1 for the byte
 vocabulary, where a token is a byte), so runs on datasets of different tokenizers compare. A checkpoint
 that is torn, misses a shard, cannot be read or gives a non-finite loss is reported in ``skipped`` and the
 others are still evaluated.
@@ -189,20 +190,33 @@ def bits_per_byte(loss: float, bytes_per_token: float) -> float:
     return loss / math.log(2) / bytes_per_token
 
 
+def eval_device():
+    """Where scoring runs: the pod's GPU (or MIG slice) when it has one (``evaluate_gpu_resource``), else the CPU."""
+    import torch
+
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
 def validation_loss(spec, model, windows: list, batch_size: int = 32) -> tuple[float, int]:
-    """(mean of the spec's loss in nats per token, tokens) over the given (x, y) windows."""
+    """(mean of the spec's loss in nats per token, tokens) over the given (x, y) windows, on ``eval_device()``;
+    the model is back on the CPU afterwards (its weights are hashed and registered from there)."""
     import numpy as np
     import torch
 
+    device = eval_device()
     total, tokens = 0.0, 0
-    with torch.no_grad():
-        for i in range(0, len(windows), batch_size):
-            chunk = windows[i:i + batch_size]
-            x = torch.from_numpy(np.stack([w[0] for w in chunk]))
-            y = torch.from_numpy(np.stack([w[1] for w in chunk]))
-            # The spec's loss is a batch mean: weighted by the batch's tokens, batches of any size add up.
-            total += spec.loss(model, x, y).double().item() * y.numel()
-            tokens += y.numel()
+    model.to(device)
+    try:
+        with torch.no_grad():
+            for i in range(0, len(windows), batch_size):
+                chunk = windows[i:i + batch_size]
+                x = torch.from_numpy(np.stack([w[0] for w in chunk])).to(device)
+                y = torch.from_numpy(np.stack([w[1] for w in chunk])).to(device)
+                # The spec's loss is a batch mean: weighted by the batch's tokens, batches of any size add up.
+                total += spec.loss(model, x, y).double().item() * y.numel()
+                tokens += y.numel()
+    finally:
+        model.to("cpu")
     return total / tokens, tokens
 
 

@@ -32,6 +32,9 @@ def evaluate_op(
 ) -> NamedTuple("Outputs", [("promoted", bool), ("best_step", int), ("best_val_loss", float), ("model_uri", str)]):
     """Evaluate the committed checkpoints of a training run, report them, and gate promotion.
 
+    Scores on the pod's GPU when the pipeline gives it one (``evaluate_gpu_resource``: ``nvidia.com/gpu`` or a
+    MIG slice such as ``nvidia.com/mig-3g.40gb``, set with ``set_accelerator_type``), else on its CPUs.
+
     Args:
         run_dir: the run directory on FSx (``checkpoints/``, ``config.json``, ``summary.json``).
         data_dir: dataset directory whose validation split is scored; empty: the ``dataset`` input's URI,

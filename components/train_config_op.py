@@ -5,9 +5,9 @@ from typing import NamedTuple
 
 from kfp import dsl
 
-# The image the component runs in: it has this package (and so kfp) installed. Override both at
-# compile time through the environment, as for the other components.
-BASE_IMAGE = os.environ.get("GOODPUT_COMPONENT_IMAGE", "ghcr.io/goodput-pipelines/goodput:0.1.0")
+# The image the component runs in. The check-settings step runs on the trainer image (it builds the model
+# to check it, with torch and the user's model package); ``goodput compile --trainer-image`` sets it.
+BASE_IMAGE = os.environ.get("GOODPUT_TRAINER_IMAGE", "ghcr.io/goodput-pipelines/trainer:0.1.0")
 PACKAGES = os.environ.get("GOODPUT_COMPONENT_PACKAGES", "").split()
 
 
@@ -19,9 +19,11 @@ def train_config_op(
     run_id: str,
     max_steps: int,
     ckpt_every: int,
-    n_layer: int,
-    n_head: int,
-    n_embd: int,
+    model: str,
+    model_flavor: str,
+    model_config: str,
+    init_from: str,
+    tokenizer: str,
     seq_len: int,
     batch_size: int,
     parallel: str,
@@ -45,9 +47,19 @@ def train_config_op(
     node_group: str = "",
     scheduler: str = "",
     queue: str = "",
+    registry: str = "",
+    model_name: str = "",
+    endpoint_url: str = "",
+    evaluate_gpu_resource: str = "",
+    baseline: str = "",
+    require_beat_baseline: bool = False,
+    train_timeout_s: float = 7 * 86400.0,
+    stage_parallelism: int = 4,
     extra_trainer_args: list = [],
-) -> NamedTuple("TrainConfig", [("trainer_args", list), ("job_options", dict), ("run_dir", str)]):
-    """Check the run's settings and build the train step's trainer arguments, job settings and run directory.
+) -> NamedTuple("TrainConfig", [("trainer_args", list), ("job_options", dict), ("run_dir", str),
+                                ("init_from_source", str), ("init_from_dir", str), ("model_name", str),
+                                ("baseline_dir", str), ("evaluate_accelerator", str), ("evaluate_gpus", int)]):
+    """Check the run's settings; build the train step's trainer arguments, job settings and run directory.
 
     Args:
         fsx_root: FSx mount path in the pods (cluster) or the local stand-in (local).
@@ -56,10 +68,12 @@ def train_config_op(
         run_id: the KFP run id (``dsl.PIPELINE_JOB_ID_PLACEHOLDER``); names the run directory.
         max_steps: optimizer steps.
         ckpt_every: checkpoint interval in optimizer steps.
-        n_layer: transformer blocks.
-        n_head: attention heads.
-        n_embd: model width.
-        seq_len: context length in bytes.
+        model: bytegpt, llama, or package.module:function (a model factory in the trainer image).
+        model_flavor: a named size of the model; empty = its default.
+        model_config: inline JSON of fields overriding the flavor's; empty = none.
+        init_from: a Hugging Face model directory on FSx, s3:// of one, or production; empty = random init.
+        tokenizer: the dataset's tokenizer; its vocabulary must fit the model's.
+        seq_len: context length in tokens.
         batch_size: sequences per micro-batch per rank.
         parallel: fsdp or ddp.
         seed: random seed.
@@ -82,21 +96,31 @@ def train_config_op(
         node_group: EKS node group of the trainer pods (empty = any).
         scheduler: gang scheduler: empty, volcano, scheduler-plugins or yunikorn.
         queue: the gang's queue (Volcano queue, or YuniKorn root.<name>).
+        registry: the model registry, for init_from=production.
+        model_name: the model's name in the registry; empty = the model's.
+        endpoint_url: S3-compatible endpoint; empty for AWS S3.
+        evaluate_gpu_resource: the evaluate pod's GPU resource (nvidia.com/gpu or a MIG slice); empty = CPU.
+        baseline: a Hugging Face directory evaluate scores beside the run, or init_from; empty = none.
+        require_beat_baseline: promote only a model better than the baseline (which must be given).
+        train_timeout_s: the train step's deadline in seconds.
+        stage_parallelism: most stage worker pods.
         extra_trainer_args: further trainer arguments.
     """
     from collections import namedtuple
 
     from components.train_config import build_train_config
 
-    args, job, run_dir = build_train_config(
+    settings = build_train_config(
         fsx_root=fsx_root, dataset_name=dataset_name, dataset_version=dataset_version, run_id=run_id,
-        max_steps=max_steps,
-        ckpt_every=ckpt_every, n_layer=n_layer, n_head=n_head, n_embd=n_embd, seq_len=seq_len,
+        max_steps=max_steps, ckpt_every=ckpt_every, model=model, model_flavor=model_flavor,
+        model_config=model_config, init_from=init_from, tokenizer=tokenizer, seq_len=seq_len,
         batch_size=batch_size, parallel=parallel, seed=seed, inject_fault=inject_fault,
         extra_trainer_args=extra_trainer_args, max_restarts=max_restarts, backoff_limit=backoff_limit,
         instance_type=instance_type, fsx_pvc=fsx_pvc, service_account=service_account, backend=backend,
         image=image, nodes=nodes, gpus_per_node=gpus_per_node, spot=spot, gpu_resource=gpu_resource,
         efa_per_node=efa_per_node, cpu=cpu, memory=memory, shm_size=shm_size, node_group=node_group,
-        scheduler=scheduler, queue=queue)
-    print("trainer arguments:", " ".join(args))
-    return namedtuple("TrainConfig", ["trainer_args", "job_options", "run_dir"])(args, job, run_dir)
+        scheduler=scheduler, queue=queue, registry=registry, model_name=model_name, endpoint_url=endpoint_url,
+        evaluate_gpu_resource=evaluate_gpu_resource, baseline=baseline, require_beat_baseline=require_beat_baseline,
+        train_timeout_s=train_timeout_s, stage_parallelism=stage_parallelism)
+    print("trainer arguments:", " ".join(settings.trainer_args))
+    return namedtuple("TrainConfig", settings._fields)(*settings)

@@ -1,13 +1,17 @@
 """Compile the pipeline to KFP YAML: ``goodput compile --component-image ... --trainer-image ... -o FILE``.
 
-The output depends only on the source and the two images: kfp 2.17 writes no timestamps, orders components
-and tasks as the pipeline defines them, and the platform spec (kfp-kubernetes) is a mapping serialized with
-sorted keys, so compiling twice, in two processes, gives the same bytes (tests/test_pipeline_compile.py).
+The train backend is a compile-time choice (``pipelines.pipeline.build_pipeline``): ``pytorchjob`` (the
+default) or ``trainjob`` (``--backend``); the compiled pipeline has no backend parameter, and
+``goodput run --local`` compiles the ``local`` variant itself. The output depends only on the source, the
+backend and the two images: kfp 2.17 writes no timestamps, orders components and tasks as the pipeline
+defines them, and the platform spec (kfp-kubernetes) is a mapping serialized with sorted keys, so compiling
+twice, in two processes, gives the same bytes (tests/test_pipeline_compile.py).
 
 Two images run the pipeline's pods. The *component image* (images/components.Dockerfile, no torch) runs
-every step but evaluate; the *trainer image* (images/trainer.Dockerfile: CUDA torch, EFA, NVRx) runs the
-PyTorchJob's pods (the ``trainer_image`` run parameter, whose default this sets) and the evaluate step,
-which loads checkpoints with torch. The components' decorators fix a placeholder image at import time;
+every other step; the *trainer image* (images/trainer.Dockerfile: CUDA torch, EFA, NVRx) runs the
+job's pods (the ``trainer_image`` run parameter, whose default this sets), the check-settings step, which
+builds the model to check it (torch, and the user's own model package, are only there), and the evaluate
+step, which loads checkpoints with torch. The components' decorators fix a placeholder image at import time;
 the compiled executors get the given ones here.
 """
 
@@ -21,8 +25,10 @@ PIPELINE_NAME = "goodput-train"
 """The pipeline's name in KFP (``pipelineInfo.name``) and the default name for ``goodput upload``."""
 COMPONENT_IMAGE_ENV = "GOODPUT_COMPONENT_IMAGE"
 TRAINER_IMAGE_ENV = "GOODPUT_TRAINER_IMAGE"
-TRAINER_EXECUTORS = ("exec-evaluate-op",)
-"""Steps that run on the trainer image (they import torch)."""
+TRAINER_EXECUTORS = ("exec-train-config-op", "exec-evaluate-op")
+"""Steps that run on the trainer image (they import torch, and the model's code)."""
+BACKENDS = ("pytorchjob", "trainjob")
+"""What ``goodput compile --backend`` compiles for; ``local`` is ``goodput run --local``'s."""
 
 
 def check_image(ref: str, what: str) -> str:
@@ -35,19 +41,21 @@ def check_image(ref: str, what: str) -> str:
     return ref
 
 
-def compile_pipeline(path: Path, pipeline_func=None, *, component_image: str = "", trainer_image: str = "") -> Path:
+def compile_pipeline(path: Path, pipeline_func=None, *, backend: str = "pytorchjob", component_image: str = "",
+                     trainer_image: str = "") -> Path:
     """Write the compiled pipeline (this checkout's unless ``pipeline_func`` is given) to ``path``.
 
     Args:
         path: where the YAML goes.
-        pipeline_func: a ``@dsl.pipeline`` function; default ``pipelines.pipeline.goodput_pipeline``.
+        pipeline_func: a ``@dsl.pipeline`` function; default this checkout's pipeline for ``backend``.
+        backend: the train backend compiled in: ``pytorchjob``, ``trainjob`` or ``local``.
         component_image: image of every step but evaluate; empty = $GOODPUT_COMPONENT_IMAGE, else the
             components' built-in placeholder (fine for ``kfp.local``, which ignores images).
-        trainer_image: image of the PyTorchJob pods (default of the ``trainer_image`` parameter) and of the
-            evaluate step; empty = $GOODPUT_TRAINER_IMAGE, else the placeholder.
+        trainer_image: image of the job's pods (default of the ``trainer_image`` parameter) and of the
+            check-settings and evaluate steps; empty = $GOODPUT_TRAINER_IMAGE, else the placeholder.
 
     Raises:
-        ValueError: an image is not a reference with a tag or digest.
+        ValueError: an image is not a reference with a tag or digest, or an unknown backend.
     """
     from kfp import compiler
 
@@ -58,7 +66,9 @@ def compile_pipeline(path: Path, pipeline_func=None, *, component_image: str = "
     if trainer_image:
         check_image(trainer_image, "trainer image")
     if pipeline_func is None:
-        from pipelines.pipeline import goodput_pipeline as pipeline_func
+        from pipelines.pipeline import build_pipeline
+
+        pipeline_func = build_pipeline(backend)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     compiler.Compiler().compile(pipeline_func, package_path=str(path))

@@ -4,20 +4,25 @@
     goodput run --local --inject-fault kill@50:1         # rank 1 dies at step 50; ft_launcher restarts it
     goodput run --local -p max_steps=200 --fsx-root /tmp/fsx
 
-The pipeline is compiled exactly as for a cluster and the compiled YAML runs on
-``kfp.local.SubprocessRunner(use_venv=False)``: every step is a subprocess of this Python, the train
-step uses the local backend (ft_launcher ranks on this machine), a local directory stands in for FSx
+The pipeline is compiled as for a cluster, with the train backend ``local`` compiled in
+(``pipelines.pipeline.build_pipeline("local")``: the same wiring, plus a ``local_nproc`` parameter), and the
+compiled YAML runs on ``kfp.local.SubprocessRunner(use_venv=False)``: every step is a subprocess of this
+Python, the train step runs ft_launcher ranks on this machine, a local directory stands in for FSx
 (datasets/, runs/, models/), and the kfp-kubernetes settings (PVC mounts, placement, secrets) are
 ignored, as kfp.local does. The default dataset is this Python's standard library (its top-level
 modules, copied once into ``<fsx>/sources/``, then staged like any other source directory), so
 nothing is downloaded.
 
-kfp.local 2.17 runs every construct of the pipeline, so there is no local variant of it: the exit
-handler, the If/Else around staging and the condition on ``promoted`` (``kfp/local/pipeline_orchestrator.py``
+kfp.local 2.17 runs every construct of the pipeline, so the local variant differs only in its backend: the
+exit handler and the condition on ``promoted`` (``kfp/local/pipeline_orchestrator.py``
 switches to its DAG orchestrator for them). Two limits shaped the wiring or need a shim: kfp.local
 cannot take a ``dsl.OneOf`` of artifacts (the train step follows the staging branches with ``.after()``
 and reads the dataset from FSx, which the cluster does too), and it cannot resolve a condition on a
 named output (``_named_outputs_in_conditions`` below, active only while a local run lasts).
+
+The console shows goodput's own progress (each step as it starts and ends, with its time), what the steps
+say that matters (the trainer's step lines, real errors) and the summary; kfp.local's log lines, the
+executors' preambles and the launchers' banners go only to the run's log file.
 """
 
 from __future__ import annotations
@@ -42,18 +47,19 @@ from trainer.events import read_events
 
 # Pipeline arguments of the local demo, sized for 2 CPU cores: about 30 s of training steps, so that its
 # goodput figure means something (a few seconds of startup and teardown are most of a shorter run), and
-# under 2 minutes in all; -p overrides any.
+# under 2 minutes in all; -p overrides any. The model is a small ByteGPT; -p model=llama trains llama's
+# default flavor (debug, sized for 2 CPU cores).
 DEMO_ARGUMENTS = {
-    "backend": "local",
     "local_nproc": 2,
-    "n_layer": 2,
-    "n_head": 2,
-    "n_embd": 64,
+    "model": "bytegpt",
+    "model_flavor": "",
     "seq_len": 64,
     "batch_size": 8,
     "max_steps": 800,
     "ckpt_every": 200,
 }
+DEMO_BYTEGPT = '{"n_layer": 2, "n_head": 2, "n_embd": 64}'
+"""The demo ByteGPT's size, unless -p model_config (or another model) is given."""
 
 
 @dataclass
@@ -107,6 +113,8 @@ def local_arguments(fsx_root: Path, overrides: dict, *, with_source: bool = True
     args = {**DEMO_ARGUMENTS, "fsx_root": str(fsx_root), "registry": str(fsx_root / "models"),
             "dataset_name": DEFAULT_DATASET_NAME, "dataset_version": default_dataset_version()}
     args.update(overrides)
+    if args["model"] == "bytegpt" and "model_config" not in overrides:
+        args["model_config"] = DEMO_BYTEGPT
     if with_source and "dataset_source" not in overrides:
         args["dataset_source"] = str(default_source(fsx_root))
     return args
@@ -123,7 +131,10 @@ _DETERMINISTIC = {"ValueError", "LaunchError", "ParamError", "UsageError", "BadP
 class _Progress(io.TextIOBase):
     """stdout while kfp.local runs: everything into the log file, the readable part to the terminal.
 
-    Left out on the terminal unless ``verbose`` (all of it stays in the log): kfp's executor preamble (the
+    kfp.local's own log lines become goodput's progress lines: "Executing task 'train-op'" is ``[train] started``
+    and "Task 'train-op' finished with status SUCCESS" is ``[train] done in 42.1 s`` (``names``: the steps'
+    display names by task name); its other lines (the pipeline's status, the outputs' listing) are left out.
+    Left out on the terminal too unless ``verbose`` (all of it stays in the log): kfp's executor preamble (the
     executor input as JSON, "Looking for component", ...), the listing of each task's outputs (the summary
     shows what matters), ft_launcher's and the rank monitors' banners and INFO lines, NVRx's own log lines,
     and what a CPU-only machine says over and over: gloo's socket polls, the pynvml deprecation warning,
@@ -137,7 +148,7 @@ class _Progress(io.TextIOBase):
         r"|The pynvml package is deprecated|^\s*import pynvml"
         r"|GPU Health checks disabled|Health checks are disabled|gpu_ib_map|gpu_pci_map|/sys/class/infiniband"
         r"|NIC health|Failed to shut down NVML"
-        r"|Streamed logs:$"
+        r"|Streamed logs:$|^-{20,}$"
         # ft_launcher and its rank monitors (their errors stay), NVRx's loggers
         r"|\] \[(INFO|WARNING|ALWAYS|DEBUG)\] \[(ft_launcher|RankMonServer)"
         r"|^\s*\*{10,}\s*$|^\s*Rendezvous info:|^\s*--rdzv-backend=|^\s*Setting OMP_NUM_THREADS"
@@ -153,9 +164,13 @@ class _Progress(io.TextIOBase):
     _NOISE_TRACEBACK = re.compile(r"pynvml|NVML|asyncio|CancelledError|read_obj_from_ipc")
     _OUTPUTS = re.compile(r"Task .* (outputs:|has no outputs)")
     _KFP_LINE = re.compile(r"^\d\d:\d\d:\d\d\.\d+ - ")
+    _KFP_TASK = re.compile(r"^\d\d:\d\d:\d\d\.\d+ - \w+ - (?:Executing task '(?P<started>[^']+)'"
+                           r"|Task '(?P<ended>[^']+)' finished with status (?P<status>\w+))")
 
-    def __init__(self, out, log, verbose: bool = False):
+    def __init__(self, out, log, verbose: bool = False, names: dict[str, str] | None = None):
         self.out, self.log, self.verbose, self.buf = out, log, verbose, ""
+        self.names = names or {}
+        self.started: dict[str, float] = {}
         self.colour = bool(getattr(out, "isatty", lambda: False)())
         self.block_end: re.Pattern | None = None
         self.in_outputs = False
@@ -207,7 +222,22 @@ class _Progress(io.TextIOBase):
         if self._TRACEBACK.match(plain):
             self.traceback, self.traceback_indent = [line], indent
             return []
-        return [line] if self.show(plain) else []
+        if not self.show(plain):
+            return []
+        task = self._KFP_TASK.match(plain)
+        if task:
+            return [self.task_progress(task)]
+        return [] if self._KFP_LINE.match(plain) else [line]
+
+    def task_progress(self, m: re.Match) -> str:
+        """goodput's line for a step that kfp.local starts or finishes."""
+        task = m["started"] or m["ended"]
+        name = self.names.get(task, task)
+        if m["started"]:
+            self.started[task] = time.monotonic()
+            return f"[{name}] started"
+        took = f" in {time.monotonic() - self.started[task]:.1f} s" if task in self.started else ""
+        return f"[{name}] done{took}" if m["status"] == "SUCCESS" else f"[{name}] {m['status'].lower()}{took}"
 
     def show(self, plain: str) -> bool:
         if self.block_end is not None:
@@ -478,6 +508,17 @@ def _collect(run: LocalRun) -> None:
             run.evaluation = json.loads(ev.read_text())
 
 
+def _display_names(package: Path) -> dict[str, str]:
+    """Task name -> display name (``set_display_name``) of every task in a compiled pipeline."""
+    import yaml
+
+    with open(package) as f:
+        spec = next(yaml.safe_load_all(f))
+    dags = [spec.get("root", {}), *spec.get("components", {}).values()]
+    return {name: task.get("taskInfo", {}).get("name", name)
+            for dag in dags for name, task in dag.get("dag", {}).get("tasks", {}).items()}
+
+
 def run_local(arguments: dict, *, pipeline_root: Path, package: Path | None = None, out=None,
               verbose: bool = False) -> LocalRun:
     """Compile the pipeline (unless ``package``), run it on kfp.local, and collect what it produced.
@@ -495,7 +536,7 @@ def run_local(arguments: dict, *, pipeline_root: Path, package: Path | None = No
     out = out or sys.stdout
     t0 = time.monotonic()
     with tempfile.TemporaryDirectory(prefix="goodput-local-") as tmp:
-        pkg = package or compile_pipeline(Path(tmp) / "pipeline.yaml")
+        pkg = package or compile_pipeline(Path(tmp) / "pipeline.yaml", backend="local")
         pipeline = components.load_component_from_file(str(pkg))
         before = set(pipeline_root.iterdir())
         log_path = pipeline_root / f"{PIPELINE_NAME}-{time.strftime('%Y%m%d-%H%M%S')}.log"
@@ -504,7 +545,7 @@ def run_local(arguments: dict, *, pipeline_root: Path, package: Path | None = No
         error = ""
         stop = _Stop()
         with open(log_path, "w") as log, _stopped_by_signals(stop):
-            progress = _Progress(out, log, verbose=verbose)
+            progress = _Progress(out, log, verbose=verbose, names=_display_names(pkg))
             saved = sys.stdout
             sys.stdout = progress     # kfp.local prints the steps' logs and creates its log handler on stdout
             try:
@@ -616,11 +657,11 @@ def run_local_cli(*, params, params_file, inject_faults, fsx_root: Path, package
         given = merge_values(params, params_file)
         if inject_faults:
             given["inject_fault"] = ",".join(inject_faults)
-        pkg = package or compile_pipeline(Path(tmp) / "pipeline.yaml")
+        pkg = package or compile_pipeline(Path(tmp) / "pipeline.yaml", backend="local")
         spec = load_pipeline_spec(pkg)
         # dataset_source is required on a cluster; here the default source fills it in.
         checked = check_arguments(spec, given, require=False)
-        check_settings(spec, local_arguments(fsx_root, checked, with_source=False))
+        check_settings(spec, local_arguments(fsx_root, checked, with_source=False), reachable=True)
         arguments = local_arguments(fsx_root, checked)
         console.print(f"[bold]goodput run --local[/]: FSx stand-in {arguments['fsx_root']}, dataset "
                       f"{arguments['dataset_name']}/{arguments['dataset_version']} from {arguments['dataset_source']}"

@@ -184,12 +184,14 @@ def _settings_inputs(spec: dict, values: dict) -> dict | None:
     return walk(spec.get("root", {}).get("dag", {}), {**defaults, **values})
 
 
-def check_settings(spec: dict, arguments: dict) -> None:
+def check_settings(spec: dict, arguments: dict, *, reachable: bool = False) -> None:
     """Check a run's settings as the pipeline's check-settings step will, before anything is sent.
 
     ``arguments`` are checked values (``check_arguments``); the rest take the pipeline's defaults. A
     pipeline without that step (or a parameter without a value yet, such as a required one left to
-    the server) is not checked here.
+    the server) is not checked here. ``reachable``: the run's FSx, registry and S3 are readable here
+    (``goodput run --local``), so ``init_from`` and the tokenizer are looked up too; for a cluster run
+    they are the step's to check, as is a model whose package only the trainer image has.
 
     Raises:
         ParamError: a setting the trainer or the job builder would reject, e.g. ``-p max_steps=-5``.
@@ -212,7 +214,7 @@ def check_settings(spec: dict, arguments: dict) -> None:
     stderr = io.StringIO()
     try:
         with contextlib.redirect_stderr(stderr):     # the trainer's argparse prints its usage before the step raises
-            build_train_config(**inputs)
+            build_train_config(**inputs, reachable=reachable)
     except ValueError as e:
         why = [line.split(": error: ", 1)[1] for line in stderr.getvalue().splitlines() if ": error: " in line]
         raise ParamError(f"the trainer rejects {why[-1]}" if why else str(e)) from None

@@ -2,13 +2,22 @@
 
 Each step is a component (``components/``); this module only connects them and says what their pods
 get from Kubernetes (kfp-kubernetes): the FSx claim, placement, the S3 secret, retries and caching.
+
+The train backend is chosen when the pipeline is compiled, so the KFP Create-run form shows only what a
+cluster user sets: ``build_pipeline("pytorchjob")`` (``goodput_pipeline``, the default of ``goodput compile``)
+and ``build_pipeline("trainjob")`` take the parameters of ``pipeline_parameters``; ``build_pipeline("local")``
+(``goodput run --local``) adds ``local_nproc``. The wiring is one function, ``_wire``, for all three.
 """
+
+import inspect
 
 from kfp import dsl
 
 from components.cleanup_op import cleanup_op
 from components.evaluate_op import evaluate_op
+from components.job_kinds import BACKENDS, backend_name
 from components.register_op import register_op
+from components.stage_model_op import stage_model_op
 from components.train import TRAINER_IMAGE, train_op
 from components.train_config_op import train_config_op
 from pipelines.compile import PIPELINE_NAME
@@ -16,11 +25,15 @@ from pipelines.pods import FSX_MOUNT, on_fsx, placed, with_s3_secret
 from pipelines.stage_pipeline import stage_pipeline
 
 UNIFORM_LOSS = 5.545177444479562       # ln 256: nats per byte of a uniform guess
+DESCRIPTION = ("Stage a dataset to FSx, train under NVRx in a {kind}, evaluate the checkpoints and register the "
+               "model if it is promoted.")
+KINDS = {"pytorchjob": "PyTorchJob", "trainjob": "Kubeflow Trainer v2 TrainJob",
+         "local": "local ft_launcher process tree (goodput run --local)"}
 
 
-@dsl.pipeline(name=PIPELINE_NAME, description="Stage a dataset to FSx, train under NVRx in a PyTorchJob or TrainJob, "
-                                              "evaluate the checkpoints and register the model if it is promoted.")
-def goodput_pipeline(
+# The Create-run form of the cluster pipelines: names, types, defaults, and (the docstring's Args) descriptions.
+# Never called; its docstring is the template of every variant's ({train}: what that backend's train step runs).
+def pipeline_parameters(
     dataset_source: str,
     dataset_name: str = "corpus",
     dataset_version: str = "latest",
@@ -35,9 +48,10 @@ def goodput_pipeline(
     bad_record_policy: str = "skip",
     refused_key_policy: str = "fail",
     stage_parallelism: int = 4,
-    n_layer: int = 12,
-    n_head: int = 12,
-    n_embd: int = 768,
+    model: str = "llama",
+    model_flavor: str = "llama3-1b",
+    model_config: str = "",
+    init_from: str = "",
     seq_len: int = 1024,
     batch_size: int = 8,
     max_steps: int = 5000,
@@ -64,7 +78,8 @@ def goodput_pipeline(
     promotion_tolerance: float = 0.0,
     baseline: str = "",
     require_beat_baseline: bool = False,
-    model_name: str = "bytegpt",
+    evaluate_gpu_resource: str = "",
+    model_name: str = "",
     registry: str = FSX_MOUNT + "/models",
     trainer_image: str = TRAINER_IMAGE,
     trainer_service_account: str = "",
@@ -73,22 +88,20 @@ def goodput_pipeline(
     fsx_root: str = FSX_MOUNT,
     step_node_selector: dict = {},
     step_tolerations: list = [],
-    backend: str = "pytorchjob",
-    local_nproc: int = 2,
 ):
-    """Train a byte-level GPT on EKS where a GPU failure costs seconds.
+    """Train a model (llama, bytegpt or your own) on EKS where a GPU failure costs seconds.
 
     Steps (all inside an exit handler):
-      1. check settings: the trainer's arguments and the job are validated before anything runs.
+      1. check settings: the model (built on the meta device), the trainer's arguments, init_from and the
+         job are validated before anything runs; init_from=production is resolved to the registry's model.
       2. stage: ``dataset_source`` (s3://bucket/prefix or a directory) -> <fsx>/datasets/<name>/<version>,
-         tokenized by ``tokenizer`` in up to ``stage_parallelism`` pods (plan, partitions, merge).
-      3. train: a PyTorchJob (backend=pytorchjob) or a Trainer v2 TrainJob (backend=trainjob) of ``nodes`` x
-         ``gpus_per_node`` under NVRx ft_launcher, or ft_launcher processes in the step itself (backend=local);
-         writes <fsx>/runs/<run id>.
+         tokenized by ``tokenizer`` in up to ``stage_parallelism`` pods (plan, partitions, merge); beside it,
+         stage init_from: an S3 model directory is copied to <fsx>/pretrained/<bucket>/<prefix> (atomically).
+      3. train: {train}; writes <fsx>/runs/<run id>.
       4. evaluate: every committed checkpoint on the validation split, report, promotion gate; a promoted
-         model is written to ``registry``.
+         model is written to ``registry`` as a Hugging Face directory (model.pt for a model without one).
       5. register (only if promoted): the registered model becomes the run's Model artifact.
-      Exit handler, whatever happened: delete a PyTorchJob or TrainJob the run left running.
+      Exit handler, whatever happened: delete a job the run left running.
 
     Args:
         dataset_source: s3://bucket/prefix of the text files, or a directory visible to the stage pod.
@@ -97,7 +110,7 @@ def goodput_pipeline(
         s3_endpoint_url: S3-compatible endpoint (MinIO, ...); empty for AWS S3.
         s3_secret: Kubernetes secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, used if it exists.
         tokenizer: bytes (one token per byte), a tokenizer.json / Hugging Face model directory / s3:// one,
-            or bpe:VOCAB (a byte-level BPE trained on the staged text).
+            or bpe:VOCAB (a byte-level BPE trained on the staged text); its vocabulary must fit the model's.
         data_format: auto (by file name), text, jsonl (.jsonl, .gz, .zst) or parquet.
         text_field: the JSONL field holding a document.
         text_column: the Parquet column holding a document.
@@ -106,16 +119,23 @@ def goodput_pipeline(
         bad_record_policy: skip (leave bad records out and report them) or fail.
         refused_key_policy: fail (unsafe object keys stop the run before anything is written) or skip.
         stage_parallelism: most stage worker pods (one per GiB of source, at most this many).
-        n_layer: transformer blocks.
-        n_head: attention heads.
-        n_embd: model width.
-        seq_len: context length in bytes.
+        model: the model: llama, bytegpt (the byte-level demo GPT), or package.module:function naming your
+            own model factory, installed in the trainer image (docs/models.md).
+        model_flavor: a named size: llama debug, llama3-1b, llama3-3b, llama3-8b or llama3-70b; empty = the
+            model's default; ignored with init_from (the directory's config.json is the architecture).
+        model_config: inline JSON of model fields overriding the flavor's, e.g. {{"n_layers": 8}} (llama) or
+            {{"n_layer": 12, "n_head": 12, "n_embd": 768}} (bytegpt); empty = none.
+        init_from: weights a fresh run starts from (a run with a committed checkpoint resumes from that): a
+            Hugging Face model directory on FSx, s3://bucket/prefix of one (staged to FSx first), or
+            production (the registry's production model: a scheduled retrain continues from the last promoted
+            one; the run fails at check settings if there is none yet); empty = random initialisation.
+        seq_len: context length in tokens.
         batch_size: sequences per micro-batch per GPU.
         max_steps: optimizer steps.
         ckpt_every: checkpoint interval in steps.
         seed: random seed.
         parallel: fsdp or ddp.
-        nodes: nodes in the job.
+        nodes: nodes in the job (at least 1).
         gpus_per_node: GPUs (trainer processes) per node; -1 = every GPU of instance_type.
         instance_type: EC2 instance type of the trainer nodes (p5.48xlarge, p5e/p5en.48xlarge, p4d/p4de.24xlarge,
             g5/g6/g6e.*): sizes GPUs, EFA, CPU, memory and /dev/shm to it; empty = any node (set the sizes).
@@ -132,79 +152,140 @@ def goodput_pipeline(
         backoff_limit: job restarts before it fails (PyTorchJob pod restarts; a TrainJob's must be its runtime's).
         train_timeout_s: deadline of the train step in seconds.
         inject_fault: KIND@STEP[:RANK] faults for the trainer, comma-separated (recovery drills).
-        promotion_threshold: promote only below this validation loss (nats per byte).
+        promotion_threshold: promote only below this validation loss (nats per token).
         promotion_tolerance: and at most this much worse than the production model.
-        baseline: a Hugging Face model directory on FSx (e.g. the model the run started from) scored on the
-            same validation windows; empty = none.
-        require_beat_baseline: promote only a model strictly better than ``baseline``.
-        model_name: the model's name in the registry.
+        baseline: a model scored on the same validation windows: a Hugging Face model directory on FSx, or
+            init_from (the model the run started from, wherever init_from put it); empty = none.
+        require_beat_baseline: promote only a model strictly better than ``baseline`` (checked before staging:
+            it needs one).
+        evaluate_gpu_resource: the evaluate pod's GPU: nvidia.com/gpu, or a MIG slice such as
+            nvidia.com/mig-3g.40gb (a whole GPU is waste for scoring); empty = a CPU pod.
+        model_name: the model's name in the registry; empty = the model's (llama, bytegpt, your module's name).
         registry: model registry, a directory on FSx or s3://bucket/prefix.
         trainer_image: image of the trainer pods.
         trainer_service_account: service account of the trainer pods; empty = the namespace default.
         namespace: namespace of the job; empty = the pipeline's.
         fsx_pvc: the FSx for Lustre PersistentVolumeClaim.
         fsx_root: FSx path in the pods; keep /fsx on a cluster (the claim is mounted there).
-        step_node_selector: nodeSelector of the step pods, e.g. {"karpenter.sh/capacity-type": "on-demand"}.
+        step_node_selector: nodeSelector of the step pods, e.g. {{"karpenter.sh/capacity-type": "on-demand"}}.
         step_tolerations: tolerations of the step pods (a list of Kubernetes toleration objects).
-        backend: pytorchjob (a Training Operator PyTorchJob; "cluster" is its old name), trainjob (a Kubeflow
-            Trainer v2 TrainJob on the goodput-nvrx runtime: deploy/trainer-v2) or local (goodput run --local).
-        local_nproc: ranks of the local backend.
     """
-    cleanup = cleanup_op(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, backend=backend, namespace=namespace)
-    placed(cleanup, step_node_selector, step_tolerations)
+
+
+TRAIN_STEPS = {
+    "pytorchjob": "a Training Operator PyTorchJob of ``nodes`` x ``gpus_per_node`` under NVRx ft_launcher",
+    "trainjob": "a Kubeflow Trainer v2 TrainJob on the goodput-nvrx runtime (deploy/trainer-v2) of ``nodes`` x "
+                "``gpus_per_node`` under NVRx ft_launcher",
+    "local": "``local_nproc`` ft_launcher ranks in the step itself",
+}
+LOCAL_PARAMETERS = [inspect.Parameter("local_nproc", inspect.Parameter.KEYWORD_ONLY, default=2, annotation=int)]
+LOCAL_ARGS = "\n    local_nproc: ranks of the local backend (trainer processes on this machine)."
+
+
+def build_pipeline(backend: str = "pytorchjob"):
+    """The goodput pipeline for a train backend: ``pytorchjob``, ``trainjob`` or ``local``.
+
+    One wiring (``_wire``) under three signatures: the cluster ones take ``pipeline_parameters``, the local
+    one also ``local_nproc``. KFP reads a pipeline's parameters from its function's signature and docstring.
+    """
+    backend = backend_name(backend)
+    if backend not in BACKENDS:
+        raise ValueError(f"backend {backend!r}: expected one of {', '.join(BACKENDS)}")
+    signature = inspect.signature(pipeline_parameters)
+    params = list(signature.parameters.values()) + (LOCAL_PARAMETERS if backend == "local" else [])
+    names = [p.name for p in params]
+
+    def goodput_pipeline(*args):
+        _wire(backend, **dict(zip(names, args)))
+
+    goodput_pipeline.__signature__ = signature.replace(
+        parameters=[p.replace(kind=inspect.Parameter.POSITIONAL_OR_KEYWORD) for p in params])
+    doc = inspect.getdoc(pipeline_parameters).replace("{train}", TRAIN_STEPS[backend])
+    goodput_pipeline.__doc__ = doc.replace("{{", "{").replace("}}", "}") + (LOCAL_ARGS if backend == "local" else "")
+    return dsl.pipeline(name=PIPELINE_NAME, description=DESCRIPTION.format(kind=KINDS[backend]))(goodput_pipeline)
+
+
+def _wire(backend: str, *, local_nproc=None, **p) -> None:
+    """The steps and what their pods get; ``p`` are the pipeline's parameters (channels)."""
+    cleanup = cleanup_op(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, backend=backend, namespace=p["namespace"])
+    placed(cleanup, p["step_node_selector"], p["step_tolerations"])
     cleanup.set_display_name("cleanup").set_caching_options(False).set_retry(2, backoff_duration="30s")
+
+    def step_pod(task):
+        return with_s3_secret(placed(on_fsx(task, p["fsx_pvc"]), p["step_node_selector"], p["step_tolerations"]),
+                              p["s3_secret"])
 
     with dsl.ExitHandler(cleanup, name="goodput-run"):
         config = train_config_op(
-            fsx_root=fsx_root, dataset_name=dataset_name, dataset_version=dataset_version,
-            run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, max_steps=max_steps, ckpt_every=ckpt_every, n_layer=n_layer,
-            n_head=n_head, n_embd=n_embd, seq_len=seq_len, batch_size=batch_size, parallel=parallel, seed=seed,
-            inject_fault=inject_fault, max_restarts=max_restarts, backoff_limit=backoff_limit,
-            instance_type=instance_type, fsx_pvc=fsx_pvc, service_account=trainer_service_account,
-            backend=backend, image=trainer_image, nodes=nodes, gpus_per_node=gpus_per_node, spot=spot,
-            gpu_resource=gpu_resource, efa_per_node=efa_per_node, cpu=cpu, memory=memory, shm_size=shm_size,
-            node_group=node_group, scheduler=scheduler, queue=queue)
-        placed(config, step_node_selector, step_tolerations)
-        config.set_display_name("check settings").set_caching_options(False)
+            fsx_root=p["fsx_root"], dataset_name=p["dataset_name"], dataset_version=p["dataset_version"],
+            run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, max_steps=p["max_steps"], ckpt_every=p["ckpt_every"],
+            model=p["model"], model_flavor=p["model_flavor"], model_config=p["model_config"],
+            init_from=p["init_from"], tokenizer=p["tokenizer"], seq_len=p["seq_len"], batch_size=p["batch_size"],
+            parallel=p["parallel"], seed=p["seed"], inject_fault=p["inject_fault"], max_restarts=p["max_restarts"],
+            backoff_limit=p["backoff_limit"], instance_type=p["instance_type"], fsx_pvc=p["fsx_pvc"],
+            service_account=p["trainer_service_account"], backend=backend, image=p["trainer_image"],
+            nodes=p["nodes"], gpus_per_node=p["gpus_per_node"], spot=p["spot"], gpu_resource=p["gpu_resource"],
+            efa_per_node=p["efa_per_node"], cpu=p["cpu"], memory=p["memory"], shm_size=p["shm_size"],
+            node_group=p["node_group"], scheduler=p["scheduler"], queue=p["queue"], registry=p["registry"],
+            model_name=p["model_name"], endpoint_url=p["s3_endpoint_url"],
+            evaluate_gpu_resource=p["evaluate_gpu_resource"], baseline=p["baseline"],
+            require_beat_baseline=p["require_beat_baseline"], train_timeout_s=p["train_timeout_s"],
+            stage_parallelism=p["stage_parallelism"])
+        # FSx and the S3 secret: it checks that init_from exists and reads the registry's production model.
+        step_pod(config).set_display_name("check settings").set_caching_options(False)
 
         # Staging is never taken from KFP's cache: an unchanged source is only listed and compared (cheap),
         # and a changed one is restaged whatever the version says.
         stage = stage_pipeline(
-            source=dataset_source, fsx_root=fsx_root, name=dataset_name, version=dataset_version,
-            endpoint_url=s3_endpoint_url, stage_parallelism=stage_parallelism, tokenizer=tokenizer,
-            data_format=data_format, text_field=text_field, text_column=text_column, include=dataset_include,
-            exclude=dataset_exclude, bad_record_policy=bad_record_policy, refused_key_policy=refused_key_policy,
-            fsx_pvc=fsx_pvc, s3_secret=s3_secret, step_node_selector=step_node_selector,
-            step_tolerations=step_tolerations)
+            source=p["dataset_source"], fsx_root=p["fsx_root"], name=p["dataset_name"],
+            version=p["dataset_version"], endpoint_url=p["s3_endpoint_url"],
+            stage_parallelism=p["stage_parallelism"], tokenizer=p["tokenizer"], data_format=p["data_format"],
+            text_field=p["text_field"], text_column=p["text_column"], include=p["dataset_include"],
+            exclude=p["dataset_exclude"], bad_record_policy=p["bad_record_policy"],
+            refused_key_policy=p["refused_key_policy"], fsx_pvc=p["fsx_pvc"], s3_secret=p["s3_secret"],
+            step_node_selector=p["step_node_selector"], step_tolerations=p["step_tolerations"])
         stage.set_display_name("stage").set_caching_options(False)
         stage.after(config)                           # no data flows: a bad setting stops the run before staging
 
+        # An S3 init_from (or a production model on S3) is copied to FSx; with nothing to copy it returns at once.
+        stage_model = stage_model_op(source=config.outputs["init_from_source"], dest=config.outputs["init_from_dir"],
+                                     endpoint_url=p["s3_endpoint_url"])
+        step_pod(stage_model).set_display_name("stage init_from").set_caching_options(False)
+        stage_model.set_retry(3, backoff_duration="60s")     # an interrupted copy resumes from its journal
+
+        train_kw = {"local_nproc": local_nproc} if backend == "local" else {}
         train = train_op(backend=backend, trainer_args=config.outputs["trainer_args"],
-                         job_options=config.outputs["job_options"], image=trainer_image, nodes=nodes,
-                         gpus_per_node=gpus_per_node, spot=spot, namespace=namespace, timeout_s=train_timeout_s,
-                         fsx_root=fsx_root, local_nproc=local_nproc)
-        # The dataset reaches the trainer through FSx at the path in trainer_args (--data), not as a KFP
-        # artifact, so the edge to the stage is an explicit one.
-        train.after(stage)
+                         job_options=config.outputs["job_options"], image=p["trainer_image"], nodes=p["nodes"],
+                         gpus_per_node=p["gpus_per_node"], spot=p["spot"], namespace=p["namespace"],
+                         timeout_s=p["train_timeout_s"], fsx_root=p["fsx_root"], **train_kw)
+        # The dataset and the init_from model reach the trainer through FSx at the paths in trainer_args
+        # (--data, --init-from), not as KFP artifacts, so the edges to the stages are explicit ones.
+        train.after(stage, stage_model)
         # Placement set on this task would go to the job's pods (train_op's task_config passthroughs),
         # which job_options place already; so none here. The FSx mount is passed through to the job's
         # pods and kept on the launcher's pod, which reads the run's summary.json from FSx.
-        on_fsx(train, fsx_pvc)
+        on_fsx(train, p["fsx_pvc"])
         # A retried train step re-attaches to its job (named from the run) and the trainer resumes
         # from the last committed checkpoint: retries never duplicate a job.
         train.set_display_name("train").set_caching_options(False).set_retry(2, backoff_duration="120s")
 
-        evaluate = evaluate_op(run_dir=config.outputs["run_dir"], threshold=promotion_threshold,
-                               tolerance=promotion_tolerance, model_name=model_name, registry=registry,
-                               baseline=baseline, require_beat_baseline=require_beat_baseline,
-                               endpoint_url=s3_endpoint_url)
+        evaluate = evaluate_op(run_dir=config.outputs["run_dir"], threshold=p["promotion_threshold"],
+                               tolerance=p["promotion_tolerance"], model_name=config.outputs["model_name"],
+                               registry=p["registry"], baseline=config.outputs["baseline_dir"],
+                               require_beat_baseline=p["require_beat_baseline"], endpoint_url=p["s3_endpoint_url"])
         evaluate.after(train)                         # reads the run directory on FSx that train wrote
-        with_s3_secret(placed(on_fsx(evaluate, fsx_pvc), step_node_selector, step_tolerations), s3_secret)
-        evaluate.set_display_name("evaluate").set_caching_options(False).set_retry(2, backoff_duration="60s")
+        step_pod(evaluate).set_display_name("evaluate").set_caching_options(False).set_retry(2, backoff_duration="60s")
         evaluate.set_cpu_request("4").set_memory_request("16Gi")
+        # A GPU (or a MIG slice) only when evaluate_gpu_resource names one: the check gives the count 0 or 1.
+        evaluate.set_accelerator_type(config.outputs["evaluate_accelerator"])
+        evaluate.set_accelerator_limit(config.outputs["evaluate_gpus"])
 
         with dsl.If(evaluate.outputs["promoted"] == True, name="promoted"):  # noqa: E712 - a pipeline condition
-            register = register_op(model_uri=evaluate.outputs["model_uri"], registry=registry,
-                                   model_name=model_name, endpoint_url=s3_endpoint_url)
-            with_s3_secret(placed(on_fsx(register, fsx_pvc), step_node_selector, step_tolerations), s3_secret)
-            register.set_display_name("register").set_caching_options(False).set_retry(2, backoff_duration="30s")
+            register = register_op(model_uri=evaluate.outputs["model_uri"], registry=p["registry"],
+                                   model_name=config.outputs["model_name"], endpoint_url=p["s3_endpoint_url"])
+            step_pod(register).set_display_name("register").set_caching_options(False)
+            register.set_retry(2, backoff_duration="30s")
+
+
+goodput_pipeline = build_pipeline("pytorchjob")
+"""The cluster pipeline on PyTorchJobs, as ``goodput compile`` compiles it by default."""

@@ -329,8 +329,13 @@ def goodput_package(tmp_path_factory):
     (["run", "-p", "max_steps=-5"], "--max-steps must be at least 1, got -5"),
     (["run", "--inject-fault", "boom@3"], "bad fault 'boom@3'"),
     (["run", "-p", "parallel=tp"], "the trainer rejects argument --parallel: invalid choice: 'tp'"),
-    (["run", "-p", "nodes=0"], "nodes"),
-    (["schedule", "--name", "w", "--every", "1d", "-p", "n_embd=100", "-p", "n_head=3"], "divisible"),
+    (["run", "-p", "nodes=0"], "nodes must be at least 1, got 0"),
+    (["run", "-p", "gpus_per_node=-3"], "gpus_per_node must be at least -1"),
+    (["run", "-p", "train_timeout_s=0"], "train_timeout_s must be above 0"),
+    (["run", "-p", "require_beat_baseline=true"], "require_beat_baseline needs a baseline"),
+    (["run", "-p", "model=llama", "-p", "model_flavor=llama3-2b"], "llama has the flavors"),
+    (["schedule", "--name", "w", "--every", "1d", "-p", "model_config={n_layers: 2}"], "not valid JSON"),
+    (["schedule", "--name", "w", "--every", "1d", "-p", "evaluate_gpu_resource=a100"], "evaluate_gpu_resource"),
 ])
 def test_settings_the_check_settings_step_rejects_fail_here_in_one_line(api, goodput_package, args, message):
     res = goodput(api, *args, "-p", "dataset_source=s3://b/p/", "--package", str(goodput_package))

@@ -249,6 +249,7 @@ from components.trainjob import trainjob_manifest
 assert trainjob_manifest(JobSpec(image='x', nodes=2, nvrx_release='0.7.0'))['kind'] == 'TrainJob'
 r = stage_dataset({str(src)!r}, {str(tmp_path / 'fsx')!r}, 'd', '1', val_percent=50)
 assert r.files == 8, r
+import components.stage_model  # the init_from stage runs on the component image
 assert 'torch' not in sys.modules
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
@@ -256,7 +257,8 @@ assert 'torch' not in sys.modules
 
 
 def test_component_images_come_from_parameters_with_defaults():
-    ops = {"stage_op": "components.stage_op", "train_config_op": "components.train_config_op",
+    ops = {"stage_op": "components.stage_op", "stage_model_op": "components.stage_model_op",
+           "train_config_op": "components.train_config_op",
            "train_op": "components.train", "register_op": "components.register_op",
            "cleanup_op": "components.cleanup_op", "evaluate_op": "components.evaluate_op"}
     code = ("import importlib, json\nout = {}\n"
@@ -275,19 +277,21 @@ def test_component_images_come_from_parameters_with_defaults():
 
     from components.train import TRAINER_IMAGE
 
+    on_trainer = {"evaluate_op", "train_config_op"}     # evaluation and the model check need torch
     defaults = images()
-    assert defaults["evaluate_op"] == TRAINER_IMAGE                          # evaluation needs torch
-    assert {v for k, v in defaults.items() if k != "evaluate_op"} == {"ghcr.io/goodput-pipelines/goodput:0.1.0"}
+    assert {defaults[k] for k in on_trainer} == {TRAINER_IMAGE}
+    assert {v for k, v in defaults.items() if k not in on_trainer} == {"ghcr.io/goodput-pipelines/goodput:0.1.0"}
     built = images(GOODPUT_COMPONENT_IMAGE="123.dkr.ecr.us-west-2.amazonaws.com/goodput-components:0.1.0",
-                   GOODPUT_EVALUATE_IMAGE="123.dkr.ecr.us-west-2.amazonaws.com/goodput-trainer:0.1.0")
-    assert built["evaluate_op"].endswith("goodput-trainer:0.1.0")
-    assert {v for k, v in built.items() if k != "evaluate_op"} == {
+                   GOODPUT_EVALUATE_IMAGE="123.dkr.ecr.us-west-2.amazonaws.com/goodput-trainer:0.1.0",
+                   GOODPUT_TRAINER_IMAGE="123.dkr.ecr.us-west-2.amazonaws.com/goodput-trainer:0.1.0")
+    assert all(built[k].endswith("goodput-trainer:0.1.0") for k in on_trainer)
+    assert {v for k, v in built.items() if k not in on_trainer} == {
         "123.dkr.ecr.us-west-2.amazonaws.com/goodput-components:0.1.0"}
     # The trainer pods' image is a pipeline parameter whose default is the same trainer image.
     import ast
 
     tree = ast.parse((ROOT / "pipelines" / "pipeline.py").read_text())
-    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "goodput_pipeline"]
+    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "pipeline_parameters"]
     args = fn.args.args
     defaults = dict(zip([a.arg for a in args[len(args) - len(fn.args.defaults):]], fn.args.defaults))
     assert ast.unparse(defaults["trainer_image"]) == "TRAINER_IMAGE"

@@ -76,8 +76,27 @@ def test_check_settings_runs_the_check_settings_step_as_the_pipeline_binds_it(go
     # from the compiled pipeline, not repeated here.
     with pytest.raises(ParamError, match="an image is required"):
         check_settings(goodput_spec, {"trainer_image": "", "dataset_source": "s3://b/"})
-    with pytest.raises(ParamError, match="divisible"):
-        check_settings(goodput_spec, {"n_embd": 100, "n_head": 3})
+    with pytest.raises(ParamError, match="nodes must be at least 1, got 0"):
+        check_settings(goodput_spec, {"nodes": 0})
+    # The model, as the step's trainer checks it (torch is installed here).
+    with pytest.raises(ParamError, match="llama has the flavors"):
+        check_settings(goodput_spec, {"model_flavor": "llama3-2b"})
+    with pytest.raises(ParamError, match="llama has no field"):
+        check_settings(goodput_spec, {"model_config": '{"n_layer": 2}'})
+    with pytest.raises(ParamError, match="bytegpt has the flavors default"):
+        check_settings(goodput_spec, {"model": "bytegpt"})       # the form's flavor is llama's
+    check_settings(goodput_spec, {"model": "bytegpt", "model_flavor": "", "model_config": '{"n_layer": 12}'})
+
+
+def test_check_settings_before_submitting_leaves_what_only_the_cluster_has_to_the_step(goodput_spec):
+    """FSx, the registry and a model package only the trainer image has are not here: not looked up."""
+    check_settings(goodput_spec, {"init_from": "/fsx/models/llama/v3"})
+    check_settings(goodput_spec, {"init_from": "production"})
+    check_settings(goodput_spec, {"model": "acme.models:build_spec"})
+    with pytest.raises(ParamError, match="no config.json"):
+        check_settings(goodput_spec, {"init_from": "/fsx/models/llama/v3"}, reachable=True)
+    with pytest.raises(ParamError, match="not valid JSON"):      # what needs nothing of the cluster is checked
+        check_settings(goodput_spec, {"model": "acme.models:build_spec", "model_config": "{n_layers: 2}"})
 
 
 def test_check_settings_leaves_a_pipeline_without_that_step_alone():

@@ -22,6 +22,8 @@ import pytest
 from click.testing import CliRunner
 
 from pipelines.cli import main
+from tests.conftest import marked as _marked
+from trainer.events import read_events
 from trainer.layout import committed_steps
 
 GOODPUT = [sys.executable, "-c", "from pipelines.cli import main; main()"]
@@ -93,12 +95,89 @@ def test_run_local_with_an_injected_fault(tmp_path):
     print(f"goodput run --local with one fault: {wall:.0f} s wall")
 
 
+def _goodput_run(args: list[str], timeout: float = 400) -> tuple[int, str]:
+    """``goodput run --local ARGS`` in a session of its own; (exit code, output). Nothing of it outlives it."""
+    proc = subprocess.Popen([*GOODPUT, "run", "--local", *args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True, start_new_session=True, env={**os.environ, "COLUMNS": "200"})
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+        pytest.fail(f"goodput run --local did not finish in {timeout} s:\n{out[-6000:]}")
+    finally:
+        for pid in session_processes(proc.pid):
+            os.kill(pid, signal.SIGKILL)
+    return proc.returncode, out
+
+
+@pytest.mark.timeout(480)
+def test_run_local_trains_llama_from_a_transformers_directory(tmp_path):
+    """-p model=llama -p init_from=DIR: the pipeline checks DIR, the trainer starts from its weights, and the
+    promoted model is registered as a Hugging Face directory that transformers loads."""
+    import transformers
+
+    from tests.llama_dirs import save_small_llama
+
+    hf = save_small_llama(tmp_path / "pretrained")
+    fsx = tmp_path / "fsx"
+    code, out = _goodput_run(["--fsx-root", str(fsx), "-p", "model=llama", "-p", f"init_from={hf}",
+                              "-p", "max_steps=10", "-p", "ckpt_every=5"])
+    assert code == 0, out[-6000:]
+    (run_dir,) = (fsx / "runs").iterdir()
+    (start,) = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "init_from"]
+    assert start["path"] == str(hf)
+    assert json.loads((run_dir / "config.json").read_text())["model"]["name"] == "llama"
+    production = json.loads((fsx / "models" / "llama" / "production.json").read_text())
+    assert production["format"] == "huggingface"
+    transformers.LlamaForCausalLM.from_pretrained(production["model_uri"])
+    # The console: goodput's progress lines, not kfp.local's.
+    assert "[check settings] started" in out and "[train] done in" in out and "[stage init_from] done" in out
+    assert " - INFO - " not in out and "Executing task" not in out
+
+
+@pytest.mark.timeout(480)
+def test_run_local_stages_an_s3_init_from_to_fsx_and_scores_it_as_the_baseline(tmp_path, monkeypatch):
+    """-p init_from=s3://...: check settings reads its config.json from S3, the "stage init_from" step copies it
+    to <fsx>/pretrained/, the trainer starts from that copy, and evaluate scores it as the baseline."""
+    from tests.llama_dirs import save_small_llama
+    from tests.s3_stand_in import CREDENTIALS, MotoS3
+
+    for k, v in {**CREDENTIALS, "AWS_EC2_METADATA_DISABLED": "true"}.items():
+        monkeypatch.setenv(k, v)        # the run's processes inherit them
+    hf = save_small_llama(tmp_path / "pretrained")
+    fsx = tmp_path / "fsx"
+    with MotoS3() as s3:
+        s3.client().create_bucket(Bucket="models")
+        for f in hf.iterdir():
+            s3.client().upload_file(str(f), "models", f"llama/{f.name}")
+        code, out = _goodput_run(["--fsx-root", str(fsx), "-p", "model=llama", "-p", "init_from=s3://models/llama",
+                                  "-p", f"s3_endpoint_url={s3.url}", "-p", "baseline=init_from",
+                                  "-p", "max_steps=6", "-p", "ckpt_every=3"])
+    assert code == 0, out[-6000:]
+    staged = fsx / "pretrained" / "models" / "llama"
+    assert {p.name: p.read_bytes() for p in hf.iterdir()} == {
+        p.name: p.read_bytes() for p in staged.iterdir() if p.name != ".staged.json"}
+    (run_dir,) = (fsx / "runs").iterdir()
+    (start,) = [e for e in read_events(run_dir / "events.jsonl") if e["event"] == "init_from"]
+    assert start["path"] == str(staged)
+    evaluation = json.loads((run_dir / "evaluation" / "evaluation.json").read_text())
+    assert evaluation["baseline"]["dir"] == str(staged) and evaluation["baseline"]["val_loss"] > 0
+    assert "[stage init_from] done" in out
+
+
 def test_run_local_rejects_bad_arguments_before_running(tmp_path):
     fsx = tmp_path / "fsx"
     for args, message in ((["-p", "max_stepz=3"], "unknown parameter(s) max_stepz"),
                           (["-p", "max_steps=many"], "expects integer"),
                           # a value of the right type that the check-settings step would refuse
                           (["-p", "max_steps=-5"], "--max-steps must be at least 1"),
+                          (["-p", "nodes=0"], "nodes must be at least 1"),
+                          (["-p", "model=llama", "-p", "model_flavor=huge"], "llama has the flavors"),
+                          (["-p", "model_config={oops"], "model_config is not valid JSON"),
+                          (["-p", f"init_from={tmp_path}/nowhere"], "no config.json there"),
+                          (["-p", "model=llama", "-p", "init_from=production"], "no production model 'llama'"),
+                          (["-p", "backend=local"], "unknown parameter(s) backend"),
                           (["--pipeline", "goodput-train"], "--pipeline, --cache, --wait")):
         res = CliRunner().invoke(main, ["run", "--local", "--fsx-root", str(fsx), *args])
         assert res.exit_code == 2, res.output
@@ -159,6 +238,7 @@ def test_a_retried_step_says_when_and_why(tmp_path):
     run = run_local(arguments, pipeline_root=tmp_path / "root", package=package, out=out)
     assert run.ok, out.getvalue()
     assert "retrying flaky in 1 s (attempt 2/3): RuntimeError: the first attempt fails" in out.getvalue()
+    assert out.getvalue().count("[flaky] started") == 2 and "[flaky] done in" in out.getvalue()
 
 
 def test_an_error_that_would_recur_is_not_retried(tmp_path):
@@ -169,23 +249,12 @@ def test_an_error_that_would_recur_is_not_retried(tmp_path):
     out = io.StringIO()
     run = run_local(arguments, pipeline_root=tmp_path / "root", package=package, out=out)
     assert not run.ok and "not retried" in run.error and "ValueError: the first attempt fails" in run.error
-    assert "retrying" not in out.getvalue() and out.getvalue().count("Executing task 'flaky'") == 1
+    # Attempted once: the console says so in goodput's words, the log in kfp.local's (its lines stay there).
+    assert "retrying" not in out.getvalue() and out.getvalue().count("[flaky] started") == 1
+    assert run.log_path.read_text().count("Executing task") == 1 and "Executing task" not in out.getvalue()
 
 
 # ---- Ctrl-C ----------------------------------------------------------------------------------------------
-
-def _marked(value: str) -> list[int]:
-    needle = f"GOODPUT_TEST_RUN={value}".encode()
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if needle in (proc / "environ").read_bytes().split(b"\0") and \
-                    (proc / "stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z":
-                found.append(int(proc.name))
-        except (OSError, IndexError):
-            continue
-    return found
-
 
 @pytest.mark.timeout(400)
 def test_ctrl_c_commits_a_checkpoint_retries_nothing_registers_nothing_and_exits_130(tmp_path):
@@ -263,6 +332,8 @@ STEP_OUTPUT = """\
         raise RuntimeError("local training failed")
     RuntimeError: local training failed
 09:30:55.181 - ERROR - Task \x1b[96m'train-op'\x1b[0m finished with status \x1b[91mFAILURE\x1b[0m
+09:30:55.182 - ERROR - Pipeline \x1b[95m'goodput-train'\x1b[0m finished with status \x1b[91mFAILURE\x1b[0m
+--------------------------------------------------------------------------------
 """
 
 
@@ -270,12 +341,12 @@ def test_the_console_shows_progress_and_step_lines_and_the_log_keeps_everything(
     from pipelines.local import _Progress
 
     out, log = io.StringIO(), io.StringIO()
-    progress = _Progress(out, log)
+    progress = _Progress(out, log, names={"train-op": "train"})
     progress.write(STEP_OUTPUT)
-    shown = out.getvalue()
+    shown = re.sub(r" in \d+\.\d s$", " in N s", out.getvalue(), flags=re.M)
     assert log.getvalue() == STEP_OUTPUT
     assert shown == (
-        "09:29:38.712 - INFO - Executing task 'train-op'\n"
+        "[train] started\n"
         "    local training: 2 ranks under ft_launcher, --max-steps 600\n"
         "    2026-12-01 09:29:45,876 [trainer] model 0.14M params, fsdp on 2 x cpu, 1024 tokens/step, fresh start\n"
         "    2026-12-01 09:29:46,037 [trainer] step 10/600 loss 5.5472 159 ms 6437 tok/s\n"
@@ -283,7 +354,7 @@ def test_the_console_shows_progress_and_step_lines_and_the_log_keeps_everything(
         "      File \"/x/components/train.py\", line 120, in _train_local\n"
         "        raise RuntimeError(\"local training failed\")\n"
         "    RuntimeError: local training failed\n"
-        "09:30:55.181 - ERROR - Task 'train-op' finished with status FAILURE\n"), shown
+        "[train] failure in N s\n"), shown
     assert progress.reason == "RuntimeError: local training failed"
     verbose = io.StringIO()
     _Progress(verbose, io.StringIO(), verbose=True).write(STEP_OUTPUT)

@@ -45,6 +45,8 @@ def run(kfp, local: bool, params, params_file, inject_faults, fsx_root, package,
       goodput run --local                              # stage -> train -> evaluate -> register, here
       goodput run --local --inject-fault exception@30:1   # NVRx restarts rank 1 in-process
       goodput run --local --inject-fault kill@40:1        # ft_launcher restarts the ranks
+      goodput run --local -p model=llama -p model_flavor=debug     # the Llama 3 architecture, CPU-sized
+      goodput run --local -p model=llama -p init_from=./my-llama   # from a Hugging Face directory
       KFP_HOST=http://localhost:8080 goodput run -p dataset_source=s3://my-bucket/corpus/ -p nodes=2 --wait
       goodput run --pipeline goodput-train --params-file prod.yaml -n my-profile --cookie "$KFP_COOKIE"
     """
