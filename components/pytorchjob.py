@@ -137,7 +137,7 @@ CLEAN_POD_POLICIES = ("Running", "All", "None")
 SCHEDULERS = {"": "", "volcano": "volcano", "scheduler-plugins": "scheduler-plugins-scheduler",
               "yunikorn": "yunikorn"}
 # Whole GPUs, or MIG slices as the device plugin's "mixed" strategy names them (nvidia.com/mig-3g.40gb).
-_GPU_RESOURCE = re.compile(r"^nvidia\.com/(gpu|mig-[1-7]g\.[0-9]+gb)$")
+GPU_RESOURCE_PATTERN = re.compile(r"^nvidia\.com/(gpu|mig-[1-7]g\.[0-9]+gb)$")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 
 _DNS1035 = re.compile(r"^[a-z]([-a-z0-9]*[a-z0-9])?$")
@@ -386,7 +386,7 @@ class JobSpec:
         for key, value in (("cpu", self.cpu), ("memory", self.memory), ("shm_size", self.shm_size)):
             if value and (not _QUANTITY.match(value) or value.startswith("-") or quantity(value) <= 0):
                 p.append(f"{key} {value!r} is not a Kubernetes quantity above 0 (e.g. 96, 500m, 512Gi)")
-        if not _GPU_RESOURCE.match(self.gpu_resource):
+        if not GPU_RESOURCE_PATTERN.match(self.gpu_resource):
             p.append(f"gpu_resource {self.gpu_resource!r} must be nvidia.com/gpu or a MIG slice like "
                      "nvidia.com/mig-3g.40gb")
         if self.instance_type and not _LABEL_NAME.match(self.instance_type):

@@ -199,6 +199,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
                        backend: str = "pytorchjob", image: str = "", nodes: int = 1, gpus_per_node: int = -1,
                        gpu_resource: str = "nvidia.com/gpu", efa_per_node: int = -1, cpu: str = "", memory: str = "",
                        shm_size: str = "", node_group: str = "", scheduler: str = "", queue: str = "",
+                       nvrx_release: str = "", hot_spares: int = 0, node_health_check_endpoint: str = "",
                        spot: bool = False, registry: str = "", model_name: str = "", endpoint_url: str = "",
                        evaluate_gpu_resource: str = "", baseline: str = "", require_beat_baseline: bool = False,
                        train_timeout_s: float = 7 * 86400.0, stage_parallelism: int = 4,
@@ -249,6 +250,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         node_group: EKS node group of the trainer pods (empty = any).
         scheduler: gang scheduler: empty, volcano, scheduler-plugins or yunikorn.
         queue: the gang's queue (Volcano queue, or YuniKorn root.<name>).
+        nvrx_release: NVRx release of the trainer image; empty = the pinned one (``compat.IMAGE_RELEASE``).
+        hot_spares: standby nodes beyond ``nodes`` (NVRx 0.6+, PyTorchJob only).
+        node_health_check_endpoint: Unix socket of the node health daemon (NVRx 0.6+); empty = none.
         spot: spot nodes allowed (checked for the cluster backends).
         registry: the model registry (a directory or ``s3://bucket/prefix``), for ``init_from=production``.
         model_name: the model's name in the registry; empty = the model's (``registry_name``).
@@ -267,7 +271,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         ValueError: a setting the trainer or the job builder would reject.
     """
     from components.job_kinds import backend_name
-    from components.pytorchjob import _GPU_RESOURCE, GPU_RESOURCE, INSTANCE_TYPES, JobSpec
+    from components.pytorchjob import GPU_RESOURCE, GPU_RESOURCE_PATTERN, INSTANCE_TYPES, JobSpec
     from trainer.config import _torch_available, parse_config
     from trainer.launch import check_faults
 
@@ -280,7 +284,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
                              + (" (-1: every GPU of instance_type)" if what == "gpus_per_node" else ""))
     if not float(train_timeout_s) > 0:
         raise ValueError(f"train_timeout_s must be above 0 seconds, got {train_timeout_s}")
-    if evaluate_gpu_resource and not _GPU_RESOURCE.match(evaluate_gpu_resource):
+    if evaluate_gpu_resource and not GPU_RESOURCE_PATTERN.match(evaluate_gpu_resource):
         raise ValueError(f"evaluate_gpu_resource {evaluate_gpu_resource!r} must be empty (a CPU pod), nvidia.com/gpu "
                          f"or a MIG slice like nvidia.com/mig-3g.40gb")
     if model_config.strip():       # inline JSON here (the trainer's --model-config also takes a file)
@@ -329,7 +333,8 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
                "fsx_mount": root or "/", "instance_type": instance_type, "service_account": service_account,
                "gpus_per_node": gpus, "gpu_resource": gpu_resource, "efa_per_node": int(efa_per_node), "cpu": cpu,
                "memory": memory, "shm_size": shm_size, "node_group": node_group, "scheduler": scheduler,
-               "queue": queue}
+               "queue": queue, "nvrx_release": nvrx_release, "hot_spares": int(hot_spares),
+               "node_health_check_endpoint": node_health_check_endpoint}
         backend = backend_name(backend)
         if backend != "local":      # the local backend's rank count is the train step's local_nproc
             # A fault on a rank or a step the job does not have would never fire.

@@ -47,6 +47,9 @@ def train_config_op(
     node_group: str = "",
     scheduler: str = "",
     queue: str = "",
+    nvrx_release: str = "",
+    hot_spares: int = 0,
+    node_health_check_endpoint: str = "",
     registry: str = "",
     model_name: str = "",
     endpoint_url: str = "",
@@ -96,6 +99,9 @@ def train_config_op(
         node_group: EKS node group of the trainer pods (empty = any).
         scheduler: gang scheduler: empty, volcano, scheduler-plugins or yunikorn.
         queue: the gang's queue (Volcano queue, or YuniKorn root.<name>).
+        nvrx_release: NVRx release of the trainer image; empty = the pinned one (``compat.IMAGE_RELEASE``).
+        hot_spares: standby nodes beyond ``nodes`` (NVRx 0.6+, PyTorchJob only).
+        node_health_check_endpoint: Unix socket of the node health daemon (NVRx 0.6+); empty = none.
         registry: the model registry, for init_from=production.
         model_name: the model's name in the registry; empty = the model's.
         endpoint_url: S3-compatible endpoint; empty for AWS S3.
@@ -119,7 +125,9 @@ def train_config_op(
         instance_type=instance_type, fsx_pvc=fsx_pvc, service_account=service_account, backend=backend,
         image=image, nodes=nodes, gpus_per_node=gpus_per_node, spot=spot, gpu_resource=gpu_resource,
         efa_per_node=efa_per_node, cpu=cpu, memory=memory, shm_size=shm_size, node_group=node_group,
-        scheduler=scheduler, queue=queue, registry=registry, model_name=model_name, endpoint_url=endpoint_url,
+        scheduler=scheduler, queue=queue, nvrx_release=nvrx_release, hot_spares=hot_spares,
+        node_health_check_endpoint=node_health_check_endpoint, registry=registry, model_name=model_name,
+        endpoint_url=endpoint_url,
         evaluate_gpu_resource=evaluate_gpu_resource, baseline=baseline, require_beat_baseline=require_beat_baseline,
         train_timeout_s=train_timeout_s, stage_parallelism=stage_parallelism)
     print("trainer arguments:", " ".join(settings.trainer_args))

@@ -1,5 +1,6 @@
-# The light image of the pipeline's steps: stage, check settings, train (the PyTorchJob launcher), register,
-# cleanup. No torch, no CUDA (the evaluate step loads checkpoints with torch and runs on the trainer image).
+# The light image of the pipeline's steps: stage, stage init_from, train (the job's launcher), register, cleanup.
+# No torch, no CUDA (check settings builds the model on the meta device and evaluate loads checkpoints with
+# torch: both run on the trainer image).
 #
 #   docker build -f images/components.Dockerfile -t $REGISTRY/goodput-components:0.1.0 .
 #
@@ -22,7 +23,7 @@ COPY pipelines pipelines
 # --no-deps: the package's dependencies include torch and nvidia-resiliency-ext, which no step here imports.
 # The check fails the build if a component module pulls in torch at import time.
 RUN pip install --no-deps . \
- && python -c "import sys, components.stage, components.train, components.train_config, components.register, components.cleanup, components.supervise, components.pytorchjob, pipelines.cli; sys.exit('torch' in sys.modules)" \
+ && python -c "import sys, components.stage, components.stage_model, components.train, components.train_config, components.register, components.cleanup, components.supervise, components.pytorchjob, pipelines.cli; sys.exit('torch' in sys.modules)" \
  && goodput --help > /dev/null
 
 # Not root. KFP writes artifacts below /gcs, /minio, /s3 or /oci, which must exist and be writable. The same

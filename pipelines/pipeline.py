@@ -82,6 +82,9 @@ def pipeline_parameters(
     model_name: str = "",
     registry: str = FSX_MOUNT + "/models",
     trainer_image: str = TRAINER_IMAGE,
+    nvrx_release: str = "",
+    hot_spares: int = 0,
+    node_health_check_endpoint: str = "",
     trainer_service_account: str = "",
     namespace: str = "",
     fsx_pvc: str = "fsx-claim",
@@ -163,6 +166,10 @@ def pipeline_parameters(
         model_name: the model's name in the registry; empty = the model's (llama, bytegpt, your module's name).
         registry: model registry, a directory on FSx or s3://bucket/prefix.
         trainer_image: image of the trainer pods.
+        nvrx_release: the NVRx release in trainer_image (its io.goodput.nvrx-release label); the pods' launch
+            command is built for it; empty = the release the project's trainer image pins.
+        hot_spares: nodes beyond ``nodes`` that stand by and take a failed node's place (NVRx 0.6+).
+        node_health_check_endpoint: Unix socket of a node health daemon on every node (NVRx 0.6+); empty = none.
         trainer_service_account: service account of the trainer pods; empty = the namespace default.
         namespace: namespace of the job; empty = the pipeline's.
         fsx_pvc: the FSx for Lustre PersistentVolumeClaim.
@@ -226,7 +233,9 @@ def _wire(backend: str, *, local_nproc=None, **p) -> None:
             service_account=p["trainer_service_account"], backend=backend, image=p["trainer_image"],
             nodes=p["nodes"], gpus_per_node=p["gpus_per_node"], spot=p["spot"], gpu_resource=p["gpu_resource"],
             efa_per_node=p["efa_per_node"], cpu=p["cpu"], memory=p["memory"], shm_size=p["shm_size"],
-            node_group=p["node_group"], scheduler=p["scheduler"], queue=p["queue"], registry=p["registry"],
+            node_group=p["node_group"], scheduler=p["scheduler"], queue=p["queue"], nvrx_release=p["nvrx_release"],
+            hot_spares=p["hot_spares"], node_health_check_endpoint=p["node_health_check_endpoint"],
+            registry=p["registry"],
             model_name=p["model_name"], endpoint_url=p["s3_endpoint_url"],
             evaluate_gpu_resource=p["evaluate_gpu_resource"], baseline=p["baseline"],
             require_beat_baseline=p["require_beat_baseline"], train_timeout_s=p["train_timeout_s"],

@@ -24,7 +24,8 @@ def test_arguments_and_job_settings():
     assert job == {"launch": {"max_restarts": 5}, "backoff_limit": 2, "pvc": "fsx", "fsx_mount": "/fsx",
                    "instance_type": "p5.48xlarge", "service_account": "trainer", "gpus_per_node": 8,
                    "gpu_resource": "nvidia.com/gpu", "efa_per_node": -1, "cpu": "", "memory": "", "shm_size": "",
-                   "node_group": "", "scheduler": "", "queue": ""}
+                   "node_group": "", "scheduler": "", "queue": "", "nvrx_release": "", "hot_spares": 0,
+                   "node_health_check_endpoint": ""}
 
 
 def test_numbers_arrive_as_integers_whatever_kfp_made_of_them():
@@ -104,6 +105,21 @@ def test_run_parameters_are_checked_before_submitting():
         check_run_parameters({**good, "nodes": 0})
     with pytest.raises(ValueError, match="an image is required"):
         check_run_parameters({**good, "trainer_image": ""})
+
+
+def test_the_trainer_images_nvrx_release_reaches_the_job_and_gates_what_it_offers():
+    """Hot spares exist from NVRx 0.6: asked of the pinned 0.4.1 image they are refused before submitting;
+    for a 0.7 image they reach the job's settings, which the PyTorchJob builder reads."""
+    good = {"fsx_root": "/fsx", "dataset_name": "corpus", "dataset_version": "latest", "nodes": 2,
+            "trainer_image": "ecr.example/goodput-trainer:0.1.0", "instance_type": "p5.48xlarge"}
+    with pytest.raises(ValueError, match="0.4.1"):
+        check_run_parameters({**good, "hot_spares": 1})
+    check_run_parameters({**good, "hot_spares": 1, "nvrx_release": "0.7.0"})
+    with pytest.raises(ValueError, match="nvrx_release"):
+        check_run_parameters({**good, "nvrx_release": "9.9"})
+    _, job, *_ = build_train_config(**{**SETTINGS, "image": good["trainer_image"]}, nodes=2, hot_spares=1,
+                                    nvrx_release="0.7.0", instance_type="p5.48xlarge")
+    assert (job["nvrx_release"], job["hot_spares"]) == ("0.7.0", 1)
 
 
 @pytest.mark.parametrize("backend", ["pytorchjob", "cluster", "trainjob"])
