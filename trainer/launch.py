@@ -329,6 +329,8 @@ class LocalCluster:
             code = cluster.supervise()
     """
 
+    launcher_module = LAUNCHER_MODULE     # the node agent's module (a benchmark's baseline may swap it)
+
     def __init__(self, launch: LaunchConfig, trainer_args: list[str], *, min_nodes: int = 0,
                  workdir: Path | None = None, env: dict[str, str] | None = None):
         """``workdir``: node logs go to ``<workdir>/node<i>.log`` (else this process's stdout and stderr).
@@ -391,7 +393,8 @@ class LocalCluster:
         while node.proc.poll() is None and time.monotonic() < deadline:
             for pid in self.pids(node.index):
                 with contextlib.suppress(psutil.Error):
-                    if LAUNCHER_MODULE in psutil.Process(pid).cmdline():
+                    # The launcher itself, not the wrapper whose arguments name it.
+                    if psutil.Process(pid).cmdline()[1:3] == ["-m", self.launcher_module]:
                         return
             time.sleep(0.05)
 
