@@ -62,6 +62,7 @@ def test_a_replacement_node_restores_the_newest_step_every_rank_has(tmp_path, st
     snapshot(replicas[0], 7)          # rank 2 has moved on; rank 3 has not (yet)
     assert sender.send_once() == [(2, 7)] and sender.send_once() == []      # nothing new: nothing sent
     assert peer_steps(store.address, 1) == {2: [7, 6], 3: [6, 5]}
+    assert restore_from_peer(store.address, 1, [2, 3], dest, among={5}) == 5     # what the other nodes hold
     assert restore_from_peer(store.address, 1, [2, 3], dest) == 6
     assert [restored_step(dest, r) for r in (2, 3)] == [6, 6]
     # A rank the holder never got: no consistent step, nothing restored, the restart uses FSx.

@@ -28,6 +28,7 @@ Every socket operation has a timeout: a peer that dies or stalls mid-copy costs 
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import logging
@@ -320,15 +321,18 @@ def peer_steps(peer: tuple[str, int], node: int, timeout_s: float = TIMEOUT_S) -
 
 
 def restore_from_peer(peer: tuple[str, int], node: int, ranks: list[int], dest: Path,
-                      timeout_s: float = TIMEOUT_S) -> int | None:
+                      timeout_s: float = TIMEOUT_S, among: set[int] | None = None) -> int | None:
     """Copy node ``node``'s newest snapshot that every rank of ``ranks`` has at the holder ``peer`` into
     ``dest`` as replica files (``NodeReplica`` reads them); return its step, or None when there is none (no
     holder reachable, no common step, a copy cut short or corrupt): the restart then falls back to the
     committed checkpoint. Each rank's marker is written last, so a restore cut short leaves nothing usable.
+
+    ``among``: only these steps (the ones the other nodes' ranks hold: a step some rank lacks is no use).
     """
     try:
         held = peer_steps(peer, node, timeout_s)
         common = set.intersection(*(set(held.get(r, ())) for r in ranks)) if ranks else set()
+        common &= among if among is not None else common
         if not common:
             log.info("peer restore: %s:%d holds no step common to ranks %s of node %d (%s)", *peer, ranks, node,
                      held)
@@ -358,3 +362,27 @@ def _fetch(peer: tuple[str, int], node: int, rank: int, step: int, dest: Path, t
     if digest != head["sha256"]:
         raise ValueError(f"rank {rank} step {step}: checksum mismatch")
     write_atomic(replica.marker_path, raw)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One node's peer daemon: keep the ring predecessor's snapshots, ship this node's to the successor."""
+    p = argparse.ArgumentParser(prog="python -m trainer.peer", description=main.__doc__)
+    p.add_argument("--replica-dir", type=Path, required=True, help="this node's memory snapshots (NodeReplica files)")
+    p.add_argument("--store-dir", type=Path, required=True, help="where the predecessor's snapshots are kept")
+    p.add_argument("--node", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="this node's store listens here (loopback)")
+    p.add_argument("--peer", required=True, help="host:port of the successor's store")
+    p.add_argument("--interval-s", type=float, default=0.5)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [peer] %(message)s")
+    host, _, port = a.peer.rpartition(":")
+    store = PeerStore(a.store_dir, port=a.port).start()
+    sender = PeerSender(a.replica_dir, a.node, (host, int(port)), interval_s=a.interval_s)
+    try:
+        sender._loop()
+    finally:
+        store.close()
+
+
+if __name__ == "__main__":
+    main()
