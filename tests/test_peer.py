@@ -59,10 +59,12 @@ def test_a_replacement_node_restores_the_newest_step_every_rank_has(tmp_path, st
         for r in replicas:
             snapshot(r, step)
         assert sorted(sender.send_once()) == [(2, step), (3, step)]
+    # Only a step the other nodes' ranks hold is of use: the older one, if that is what they have.
+    assert restore_from_peer(store.address, 1, [2, 3], dest, among={5}) == 5
+    assert [restored_step(dest, r) for r in (2, 3)] == [5, 5]
     snapshot(replicas[0], 7)          # rank 2 has moved on; rank 3 has not (yet)
     assert sender.send_once() == [(2, 7)] and sender.send_once() == []      # nothing new: nothing sent
     assert peer_steps(store.address, 1) == {2: [7, 6], 3: [6, 5]}
-    assert restore_from_peer(store.address, 1, [2, 3], dest, among={5}) == 5     # what the other nodes hold
     assert restore_from_peer(store.address, 1, [2, 3], dest) == 6
     assert [restored_step(dest, r) for r in (2, 3)] == [6, 6]
     # A rank the holder never got: no consistent step, nothing restored, the restart uses FSx.
@@ -164,3 +166,16 @@ def test_the_background_sender_follows_the_snapshots(tmp_path, store):
     finally:
         sender.close()
     assert peer_steps(store.address, 0) == {0: [3, 2]}
+
+
+def test_the_peer_daemon_reads_markers_without_torch(tmp_path):
+    """A node's peer daemon never imports torch (seconds of CPU taken from the ranks at every node start)."""
+    import subprocess
+    import sys
+
+    snapshot(NodeReplica(tmp_path, 0), 9)
+    code = ("import sys; sys.modules['torch'] = None\n"      # any import of torch fails
+            "from pathlib import Path; from trainer import peer\n"
+            f"print(peer._read_marker(peer._marker_path(Path({str(tmp_path)!r}), 0))[1])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "{'step': 9, 'slot': 0}", out.stderr

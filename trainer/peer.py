@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import io
 import json
 import logging
 import pickle
@@ -41,7 +42,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .layout import write_atomic
-from .replica import NodeReplica
 
 log = logging.getLogger(__name__)
 
@@ -235,11 +235,42 @@ class PeerStore:
 
 # ---- the sender ------------------------------------------------------------------------------------------
 
+# ---- the replica's files (trainer/replica.py's NodeReplica names them so; tests/test_peer.py reads them back
+# with it), read here without torch: a node's peer daemon has no need to import it.
+
+def _marker_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank{rank}.marker"
+
+
+def _slot_path(directory: Path, rank: int, slot: int) -> Path:
+    return directory / f"rank{rank}.slot{slot}"
+
+
+class _Opaque(type):
+    """Stands for any class a marker's values refer to (torch's among them): only step and slot are read."""
+
+    def __getattr__(cls, name):
+        return cls
+
+    def __call__(cls, *args, **kwargs):
+        return type.__call__(cls)
+
+
+class _MarkerHead(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module in ("builtins", "copyreg", "collections") and name != "eval":
+            return super().find_class(module, name)
+        return _Opaque(name, (), {"__setstate__": lambda self, state: None})
+
+
 def _read_marker(path: Path) -> tuple[bytes, dict] | None:
+    """The marker's bytes and its step and slot; None if there is none."""
     try:
         raw = path.read_bytes()
-        return raw, pickle.loads(raw)
-    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
+        head = _MarkerHead(io.BytesIO(raw)).load()
+        return raw, {"step": int(head["step"]), "slot": int(head["slot"])}
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, KeyError, TypeError,
+            ValueError):
         return None
 
 
@@ -274,13 +305,12 @@ class PeerSender:
         return kept
 
     def _send(self, rank: int) -> int | None:
-        replica = NodeReplica(self.dir, rank)
-        first = _read_marker(replica.marker_path)
+        first = _read_marker(_marker_path(self.dir, rank))
         if first is None or first[1]["step"] == self.sent.get(rank):
             return None
         raw, marker = first
         with socket.create_connection(self.peer, timeout=self.timeout_s) as sock, \
-                open(replica._slot_path(marker["slot"]), "rb") as f:
+                open(_slot_path(self.dir, rank, marker["slot"]), "rb") as f:
             size = f.seek(0, 2)
             f.seek(0)
             _send_json(sock, {"op": "put", "node": self.node, "rank": rank, "step": marker["step"],
@@ -288,7 +318,7 @@ class PeerSender:
             sock.sendall(raw)
             digest = _stream(sock, f, size)
             # Unchanged marker: no copy into this slot began while it was read (see the module docstring).
-            again = _read_marker(replica.marker_path)
+            again = _read_marker(_marker_path(self.dir, rank))
             _send_json(sock, {"sha256": digest, "consistent": again is not None and again[0] == raw})
             reply = _recv_json(sock)
         if not reply.get("ok"):
@@ -348,8 +378,9 @@ def restore_from_peer(peer: tuple[str, int], node: int, ranks: list[int], dest: 
 
 
 def _fetch(peer: tuple[str, int], node: int, rank: int, step: int, dest: Path, timeout_s: float) -> None:
-    replica = NodeReplica(dest, rank)
-    replica.discard()    # nothing of an earlier replica may be read next to this copy
+    # Nothing of an earlier replica may be read next to this copy: its marker goes first.
+    for path in (_marker_path(dest, rank), _slot_path(dest, rank, 0), _slot_path(dest, rank, 1)):
+        path.unlink(missing_ok=True)
     dest.mkdir(mode=0o700, parents=True, exist_ok=True)
     with socket.create_connection(peer, timeout=timeout_s) as sock:
         _send_json(sock, {"op": "get", "node": node, "rank": rank, "step": step})
@@ -357,11 +388,11 @@ def _fetch(peer: tuple[str, int], node: int, rank: int, step: int, dest: Path, t
         if "error" in head:
             raise ValueError(head["error"])
         raw = bytes.fromhex(head["marker"])
-        with open(replica._slot_path(pickle.loads(raw)["slot"]), "wb") as f:
+        with open(_slot_path(dest, rank, _MarkerHead(io.BytesIO(raw)).load()["slot"]), "wb") as f:
             digest = _receive(sock, f, int(head["size"]))
     if digest != head["sha256"]:
         raise ValueError(f"rank {rank} step {step}: checksum mismatch")
-    write_atomic(replica.marker_path, raw)
+    write_atomic(_marker_path(dest, rank), raw)
 
 
 def main(argv: list[str] | None = None) -> None:
