@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import json
 import os
 import shutil
@@ -335,7 +336,7 @@ class LocalCluster:
                  workdir: Path | None = None, env: dict[str, str] | None = None):
         """``workdir``: node logs go to ``<workdir>/node<i>.log`` (else this process's stdout and stderr).
         Memory snapshots go under ``--memory-snapshot-dir`` of ``trainer_args`` (``/dev/shm``), one
-        directory per node."""
+        directory per node, ``goodput-nodes-<hash of --out>/node<i>``."""
         n = compat.count(launch.nnodes, "nnodes")
         self.launch = dataclasses.replace(launch, rdzv_endpoint=f"127.0.0.1:{_free_port()}")
         self.min_nodes, self.args, self.env = min_nodes, list(trainer_args), {**os.environ, **(env or {})}
@@ -344,15 +345,19 @@ class LocalCluster:
         # from the same ranks on one node.
         ranks = n * compat.count(launch.nproc_per_node, "nproc_per_node")
         self.env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
-        self.root = Path(tempfile.mkdtemp(prefix="goodput-nodes-", dir=self._memory_root()))
+        # Named after the run, so a run killed whole (SIGKILL leaves the node directories: each node's janitor
+        # removes only the snapshots in it) leaves nothing the next one does not reuse; emptied at the start:
+        # new nodes, empty memory.
+        self.root = self._flag("--memory-snapshot-dir", Path("/dev/shm")) / "goodput-nodes-{}".format(
+            hashlib.sha256(str(self._flag("--out", Path("out")).resolve()).encode()).hexdigest()[:16])
+        shutil.rmtree(self.root, ignore_errors=True)
         self.nodes = [LocalNode(i, self.root / f"node{i}", workdir / f"node{i}.log" if workdir else None)
                       for i in range(n)]
 
-    def _memory_root(self) -> Path:
-        args = self.args
-        i = max((k for k, a in enumerate(args) if a == "--memory-snapshot-dir"), default=None)
-        root = Path(args[i + 1]) if i is not None and i + 1 < len(args) else Path("/dev/shm")
-        return root if root.is_dir() else Path(tempfile.gettempdir())
+    def _flag(self, flag: str, default: Path) -> Path:
+        """The last value of ``flag`` among the trainer's arguments (argparse keeps the last)."""
+        i = max((k for k, a in enumerate(self.args) if a == flag), default=None)
+        return Path(self.args[i + 1]) if i is not None and i + 1 < len(self.args) else default
 
     def command(self, i: int) -> list[str]:
         extras = compat.LauncherExtras(min_nodes=self.min_nodes)
