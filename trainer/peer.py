@@ -24,6 +24,10 @@ Every socket operation has a timeout: a peer that dies or stalls mid-copy costs 
     sender = PeerSender(replica_dir, node=i, peer=address_of_holder).start()
     ...
     restore_from_peer(address_of_holder, node=i, ranks=[...], dest=replica_dir)   # on a replacement node
+
+or, as one node's daemon (no torch imported):
+
+    python -m trainer.peer --replica-dir D --store-dir S --node I --port P --peer HOST:PORT
 """
 
 from __future__ import annotations
