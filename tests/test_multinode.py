@@ -7,8 +7,8 @@ the nodes' ranks disagree on TORCHELASTIC_RESTART_COUNT (ft_launcher 0.4.1 count
 whose rank failed counts a restart, a node restarted for the membership change does not, a replacement
 starts at 0), and trainer/restart.py keys the wrapper's store port and the process group's store prefix by
 it, so the ranks wait for each other under different keys until the store's timeout. They pass with that
-key made job-wide (checked with the change of docs/multinode.md, "What the trainer needs", applied); strict,
-so that the fix shows by failing them. The elastic one needs the trainer to accept a resharded checkpoint too.
+key made job-wide (checked with the change of docs/multinode.md, "What the trainer needs", applied). The
+elastic one (strict) needs the trainer to accept a resharded checkpoint too.
 """
 
 from __future__ import annotations
@@ -31,10 +31,12 @@ from tests.conftest import GOODPUT, MARK, STEPS, TINY, marked, until
 
 # Tight rank-monitor timeouts and a short rendezvous wait: a lost node is noticed within seconds.
 FT = dict(max_restarts=2, step_timeout_s=4.0, workload_check_interval_s=0.5, join_timeout_s=60.0)
+# Not strict: today they pass when both agents happen to count the restart alike (the node that did not fail
+# saw its rank fail too before it saw the other node waiting), and hang until the timeout otherwise.
 RESTART_COUNT_XFAIL = pytest.mark.xfail(
-    strict=True, raises=(AssertionError, TimeoutError),
+    strict=False, raises=(AssertionError, TimeoutError),
     reason="trainer/restart.py keys the in-process layer's store by TORCHELASTIC_RESTART_COUNT, which "
-           "ft_launcher counts per node")
+           "ft_launcher counts per node: remove this mark with that fix")
 
 
 @pytest.fixture

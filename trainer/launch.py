@@ -351,6 +351,7 @@ class LocalCluster:
         self.root = self._flag("--memory-snapshot-dir", Path("/dev/shm")) / "goodput-nodes-{}".format(
             hashlib.sha256(str(self._flag("--out", Path("out")).resolve()).encode()).hexdigest()[:16])
         shutil.rmtree(self.root, ignore_errors=True)
+        self.stopping = False
         self.nodes = [LocalNode(i, self.root / f"node{i}", workdir / f"node{i}.log" if workdir else None)
                       for i in range(n)]
 
@@ -373,6 +374,8 @@ class LocalCluster:
         keep each surviving node's rank, and a replacement takes the rank it left free).
         """
         for node in self.nodes if i is None else [self.nodes[i]]:
+            if self.stopping:     # stopped (a signal) while the nodes were being started: start no more
+                return
             if node.proc is not None and node.proc.poll() is None:
                 raise RuntimeError(f"node {node.index} is running")
             node.generation += 1
@@ -435,6 +438,7 @@ class LocalCluster:
 
     def terminate(self) -> None:
         """SIGTERM every running node: its ranks agree at the end of the step, commit and exit."""
+        self.stopping = True
         for node in self.nodes:
             if node.proc is not None and node.proc.poll() is None:
                 node.proc.send_signal(signal.SIGTERM)
