@@ -8,11 +8,18 @@ meaning on it. This module imports no torch.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
+import hashlib
 import json
+import os
+import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +27,14 @@ from . import compat
 from .config import parse_config
 from .data import default_dataset_dir, ensure_default_dataset
 from .signals import STOP_SIGNALS, parent_death_preexec
-from .warmstart import wait_unless_stopped
+from .warmstart import STOPPED_S, process_state, wait_unless_stopped
+
+
+LAUNCHER_MODULE = "nvidia_resiliency_ext.fault_tolerance.launcher"
+# The rendezvous timeouts' defaults: ft_launcher's join timeout (it raises torch's 600 s), torch's last call.
+# Not passed when kept, so a pod's command changes only where a setting does.
+NVRX_JOIN_TIMEOUT_S = 900.0
+TORCH_LAST_CALL_S = 30.0
 
 
 @dataclass
@@ -34,6 +48,11 @@ class LaunchConfig:
     rdzv_endpoint: str = field(default="", metadata={
         "help": "host:port of the c10d rendezvous; empty = --standalone (one node, local store)"})
     rdzv_id: str = field(default="goodput", metadata={"help": "rendezvous id shared by the job's nodes"})
+    join_timeout_s: float = field(default=NVRX_JOIN_TIMEOUT_S, metadata={
+        "help": "seconds a node waits in the c10d rendezvous for the others (a node that never joins fails "
+                "the job after this)"})
+    last_call_timeout_s: float = field(default=TORCH_LAST_CALL_S, metadata={
+        "help": "elastic jobs: once the fewest nodes have joined, seconds the rendezvous waits for more"})
     # Rank-monitor timeouts (seconds). Sections are opened by the trainer; each timeout is a safe upper
     # bound for its phase, and the trainer tightens ``step`` from measured step times at run time.
     setup_timeout_s: float = field(default=600.0, metadata={"help": "init, data, resume (section 'setup')"})
@@ -60,6 +79,9 @@ class LaunchConfig:
         known = {k: compat.count(v, k) for k, v in counts.items() if not compat.is_placeholder(v)}
         if self.max_restarts < 0:
             raise ValueError(f"max_restarts must not be negative, got {self.max_restarts}")
+        if self.join_timeout_s <= 0 or self.last_call_timeout_s < 0:
+            raise ValueError(f"join_timeout_s must be positive and last_call_timeout_s not negative, got "
+                             f"{self.join_timeout_s} and {self.last_call_timeout_s}")
         if known.get("nnodes", 2) > 1 and not self.rdzv_endpoint:   # a placeholder may be many nodes
             raise ValueError("a multi-node job needs rdzv_endpoint (host:port of the rendezvous)")
         return self
@@ -67,7 +89,8 @@ class LaunchConfig:
 
 def launcher_command(launch: LaunchConfig, trainer_args: list[str], *, executable: str | None = None,
                      release: compat.Release | None = None,
-                     extras: compat.LauncherExtras = compat.LauncherExtras()) -> list[str]:
+                     extras: compat.LauncherExtras = compat.LauncherExtras(),
+                     rdzv_conf: dict[str, str] | None = None) -> list[str]:
     """ft_launcher argv that runs ``python -m trainer <trainer_args>`` on one node (behind
     ``python -m trainer.warmstart`` unless ``launch.warm_start`` is off).
 
@@ -80,14 +103,22 @@ def launcher_command(launch: LaunchConfig, trainer_args: list[str], *, executabl
             ``compat.target_release()``: ``$GOODPUT_NVRX_VERSION``, else the installed one.
         extras: launcher features only some releases have (hot spares, health checks); one the release
             lacks is a ``ValueError``.
+        rdzv_conf: more c10d rendezvous settings (``--rdzv-conf``) of a multi-node job.
     """
     launch.validate()
-    head = [executable, "-m", "nvidia_resiliency_ext.fault_tolerance.launcher"] if executable else ["ft_launcher"]
+    conf = {**({"join_timeout": f"{launch.join_timeout_s:g}"} if launch.join_timeout_s != NVRX_JOIN_TIMEOUT_S
+               else {}),
+            **({"last_call_timeout": f"{launch.last_call_timeout_s:g}"}
+               if launch.last_call_timeout_s != TORCH_LAST_CALL_S else {}),
+            **(rdzv_conf or {})}
+    rdzv = ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())] if conf and launch.rdzv_endpoint else []
+    head = [executable, "-m", LAUNCHER_MODULE] if executable else ["ft_launcher"]
     # Cold too, the wrapper's zygote is the node's janitor: it ends what a killed launcher leaves behind.
     head = [executable or "python", "-m", "trainer.warmstart", *([] if launch.warm_start else ["--cold"]), *head]
     return [
         *head,
         *compat.launcher_args(launch, compat.target_release() if release is None else release, extras),
+        *rdzv,
         "-m", "trainer",
         *trainer_args,
     ]
@@ -178,47 +209,297 @@ def validate_launch(trainer_args: list[str], launch: LaunchConfig, fsx_root: Pat
     return args, cfg
 
 
-def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: Path) -> tuple[int, dict | None]:
+def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: Path, *,
+                       min_nodes: int = 0) -> tuple[int, dict | None]:
     """Validate, build the default dataset if needed, launch, wait; return (exit code, summary or None).
 
     The core of ``goodput train`` without click, used by the local training backend too. ``LaunchError``
-    before anything starts. SIGINT and SIGTERM stop the run: the ranks commit a checkpoint and exit, and the
-    exit code is 130 or 143 (128 + the signal) with no summary.
+    before anything starts. ``launch.nnodes`` > 1 starts that many node process trees (``LocalCluster``);
+    ``min_nodes`` (< nnodes) makes the job elastic (``--nnodes MIN:MAX``). SIGINT and SIGTERM stop the run:
+    the ranks commit a checkpoint and exit, and the exit code is 130 or 143 (128 + the signal) with no summary.
     """
-    args, cfg = validate_launch(trainer_args, launch, fsx_root)
+    nodes = compat.count(launch.nnodes, "nnodes") if not compat.is_placeholder(launch.nnodes) else 1
+    if min_nodes and not 0 < min_nodes < nodes:
+        raise LaunchError(f"--nodes MIN:MAX needs 1 <= MIN < MAX, got {min_nodes}:{nodes}")
+    # The nodes of a local run meet on a loopback port chosen when they start.
+    checked = dataclasses.replace(launch, rdzv_endpoint=launch.rdzv_endpoint or "127.0.0.1:0") if nodes > 1 else launch
+    args, cfg = validate_launch(trainer_args, checked, fsx_root)
+    try:
+        compat.nnodes_arg(nodes, compat.target_release(), min_nodes=min_nodes)
+    except ValueError as e:
+        raise LaunchError(str(e)) from None
     if "--data" not in trainer_args:
         try:
             ensure_default_dataset(fsx_root)
         except OSError as e:
             raise LaunchError(f"cannot build the default dataset under {fsx_root}: {e}") from None
         _check_dataset(Path(cfg.data.data), cfg)
-    # Its own session: a terminal's Ctrl-C reaches this process only, which stops the run once, with SIGTERM
-    # (ft_launcher would pass SIGINT on to every process group of its workers, where NVRx's helpers die of
-    # it). The launcher's tree dies with this process, whatever ends it: SIGTERM, so the ranks checkpoint.
-    proc = subprocess.Popen(local_launcher_command(launch, args), start_new_session=True,
-                            preexec_fn=parent_death_preexec(signal.SIGTERM))
+    started = time.time()
     stopped_by: list[int] = []
+    if nodes > 1:
+        cluster = LocalCluster(launch, args, min_nodes=min_nodes)
+        stop_run = cluster.terminate
+    else:
+        # Its own session: a terminal's Ctrl-C reaches this process only, which stops the run once, with SIGTERM
+        # (ft_launcher would pass SIGINT on to every process group of its workers, where NVRx's helpers die of
+        # it). The launcher's tree dies with this process, whatever ends it: SIGTERM, so the ranks checkpoint.
+        proc = subprocess.Popen(local_launcher_command(launch, args), start_new_session=True,
+                                preexec_fn=parent_death_preexec(signal.SIGTERM))
+        stop_run = lambda: proc.send_signal(signal.SIGTERM)  # noqa: E731
 
     def stop(signum, _frame):
         if not stopped_by:
             stopped_by.append(signum)
-            proc.send_signal(signal.SIGTERM)
+            stop_run()
 
     previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
     try:
-        code = wait_unless_stopped(proc, "goodput train: the launch wrapper")
+        if nodes > 1:
+            with cluster:
+                cluster.start()
+                code = cluster.supervise()
+            if code and not stopped_by and not _any_rank_started(Path(cfg.run.out), since=started):
+                print(f"goodput train: no rank ever started: not all {nodes} nodes joined the rendezvous "
+                      f"within --join-timeout-s ({launch.join_timeout_s:g} s)", file=sys.stderr)
+        else:
+            code = wait_unless_stopped(proc, "goodput train: the launch wrapper")
+            if code < 0:
+                print(f"goodput train: the launch wrapper (pid {proc.pid}) died of {signal.Signals(-code).name}",
+                      file=sys.stderr)
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
     if stopped_by:
         return 128 + stopped_by[0], None
     if code < 0:
-        print(f"goodput train: the launch wrapper (pid {proc.pid}) died of {signal.Signals(-code).name}",
-              file=sys.stderr)
         code = 128 - code
     summary_path = Path(cfg.run.out) / "summary.json"
     summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.exists() else None
     return code, summary
+
+
+def _any_rank_started(out: Path, since: float) -> bool:
+    from .events import read_events
+
+    return any(e["event"] == "run_start" and e["t"] >= since for e in read_events(out / "events.jsonl"))
+
+
+# ---- many nodes on this machine -----------------------------------------------------------------------
+
+NODE_ENV = "GOODPUT_LOCAL_NODE"   # carried by every process of a local node's tree: what a node loss kills
+KILL_TIMEOUT_S = 10.0
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class LocalNode:
+    """One node of a ``LocalCluster``: its launch wrapper (the tree's root, a session of its own) and the
+    memory-snapshot directory that stands for the node's /dev/shm."""
+
+    index: int
+    memory_dir: Path
+    log: Path | None
+    proc: subprocess.Popen | None = None
+    generation: int = 0      # how many times it was started (a replacement is the next generation)
+    lost: bool = False       # killed by ``LocalCluster.kill``: a node loss, not a failure of the job
+
+    @property
+    def marker(self) -> str:
+        return f"{self.memory_dir}:{self.generation}"
+
+
+class LocalCluster:
+    """N nodes on this machine, each the process tree a PyTorchJob pod runs: ``python -m trainer.warmstart``
+    (the node's zygote and janitor) -> ft_launcher -> rank monitors, ranks and their checkpoint writers,
+    joined by c10d rendezvous on a loopback port.
+
+    The command is ``launcher_command``'s, as in the pods, with two differences of place: each node gets its
+    own ``--memory-snapshot-dir`` (its /dev/shm), and node 0 hosts the rendezvous store (``is_host``; on a
+    cluster the master pod does, found by its hostname, which here every node shares). ``kill`` is a node
+    loss (every process of the node at once, its memory snapshots wiped), ``start(i)`` of a lost node is its
+    replacement, as the PyTorchJob's restart policy makes one.
+
+        with LocalCluster(LaunchConfig(nnodes=2, nproc_per_node=1), args, workdir=tmp) as cluster:
+            cluster.start()
+            cluster.kill(1); cluster.start(1)
+            code = cluster.supervise()
+    """
+
+    launcher_module = LAUNCHER_MODULE     # the node agent's module (a benchmark's baseline may swap it)
+
+    def __init__(self, launch: LaunchConfig, trainer_args: list[str], *, min_nodes: int = 0,
+                 workdir: Path | None = None, env: dict[str, str] | None = None):
+        """``workdir``: node logs go to ``<workdir>/node<i>.log`` (else this process's stdout and stderr).
+        Memory snapshots go under ``--memory-snapshot-dir`` of ``trainer_args`` (``/dev/shm``), one
+        directory per node, ``goodput-nodes-<hash of --out>/node<i>``."""
+        n = compat.count(launch.nnodes, "nnodes")
+        self.launch = dataclasses.replace(launch, rdzv_endpoint=f"127.0.0.1:{_free_port()}")
+        self.min_nodes, self.args, self.env = min_nodes, list(trainer_args), {**os.environ, **(env or {})}
+        # Every node's ranks share this machine's cores: each gets its share of them (the launcher sets 1 only
+        # where a node has several ranks), so that CPU ranks neither oversubscribe nor compute differently
+        # from the same ranks on one node.
+        ranks = n * compat.count(launch.nproc_per_node, "nproc_per_node")
+        self.env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+        # Named after the run, so a run killed whole (SIGKILL leaves the node directories: each node's janitor
+        # removes only the snapshots in it) leaves nothing the next one does not reuse; emptied at the start:
+        # new nodes, empty memory.
+        self.root = self._flag("--memory-snapshot-dir", Path("/dev/shm")) / "goodput-nodes-{}".format(
+            hashlib.sha256(str(self._flag("--out", Path("out")).resolve()).encode()).hexdigest()[:16])
+        shutil.rmtree(self.root, ignore_errors=True)
+        self.stopping = False
+        self.nodes = [LocalNode(i, self.root / f"node{i}", workdir / f"node{i}.log" if workdir else None)
+                      for i in range(n)]
+
+    def _flag(self, flag: str, default: Path) -> Path:
+        """The last value of ``flag`` among the trainer's arguments (argparse keeps the last)."""
+        i = max((k for k, a in enumerate(self.args) if a == flag), default=None)
+        return Path(self.args[i + 1]) if i is not None and i + 1 < len(self.args) else default
+
+    def command(self, i: int) -> list[str]:
+        extras = compat.LauncherExtras(min_nodes=self.min_nodes)
+        return launcher_command(self.launch, [*self.args, "--memory-snapshot-dir", str(self.nodes[i].memory_dir)],
+                                executable=sys.executable, extras=extras, rdzv_conf={"is_host": int(i == 0)})
+
+    def start(self, i: int | None = None) -> None:
+        """Start every node, or node ``i`` (again: a replacement, with an empty memory-snapshot directory).
+
+        One after the other, each once its launcher runs: the first rendezvous orders the nodes by
+        (address, launcher pid), and here every node has the same address, so node i gets group rank i
+        only if the launchers' pids rise with i (on a cluster the pods' host names order them; later rounds
+        keep each surviving node's rank, and a replacement takes the rank it left free).
+        """
+        for node in self.nodes if i is None else [self.nodes[i]]:
+            if self.stopping:     # stopped (a signal) while the nodes were being started: start no more
+                return
+            if node.proc is not None and node.proc.poll() is None:
+                raise RuntimeError(f"node {node.index} is running")
+            node.generation += 1
+            node.lost = False
+            node.memory_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            log = open(node.log, "ab") if node.log else None
+            try:
+                # A session of its own (a terminal's Ctrl-C reaches this process only, which stops the nodes
+                # with SIGTERM); the node dies with this process, by SIGTERM so that its ranks checkpoint.
+                node.proc = subprocess.Popen(
+                    self.command(node.index), stdout=log, stderr=subprocess.STDOUT if log else None,
+                    start_new_session=True, env={**self.env, NODE_ENV: node.marker},
+                    preexec_fn=parent_death_preexec(signal.SIGTERM))
+            finally:
+                if log:
+                    log.close()
+            self._await_launcher(node)
+
+    def _await_launcher(self, node: LocalNode) -> None:
+        import psutil
+
+        deadline = time.monotonic() + KILL_TIMEOUT_S
+        while node.proc.poll() is None and time.monotonic() < deadline:
+            for pid in self.pids(node.index):
+                with contextlib.suppress(psutil.Error):
+                    # The launcher itself, not the wrapper whose arguments name it.
+                    if psutil.Process(pid).cmdline()[1:3] == ["-m", self.launcher_module]:
+                        return
+            time.sleep(0.05)
+
+    def pids(self, i: int) -> list[int]:
+        """Live processes of node ``i``'s tree (every one carries its marker in its environment)."""
+        import psutil
+
+        needle = f"{NODE_ENV}={self.nodes[i].marker}"
+        found = []
+        for p in psutil.process_iter():
+            try:
+                if p.status() != psutil.STATUS_ZOMBIE and needle in (f"{k}={v}" for k, v in p.environ().items()):
+                    found.append(p.pid)
+            except (psutil.Error, OSError):
+                continue    # gone meanwhile, or not ours
+        return found
+
+    def kill(self, i: int) -> None:
+        """Node loss: SIGKILL every process of node ``i`` at once and wipe its memory snapshots."""
+        node = self.nodes[i]
+        node.lost = True
+        deadline = time.monotonic() + KILL_TIMEOUT_S
+        while pids := self.pids(i):     # again: a launcher may have started a worker meanwhile
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"node {i}: processes {pids} survived SIGKILL for {KILL_TIMEOUT_S:g}s")
+            for pid in pids:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            time.sleep(0.05)
+        if node.proc is not None:
+            node.proc.wait()
+        shutil.rmtree(node.memory_dir, ignore_errors=True)
+
+    def terminate(self) -> None:
+        """SIGTERM every running node: its ranks agree at the end of the step, commit and exit."""
+        self.stopping = True
+        for node in self.nodes:
+            if node.proc is not None and node.proc.poll() is None:
+                node.proc.send_signal(signal.SIGTERM)
+
+    def supervise(self, timeout: float | None = None) -> int:
+        """Wait for the job; return 0 once every node that was not lost exited 0, else a failed node's exit
+        code (negative: the signal it died of).
+
+        A node that fails (or is stopped for ``STOPPED_S``: killed) while fewer than the job's minimum of
+        nodes remain ends the others (SIGTERM, then SIGKILL after ``term_timeout_s``): they could only wait
+        for it until their rendezvous times out. A lost node is not a failure: a replacement may be started.
+        ``timeout``: give up (``TimeoutError``, the nodes left running) after that many seconds.
+        """
+        need = self.min_nodes or len(self.nodes)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        stopped: dict[int, float] = {}
+        while True:
+            failed = [n for n in self.nodes if not n.lost and n.proc is not None and n.proc.poll() not in (None, 0)]
+            running = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
+            if failed and len(self.nodes) - len(failed) < need:
+                code = failed[0].proc.returncode
+                print(f"goodput: node {failed[0].index} exited with {code}; fewer than {need} nodes are left, "
+                      f"so the job is stopped", file=sys.stderr)
+                self._stop(running)
+                return code
+            if not running:
+                return failed[0].proc.returncode if failed else 0
+            for n in running:
+                if process_state(n.proc.pid) != "T":
+                    stopped.pop(n.index, None)
+                elif time.monotonic() - stopped.setdefault(n.index, time.monotonic()) > STOPPED_S:
+                    print(f"goodput: node {n.index}'s launch wrapper (pid {n.proc.pid}) was stopped for "
+                          f"{STOPPED_S:g}s; killed the node", file=sys.stderr)
+                    self.kill(n.index)
+                    n.lost = False   # not a loss to be replaced: a failure of the job
+            if deadline is not None and time.monotonic() > deadline:
+                raise TimeoutError(f"the job did not finish in {timeout:g}s")
+            time.sleep(0.2)
+
+    def _stop(self, nodes: list[LocalNode]) -> None:
+        for n in nodes:
+            n.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + self.launch.term_timeout_s
+        for n in nodes:
+            try:
+                n.proc.wait(max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                self.kill(n.index)
+
+    def close(self) -> None:
+        """Kill whatever is left of every node and remove the memory-snapshot directories."""
+        for node in self.nodes:
+            if node.proc is not None:
+                self.kill(node.index)
+        shutil.rmtree(self.root, ignore_errors=True)
+
+    def __enter__(self) -> "LocalCluster":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 def last_stop(trainer_args: list[str], since: float) -> int | None:

@@ -25,6 +25,18 @@ def launch_options(fn):
     return fn
 
 
+def parse_nodes(value: str) -> tuple[int, int]:
+    """``N`` (a fixed size: (0, N)) or ``MIN:MAX`` (elastic: (MIN, MAX), 1 <= MIN < MAX)."""
+    try:
+        low, _, high = value.partition(":")
+        nodes = (int(low), int(high)) if high else (0, int(low))
+    except ValueError:
+        raise click.BadParameter(f"{value!r} is not N or MIN:MAX") from None
+    if nodes[1] < 1 or (nodes[0] and not 1 <= nodes[0] < nodes[1]):
+        raise click.BadParameter(f"{value!r}: need N >= 1, or 1 <= MIN < MAX")
+    return nodes
+
+
 # \b keeps click from re-wrapping each section of the trainer's flags.
 TRAINER_HELP = "\n\n".join(
     "\b\n" + f"{section}:\n" + "\n".join(f"  {flag:<22} {text}" for flag, text in rows)
@@ -34,7 +46,13 @@ TRAINER_HELP = "\n\n".join(
 @click.command(context_settings={"ignore_unknown_options": True, "allow_extra_args": True,
                                  "help_option_names": ["-h", "--help"]},
                epilog="Trainer options (passed through to `python -m trainer`):\n\n" + TRAINER_HELP)
-@click.option("--nproc", default=2, show_default=True, help="Worker processes (GPUs, or CPU ranks with gloo).")
+@click.option("--nproc", default=2, show_default=True,
+              help="Worker processes per node (GPUs, or CPU ranks with gloo).")
+@click.option("--nodes", default="1", show_default=True, callback=lambda _c, _p, v: parse_nodes(v),
+              help="Nodes, each its own process tree on this machine (launcher, warm-start zygote, rank monitors, "
+                   "checkpoint writers, memory-snapshot directory) joined by c10d rendezvous on loopback, as the "
+                   "PyTorchJob's pods are; MIN:MAX is elastic: a node lost lets the run go on with at least MIN "
+                   "(from a resharded checkpoint, not bitwise).")
 @click.option("--fsx-root", default="fsx", show_default=True, type=click.Path(path_type=Path),
               help="Local stand-in for the FSx mount; the default dataset is built under it.")
 @click.option("--restart", type=click.Choice(["auto", "inprocess", "injob", "both"]), default="auto",
@@ -44,23 +62,27 @@ TRAINER_HELP = "\n\n".join(
                    "NVRx release recommends (both up to 0.5, in-job where the in-process Wrapper is deprecated).")
 @launch_options
 @click.pass_context
-def train(ctx: click.Context, nproc: int, fsx_root: Path, restart: str, **launch: float) -> None:
-    """Train on this machine: NVRx ft_launcher starts NPROC ranks of `python -m trainer`.
+def train(ctx: click.Context, nproc: int, nodes: tuple[int, int], fsx_root: Path, restart: str,
+          **launch: float) -> None:
+    """Train on this machine: NVRx ft_launcher starts NPROC ranks of `python -m trainer` on each of NODES.
 
     Without --data the default dataset (this Python's standard library, no download) is built under
     FSX_ROOT. Rerun the same command to resume from the newest committed checkpoint in --out.
 
     \b
-    Example:
+    Examples:
       goodput train --nproc 2 --max-steps 100 --ckpt-every 20 --out fsx/runs/demo
+      goodput train --nodes 2 --nproc 1 --max-steps 100 --out fsx/runs/two-nodes
     """
     from rich.console import Console
     from rich.table import Table
 
     started = time.time()
     # A LaunchError (a ValueError) is the CLI's one-line error, exit 2: nothing was created or started.
+    min_nodes, max_nodes = nodes
     code, summary = run_local_training([*ctx.args, "--restart-layers", restart],
-                                       LaunchConfig(nproc_per_node=nproc, **launch), fsx_root)
+                                       LaunchConfig(nproc_per_node=nproc, nnodes=max_nodes, **launch), fsx_root,
+                                       min_nodes=min_nodes)
     if summary is None:
         if code in (130, 143):
             stop = last_stop(ctx.args, since=started)

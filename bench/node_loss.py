@@ -1,0 +1,205 @@
+"""Node loss: time from the loss to the first resumed step, and steps redone, side by side in one invocation.
+
+Two nodes of one CPU rank each (``trainer.launch.LocalCluster``): once the run is past step LOSS_AT, node 1's
+whole process tree is killed and its memory-snapshot directory wiped, and a replacement node is started at
+once (what the PyTorchJob's restart policy does with a new pod; here it costs no scheduling or image pull).
+The same trainer and workload under:
+
+- ``ft_launcher, FSx checkpoint``: the product today: node 0 still has its memory snapshot, node 1's went with
+  the node, so the newest step both have is the last committed checkpoint;
+- ``torchrun --max-restarts``: plain torch elastic agents, same rendezvous, same checkpoints;
+- ``ft_launcher, peer snapshot``: each node runs ``python -m trainer.peer`` next to its ranks (niced, in the
+  node's tree, so it dies with the node), which ships the node's snapshots to the next node of the ring;
+  the replacement node's snapshot is restored from node 0's copy before its ranks start, at the step node 0's
+  own snapshot has. A stand-in for the checkpointer's restore order (own memory, peer, FSx, S3) until that is
+  integrated: the trainer then finds the copy as its own memory.
+
+Overhead: the median step time of the fault-free run with the peer daemons against the one without.
+
+Recovery = node killed -> first training step completed after it; redone = the newest step done before the
+loss minus the step the run resumed from. The weights at the end are compared with a fault-free run's. The
+loss comes past step LOSS_AT once the step-20 checkpoint is committed.
+
+    python bench/node_loss.py           # ~5 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from _runs import dataset, events, table
+
+from trainer.launch import NODE_ENV, LaunchConfig, LocalCluster
+from trainer.layout import replica_dir
+
+REPO = Path(__file__).resolve().parent.parent
+# The restore, in a process that has imported torch before the loss (the replacement node's janitor would
+# have): this one cannot import torch, whose import reads stack traces and finds bench/tokenize.py first.
+RESTORE = """
+import sys
+from pathlib import Path
+from trainer.peer import restore_from_peer
+from trainer.replica import NodeReplica
+other_dir, other, port, node, dest = sys.argv[1:]
+sys.stdin.readline()
+marker = NodeReplica(Path(other_dir), int(other)).marked()
+print(restore_from_peer(("127.0.0.1", int(port)), int(node), [int(node)], Path(dest),
+                        among={marker["step"]} if marker else set()), flush=True)
+"""
+
+TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8",
+        "--eval-windows", "16", "--log-every", "5", "--max-steps", "60", "--ckpt-every", "20",
+        "--memory-snapshot-every-s", "0.5"]
+LOSS_AT = 30
+LAUNCH = LaunchConfig(nnodes=2, nproc_per_node=1, max_restarts=3, monitor_interval_s=0.1,
+                      workload_check_interval_s=0.1, workers_stop_timeout_s=0.3, join_timeout_s=120)
+COLUMNS = {"fsx": "ft_launcher, FSx checkpoint", "torchrun": "torchrun --max-restarts",
+           "peer": "ft_launcher, peer snapshot"}
+
+
+class TorchrunCluster(LocalCluster):
+    """The same node trees with plain ``torchrun`` as each node's agent (no zygote, no rank monitors)."""
+
+    launcher_module = "torch.distributed.run"
+
+    def command(self, i: int) -> list[str]:
+        launch = self.launch
+        return [sys.executable, "-m", self.launcher_module, "--nnodes", str(launch.nnodes),
+                "--nproc-per-node", str(launch.nproc_per_node), "--rdzv-backend", "c10d",
+                "--rdzv-endpoint", launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id,
+                "--rdzv-conf", f"is_host={int(i == 0)},join_timeout={launch.join_timeout_s:g}",
+                "--max-restarts", str(launch.max_restarts), "--monitor-interval", f"{launch.monitor_interval_s:g}",
+                "-m", "trainer", *self.args, "--restart-layers", "injob",
+                "--memory-snapshot-dir", str(self.nodes[i].memory_dir)]
+
+
+def _port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class PeerDaemons:
+    """``python -m trainer.peer`` on each node of ``cluster``, started into the node's tree."""
+
+    def __init__(self, cluster: LocalCluster, out: Path):
+        self.cluster, self.out = cluster, out
+        self.ports = [_port() for _ in cluster.nodes]
+
+    def replicas(self, i: int) -> Path:
+        return replica_dir(self.cluster.nodes[i].memory_dir, self.out / "checkpoints")
+
+    def start(self, i: int) -> None:
+        node, n = self.cluster.nodes[i], len(self.cluster.nodes)
+        with open(self.out.parent / f"{self.out.name}-peer{i}.log", "ab") as log:
+            subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "trainer.peer", "--replica-dir",
+                              str(self.replicas(i)), "--store-dir", str(node.memory_dir / "peer"), "--node", str(i),
+                              "--port", str(self.ports[i]), "--peer", f"127.0.0.1:{self.ports[(i + 1) % n]}",
+                              "--interval-s", "0.1"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                             env={**self.cluster.env, NODE_ENV: node.marker})
+
+    def prepare_restore(self, i: int) -> subprocess.Popen:
+        """A process ready to restore node ``i``'s snapshot from its holder (``restore`` sets it off)."""
+        other = (i + 1) % len(self.cluster.nodes)
+        return subprocess.Popen([sys.executable, "-c", RESTORE, str(self.replicas(other)), str(other),
+                                 str(self.ports[other]), str(i), str(self.replicas(i))],
+                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
+
+    @staticmethod
+    def restore(helper: subprocess.Popen) -> int | None:
+        """Node ``i``'s snapshot from its holder, at the step the other node's own snapshot has."""
+        out, _ = helper.communicate("go\n", timeout=60)
+        return None if out.strip() in ("", "None") else int(out.strip())
+
+
+def run(kind: str, root: Path, data: Path, lose: bool, timeout: float) -> dict:
+    out = root / "runs" / f"{kind}{'' if lose else '-clean'}"
+    args = ["--data", str(data), *TINY, "--out", str(out)]
+    cluster = (TorchrunCluster if kind == "torchrun" else LocalCluster)(LAUNCH, args, workdir=out.parent / out.name)
+    peers = PeerDaemons(cluster, out) if kind == "peer" else None
+    out.mkdir(parents=True, exist_ok=True)
+    result: dict = {}
+    with cluster:
+        t0 = time.monotonic()
+        cluster.start()
+        for i in range(len(cluster.nodes)) if peers else ():
+            peers.start(i)
+        helper = peers.prepare_restore(1) if peers and lose else None
+        if lose:
+            # Between checkpoints: past LOSS_AT, with the step-20 checkpoint committed (its write may still
+            # run on a writer that boots after each start, so it can commit after LOSS_AT).
+            while not (any(e["event"] == "step" and e["step"] >= LOSS_AT for e in events(out)) and
+                       any(e["event"] == "ckpt_committed" and e["step"] == 20 for e in events(out))):
+                if time.monotonic() - t0 > timeout or all(n.proc.poll() is not None for n in cluster.nodes):
+                    raise RuntimeError(f"{kind}: the run did not reach step {LOSS_AT}; see {out}/node*.log")
+                time.sleep(0.05)
+            cluster.kill(1)
+            result["lost_at"] = time.time()
+            if peers:
+                result["peer_step"] = peers.restore(helper)
+            cluster.start(1)
+            if peers:
+                peers.start(1)
+        try:
+            result["code"] = cluster.supervise(timeout=timeout)
+        except TimeoutError:
+            result["code"] = "timeout"
+    summary = out / "summary.json"
+    result["sha"] = json.loads(summary.read_text())["params_sha256"] if summary.exists() else None
+    ev = events(out)
+    result["step_s_p50"] = statistics.median(e["step_s"] for e in ev if e["event"] == "step" and e["step"] > 5)
+    if lose:
+        before = max(e["step"] for e in ev if e["event"] == "step" and e["t"] <= result["lost_at"])
+        loads = [e for e in ev if e["event"] in ("ckpt_loaded", "fresh_start") and e["t"] > result["lost_at"]]
+        steps = [e for e in ev if e["event"] == "step" and loads and e["t"] > loads[0]["t"]]
+        if loads and steps:
+            result.update(recovered_s=steps[0]["t"] - result["lost_at"], redone=before - loads[0]["step"],
+                          source=loads[0]["source"] if loads[0]["event"] == "ckpt_loaded" else "nothing (step 0)")
+    return result
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--timeout-s", type=float, default=240.0, help="per run")
+    a = p.parse_args()
+    root = a.workdir or Path(tempfile.mkdtemp(prefix="bench-node-loss-"))
+    data = dataset(root)
+    clean = run("fsx", root, data, lose=False, timeout=a.timeout_s)
+    print(f"fault-free 2-node run: {clean}", flush=True)
+    clean_peer = run("peer", root, data, lose=False, timeout=a.timeout_s)
+    print(f"fault-free 2-node run with peer copies: {clean_peer}", flush=True)
+    measured = {}
+    for kind in COLUMNS:
+        measured[kind] = r = run(kind, root, data, lose=True, timeout=a.timeout_s)
+        print(f"{COLUMNS[kind]}: {r}", flush=True)
+    base = measured["torchrun"].get("recovered_s")
+    rows = [["recovery (loss -> first resumed step)"], ["steps redone"], ["resumed from"], ["weights = fault-free"]]
+    for kind in COLUMNS:
+        r = measured[kind]
+        rec = r.get("recovered_s")
+        rows[0].append("failed" if rec is None else
+                       f"{rec:.2f} s" + (f" ({rec / base:.2f}x)" if base and kind != "torchrun" else ""))
+        rows[1].append(str(r.get("redone", "-")))
+        rows[2].append(r.get("source", f"exit {r['code']}"))
+        rows[3].append(str(r["sha"] == clean["sha"]) if r["sha"] else "no summary")
+    overhead = clean_peer["step_s_p50"] / clean["step_s_p50"]
+    print(f"\nstep time p50, fault-free: {clean['step_s_p50'] * 1e3:.1f} ms without peer copies, "
+          f"{clean_peer['step_s_p50'] * 1e3:.1f} ms with ({overhead:.3f}x; same weights: "
+          f"{clean_peer['sha'] == clean['sha']})")
+    print(f"\nnode 1 of 2 lost after step {LOSS_AT} and replaced at once; checkpoint every 20 steps, memory "
+          f"snapshot every 0.5 s (ratio to torchrun)")
+    print(table(rows, ["", *COLUMNS.values()]))
+    print("\ngoals (with the peer copy): recovery <= 5 s, redone <= the snapshot interval; step time <= 1.02x")
+
+
+if __name__ == "__main__":
+    main()

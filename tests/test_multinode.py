@@ -1,0 +1,219 @@
+"""Many nodes on this machine (trainer/launch.py ``LocalCluster``, ``goodput train --nodes``): 2 nodes x 1 rank,
+each node its own process tree (launch wrapper and zygote, ft_launcher, rank monitor, rank, checkpoint
+writers) and memory-snapshot directory, joined by c10d rendezvous on loopback.
+
+The in-job restart tests are strict xfails: after a restart that does not restart every node the same way,
+the nodes' ranks disagree on TORCHELASTIC_RESTART_COUNT (ft_launcher 0.4.1 counts it per agent: the node
+whose rank failed counts a restart, a node restarted for the membership change does not, a replacement
+starts at 0), and trainer/restart.py keys the wrapper's store port and the process group's store prefix by
+it, so the ranks wait for each other under different keys until the store's timeout. They pass with that
+key made job-wide (checked with the change of docs/multinode.md, "What the trainer needs", applied). The
+elastic one (strict) needs the trainer to accept a resharded checkpoint too.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+import uuid
+
+import pytest
+
+from trainer.events import read_events
+from trainer.launch import LaunchConfig, LocalCluster
+from trainer.layout import committed_steps
+
+from tests.conftest import GOODPUT, MARK, STEPS, TINY, marked, until
+
+# Tight rank-monitor timeouts and a short rendezvous wait: a lost node is noticed within seconds.
+FT = dict(max_restarts=2, step_timeout_s=4.0, workload_check_interval_s=0.5, join_timeout_s=60.0)
+# Not strict: today they pass when both agents happen to count the restart alike (the node that did not fail
+# saw its rank fail too before it saw the other node waiting), and hang until the timeout otherwise.
+RESTART_COUNT_XFAIL = pytest.mark.xfail(
+    strict=False, raises=(AssertionError, TimeoutError),
+    reason="trainer/restart.py keys the in-process layer's store by TORCHELASTIC_RESTART_COUNT, which "
+           "ft_launcher counts per node: remove this mark with that fix")
+
+
+@pytest.fixture
+def cluster(tmp_path, dataset):
+    """``cluster(*trainer_args, nodes=2, min_nodes=0, **launch)``: a started LocalCluster of 1-rank nodes."""
+    started: list[LocalCluster] = []
+
+    def start(*args: str, nodes: int = 2, min_nodes: int = 0, **launch) -> LocalCluster:
+        out = tmp_path / "run"
+        c = LocalCluster(LaunchConfig(nnodes=nodes, nproc_per_node=1, **{**FT, **launch}),
+                         ["--data", str(dataset), *TINY, "--out", str(out), *args], min_nodes=min_nodes,
+                         workdir=tmp_path)
+        c.out = out
+        started.append(c)
+        c.start()
+        return c
+
+    yield start
+    for c in started:
+        c.close()
+
+
+def events(c: LocalCluster) -> list[dict]:
+    return read_events(c.out / "events.jsonl")
+
+
+def wait_for(c: LocalCluster, predicate, timeout: float = 120) -> dict:
+    found: list[dict] = []
+    assert until(lambda: found.extend(e for e in events(c) if predicate(e)) or found, timeout), logs(c)
+    return found[0]
+
+
+def logs(c: LocalCluster) -> str:
+    return "\n".join(f"--- node {n.index}\n" + "\n".join(n.log.read_text(errors="replace").splitlines()[-30:])
+                     for n in c.nodes if n.log and n.log.exists())
+
+
+def summary(c: LocalCluster) -> dict:
+    return json.loads((c.out / "summary.json").read_text())
+
+
+@pytest.fixture(scope="session")
+def two_node_sha(tmp_path_factory, dataset) -> str:
+    """params_sha256 of a fault-free ``goodput train --nodes 2 --nproc 1`` run of STEPS, computed once."""
+    tmp = tmp_path_factory.mktemp("two-nodes")
+    out, mark = tmp / "run", uuid.uuid4().hex
+    with open(tmp / "run.log", "w+") as log:
+        proc = subprocess.Popen([*GOODPUT, "train", "--nodes", "2", "--nproc", "1", "--data", str(dataset),
+                                 "--out", str(out), *TINY, *STEPS], stdout=log, stderr=subprocess.STDOUT,
+                                start_new_session=True, env={**os.environ, MARK: mark})
+        try:
+            assert proc.wait(300) == 0, log.seek(0) or log.read()[-4000:]
+        finally:
+            with contextlib.suppress(ProcessLookupError):    # its session's leftovers, if it failed
+                os.killpg(proc.pid, signal.SIGKILL)
+        # Every process of both node trees is gone, and so are their memory-snapshot directories.
+        assert until(lambda: not marked(mark), 15), marked(mark)
+    s = json.loads((out / "summary.json").read_text())
+    starts = [e for e in read_events(out / "events.jsonl") if e["event"] == "run_start"]
+    assert s["steps"] == 14 and s["restarts"] == 0 and [e["world_size"] for e in starts] == [2]
+    return s["params_sha256"]
+
+
+def test_two_nodes_of_one_rank_train_as_one_node_of_two(two_node_sha, clean_sha):
+    """The same ranks, data and arithmetic: only who starts the processes differs."""
+    assert two_node_sha == clean_sha("fsdp")
+
+
+def test_each_node_is_a_tree_of_its_own_with_its_own_snapshot_directory(cluster):
+    c = cluster("--max-steps", "100000", "--memory-snapshot-every-s", "0.2")
+    wait_for(c, lambda e: e["event"] == "memory_snapshot")
+    markers = lambda: [sorted(p.name for p in n.memory_dir.glob("goodput-*/rank*.marker")) for n in c.nodes]  # noqa
+    assert until(lambda: markers() == [["rank0.marker"], ["rank1.marker"]], 30), markers()
+    trees = [set(c.pids(i)) for i in (0, 1)]
+    ranks = {e["rank"]: e["pid"] for e in events(c) if e["event"] == "worker_start"}
+    # Node i's tree holds rank i (group ranks follow the start order), its launcher, zygote and writers.
+    assert ranks[0] in trees[0] and ranks[1] in trees[1] and not trees[0] & trees[1]
+    assert all(len(t) >= 5 for t in trees), trees
+    c.kill(1)        # a node loss: every process of the node at once, its memory wiped
+    assert not c.pids(1) and c.pids(0) and not c.nodes[1].memory_dir.exists()
+
+
+def test_a_node_that_never_joins_fails_the_run_within_the_join_timeout(tmp_path, dataset, monkeypatch, capfd):
+    """Node 1's pod never comes: node 0 gives up after --join-timeout-s, and goodput train says why."""
+    from trainer import launch
+
+    start = launch.LocalCluster.start
+    monkeypatch.setattr(launch.LocalCluster, "start", lambda self, i=None: start(self, 0))
+    t0 = time.monotonic()
+    code, result = launch.run_local_training(["--data", str(dataset), *TINY, "--out", str(tmp_path / "run")],
+                                             LaunchConfig(nnodes=2, nproc_per_node=1, join_timeout_s=5),
+                                             tmp_path / "fsx")
+    waited = time.monotonic() - t0
+    err = capfd.readouterr().err
+    assert code != 0 and result is None and waited < 60, (code, waited)
+    assert "RendezvousTimeoutError" in err and "not all 2 nodes joined the rendezvous" in err
+    assert not read_events(tmp_path / "run" / "events.jsonl")     # no rank ever started
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_stops_every_node_with_a_committed_checkpoint(tmp_path, dataset):
+    out, mark = tmp_path / "run", uuid.uuid4().hex
+    with open(tmp_path / "run.log", "w+") as log:
+        proc = subprocess.Popen([*GOODPUT, "train", "--nodes", "2", "--nproc", "1", "--data", str(dataset),
+                                 "--out", str(out), *TINY, "--max-steps", "100000", "--ckpt-every", "0",
+                                 "--memory-snapshot-every-s", "0.5"],
+                                stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
+                                env={**os.environ, MARK: mark})
+        try:
+            assert until(lambda: any(e["event"] == "memory_snapshot" for e in read_events(out / "events.jsonl")), 120)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 143, log.seek(0) or log.read()[-4000:]
+        finally:
+            with contextlib.suppress(ProcessLookupError):    # its session's leftovers, if it failed
+                os.killpg(proc.pid, signal.SIGKILL)
+    (stop,) = [e for e in read_events(out / "events.jsonl") if e["event"] == "exit"]
+    # The ranks agreed on the step (rank 1's node too: that step is committed, so its shard was written).
+    assert stop["reason"] == "sigterm" and committed_steps(out / "checkpoints") == [stop["step"]]
+    assert max(e["step"] for e in read_events(out / "events.jsonl") if e["event"] == "step") == stop["step"]
+    assert until(lambda: not marked(mark), 15), marked(mark)
+
+
+@RESTART_COUNT_XFAIL
+def test_a_rank_killed_on_node_1_restarts_both_nodes(cluster, two_node_sha):
+    c = cluster(*STEPS, "--inject-fault", "kill@7:1", "--memory-snapshot-every-s", "0.001")
+    assert c.supervise(timeout=90) == 0, logs(c)
+    s = summary(c)
+    assert s["params_sha256"] == two_node_sha and [f["kind"] for f in s["faults"]] == ["kill"]
+    starts = [e for e in events(c) if e["event"] == "worker_start"]
+    assert sorted(e["rank"] for e in starts) == [0, 0, 1, 1] and all(e["warm"] for e in starts)
+    # Both nodes restarted from their own memory: the newest copy before the fault, not the step-4 checkpoint.
+    loaded = [(e["source"], e["step"]) for e in events(c) if e["event"] == "ckpt_loaded"]
+    assert len(loaded) == 2 and loaded[0] == loaded[1] and loaded[0][0] == "memory" and loaded[0][1] >= 5
+
+
+@RESTART_COUNT_XFAIL
+def test_a_hang_on_node_0_is_caught_and_both_nodes_restart(cluster, two_node_sha):
+    c = cluster(*STEPS, "--inject-fault", "hang@6:0", "--ft-calc-after-steps", "3", "--ft-min-step-timeout-s", "3",
+                step_timeout_s=300.0)
+    assert c.supervise(timeout=120) == 0, logs(c)
+    s = summary(c)
+    assert s["params_sha256"] == two_node_sha and [f["kind"] for f in s["faults"]] == ["hang"]
+    assert sorted(e["rank"] for e in events(c) if e["event"] == "worker_start") == [0, 0, 1, 1]
+
+
+def test_node_1_lost_and_replaced_resumes_from_the_checkpoint_with_the_fault_free_weights(cluster, two_node_sha):
+    """Not hit by the restart-count mismatch: node 0's rank waits in the in-process layer's restart for its
+    lost peer, so node 0's agent restarts for the replacement's arrival (a membership change, count 0, as the
+    replacement's). With the in-job layer alone it would fail (counts 1 and 0)."""
+    c = cluster(*STEPS, "--memory-snapshot-every-s", "0.001")
+    wait_for(c, lambda e: e["event"] == "ckpt_committed" and e["step"] == 4)
+    wait_for(c, lambda e: e["event"] == "step" and e["step"] >= 6)
+    c.kill(1)
+    lost_at = time.time()
+    c.start(1)                        # what the PyTorchJob's restart policy does: a new pod, empty /dev/shm
+    assert c.supervise(timeout=120) == 0, logs(c)
+    assert summary(c)["params_sha256"] == two_node_sha
+    after = [e for e in events(c) if e["t"] > lost_at]
+    # Node 0 still had its copy in memory, node 1's went with it: the newest step both have is on FSx.
+    assert [(e["source"], e["rank"]) for e in after if e["event"] == "ckpt_loaded"] in (
+        [("checkpoint", 0), ("checkpoint", 1)], [("checkpoint", 1), ("checkpoint", 0)])
+    # ...the newest one committed before the loss.
+    resumed_at = min(e["t"] for e in after if e["event"] == "ckpt_loaded")
+    committed = [e["step"] for e in events(c) if e["event"] == "ckpt_committed" and e["t"] <= resumed_at]
+    assert {e["step"] for e in after if e["event"] == "ckpt_loaded"} == {max(committed)}
+
+
+@pytest.mark.xfail(strict=True, raises=(AssertionError, TimeoutError),
+                   reason="trainer/checkpoint.py refuses a checkpoint of another world size; restart.py as above")
+def test_a_node_lost_without_replacement_under_min_max_finishes_on_fewer_nodes(cluster):
+    """In-job layer only: under the in-process one, a peer lost for good costs the Wrapper's 30 s barrier and
+    then a ValueError the trainer takes for fatal (docs/multinode.md, "What the trainer needs")."""
+    c = cluster("--max-steps", "20", "--ckpt-every", "4", "--restart-layers", "injob", min_nodes=1,
+                last_call_timeout_s=1.0)
+    wait_for(c, lambda e: e["event"] == "ckpt_committed" and e["step"] == 4)
+    c.kill(1)
+    assert c.supervise(timeout=120) == 0, logs(c)
+    s = summary(c)
+    assert s["steps"] == 20
+    assert [e["world_size"] for e in events(c) if e["event"] == "run_start"][-1] == 1

@@ -1,0 +1,181 @@
+"""Peer memory snapshots (trainer/peer.py): a node's replica copied to another node over TCP and restored
+from there by a replacement node, never torn, never waiting forever."""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+import pytest
+import torch
+
+from trainer import peer
+from trainer.peer import PeerSender, PeerStore, holder_of, peer_steps, restore_from_peer
+from trainer.replica import NodeReplica
+
+from tests.conftest import until
+
+
+def _state(value: float) -> dict:
+    return {"model": {"w": torch.full((64, 64), value), "b": torch.arange(8.0) + value}, "step": int(value)}
+
+
+def snapshot(replica: NodeReplica, step: int) -> None:
+    """What the trainer does: copy the state into the slot the marker does not name, then mark it."""
+    marked = replica.marked()
+    slot = 1 - marked["slot"] if marked else 0
+    buf = replica.buffer(_state(step), slot)
+    for k, t in _state(step)["model"].items():
+        buf["model"][k].copy_(t)
+    replica.mark(step, slot, {**buf, "step": step}, run="r1")
+
+
+def restored_step(directory, rank: int) -> int | None:
+    """The step a restarted rank would read back from ``directory``, checked against its values."""
+    loaded = NodeReplica(directory, rank).load(_state(0))
+    if loaded is None:
+        return None
+    step, _, state = loaded
+    assert torch.equal(state["model"]["w"], torch.full((64, 64), float(step))) and state["step"] == step
+    return step
+
+
+@pytest.fixture
+def store(tmp_path):
+    s = PeerStore(tmp_path / "holder").start()
+    yield s
+    s.close()
+
+
+def test_the_ring_keeps_each_node_on_another_node():
+    assert [holder_of(i, 3) for i in range(3)] == [1, 2, 0] and holder_of(0, 1) == 0
+
+
+def test_a_replacement_node_restores_the_newest_step_every_rank_has(tmp_path, store):
+    src, dest = tmp_path / "node1-shm", tmp_path / "replacement-shm"
+    replicas = [NodeReplica(src, r) for r in (2, 3)]
+    sender = PeerSender(src, node=1, peer=store.address)
+    for step in (5, 6):
+        for r in replicas:
+            snapshot(r, step)
+        assert sorted(sender.send_once()) == [(2, step), (3, step)]
+    # Only a step the other nodes' ranks hold is of use: the older one, if that is what they have.
+    assert restore_from_peer(store.address, 1, [2, 3], dest, among={5}) == 5
+    assert [restored_step(dest, r) for r in (2, 3)] == [5, 5]
+    snapshot(replicas[0], 7)          # rank 2 has moved on; rank 3 has not (yet)
+    assert sender.send_once() == [(2, 7)] and sender.send_once() == []      # nothing new: nothing sent
+    assert peer_steps(store.address, 1) == {2: [7, 6], 3: [6, 5]}
+    assert restore_from_peer(store.address, 1, [2, 3], dest) == 6
+    assert [restored_step(dest, r) for r in (2, 3)] == [6, 6]
+    # A rank the holder never got: no consistent step, nothing restored, the restart uses FSx.
+    assert restore_from_peer(store.address, 1, [2, 3, 4], tmp_path / "other") is None
+    assert restored_step(tmp_path / "other", 2) is None
+
+
+def test_a_copy_torn_at_the_source_is_dropped(tmp_path, store, monkeypatch):
+    """The trainer finished a newer copy while the sender read the slot: the bytes may mix two snapshots."""
+    src = tmp_path / "shm"
+    replica = NodeReplica(src, 0)
+    snapshot(replica, 3)
+    sender = PeerSender(src, node=0, peer=store.address)
+    assert sender.send_once() == [(0, 3)]
+    snapshot(replica, 4)
+    real_stream = peer._stream
+
+    def stream_then_trainer_moves_on(sock, f, size):
+        digest = real_stream(sock, f, size)
+        snapshot(replica, 5)           # marker replaced mid-read: slot 0 (step 4) may be being overwritten
+        return digest
+
+    monkeypatch.setattr(peer, "_stream", stream_then_trainer_moves_on)
+    assert sender.send_once() == []
+    monkeypatch.undo()
+    assert peer_steps(store.address, 0) == {0: [3]}
+    assert sender.send_once() == [(0, 5)]          # the next round ships the newer, whole one
+    assert restore_from_peer(store.address, 0, [0], tmp_path / "new") == 5
+    assert restored_step(tmp_path / "new", 0) == 5
+
+
+def test_a_sender_killed_mid_copy_leaves_the_holders_older_copies_whole(tmp_path, store):
+    src = tmp_path / "shm"
+    replica = NodeReplica(src, 0)
+    for step in (1, 2):
+        snapshot(replica, step)
+        PeerSender(src, node=0, peer=store.address).send_once()
+    snapshot(replica, 3)
+    # A sender that dies half way through the step-3 slot: header, marker, half the bytes, then gone.
+    raw = replica.marker_path.read_bytes()
+    data = replica._slot_path(replica.marked()["slot"]).read_bytes()
+    with socket.create_connection(store.address, timeout=5) as sock:
+        peer._send_json(sock, {"op": "put", "node": 0, "rank": 0, "step": 3, "size": len(data),
+                               "marker_len": len(raw)})
+        sock.sendall(raw + data[:len(data) // 2])
+    # The slot it was overwriting (step 1's) is struck from the index; step 2's is whole and restorable.
+    assert until(lambda: peer_steps(store.address, 0) == {0: [2]}, 10)
+    assert restore_from_peer(store.address, 0, [0], tmp_path / "new") == 2
+    assert restored_step(tmp_path / "new", 0) == 2
+
+
+def test_a_holder_that_dies_or_stalls_mid_copy_costs_that_copy_not_a_hang(tmp_path):
+    """A holder that accepts and then stops reading (or vanishes): the sender gives up within its timeout
+    and sends again later; a restore from it returns None (fall back to FSx) within the timeout too."""
+    src = tmp_path / "shm"
+    replica = NodeReplica(src, 0)
+    replica_size = 64 << 20      # larger than the socket buffers, so a holder that stops reading blocks the send
+    buf = replica.buffer({"x": torch.zeros(replica_size // 4)}, 0)
+    replica.mark(1, 0, buf, run="r1")
+    stalled = socket.create_server(("127.0.0.1", 0))
+    address = stalled.getsockname()
+    accepted: list[socket.socket] = []
+    threading.Thread(target=lambda: accepted.append(stalled.accept()[0]), daemon=True).start()
+    sender = PeerSender(src, node=0, peer=address, timeout_s=1.0)
+    assert sender.send_once() == [] and sender.sent == {}
+    assert restore_from_peer(address, 0, [0], tmp_path / "new", timeout_s=1.0) is None
+    stalled.close()
+    for s in accepted:
+        s.close()
+    # Gone altogether: refused at once.
+    assert sender.send_once() == []
+    assert restore_from_peer(address, 0, [0], tmp_path / "new", timeout_s=1.0) is None
+
+
+def test_a_restore_cut_short_leaves_nothing_a_restart_would_read(tmp_path, store, monkeypatch):
+    src = tmp_path / "shm"
+    snapshot(NodeReplica(src, 0), 4)
+    PeerSender(src, node=0, peer=store.address).send_once()
+    dest = tmp_path / "new"
+    snapshot(NodeReplica(dest, 0), 1)         # an old replica in the way: discarded, not mixed with the copy
+
+    def cut(sock, f, size):
+        f.write(sock.recv(16))
+        raise ConnectionError("peer gone")
+
+    monkeypatch.setattr(peer, "_receive", cut)
+    assert restore_from_peer(store.address, 0, [0], dest) is None
+    assert restored_step(dest, 0) is None
+
+
+def test_the_background_sender_follows_the_snapshots(tmp_path, store):
+    src = tmp_path / "shm"
+    replica = NodeReplica(src, 0)
+    sender = PeerSender(src, node=0, peer=store.address, interval_s=0.05).start()
+    try:
+        for step in range(1, 4):
+            snapshot(replica, step)
+            assert until(lambda: sender.sent.get(0) == step, 10), sender.sent
+    finally:
+        sender.close()
+    assert peer_steps(store.address, 0) == {0: [3, 2]}
+
+
+def test_the_peer_daemon_reads_markers_without_torch(tmp_path):
+    """A node's peer daemon never imports torch (seconds of CPU taken from the ranks at every node start)."""
+    import subprocess
+    import sys
+
+    snapshot(NodeReplica(tmp_path, 0), 9)
+    code = ("import sys; sys.modules['torch'] = None\n"      # any import of torch fails
+            "from pathlib import Path; from trainer import peer\n"
+            f"print(peer._read_marker(peer._marker_path(Path({str(tmp_path)!r}), 0))[1])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and out.stdout.strip() == "{'step': 9, 'slot': 0}", out.stderr

@@ -1,0 +1,423 @@
+"""Peer memory snapshots: each node's memory snapshots (``trainer/replica.py``) also kept by another node, so
+that a node loss costs the snapshot interval instead of everything since the last committed checkpoint.
+
+In a ring, node i's ``PeerSender`` ships every new complete snapshot of its ranks over TCP to node
+``holder_of(i, N)`` = i+1 mod N, whose ``PeerStore`` keeps it; any single node loss leaves every node's
+newest snapshot on a live node. A replacement node calls ``restore_from_peer`` before its ranks start: it
+fetches the newest step that every one of its ranks has at the holder and writes it into its own snapshot
+directory as the replica files the trainer reads, so the restart finds it as if it were its own memory.
+
+Nothing torn is ever used, on either side:
+
+- the sender reads a rank's marker, then the slot it names, then the marker again: unchanged means the
+  trainer did not start a copy into that slot meanwhile (it writes only into the slot the marker does not
+  name, and names it only once the copy is complete), so the bytes are one whole snapshot;
+- the holder keeps two slots per (node, rank) and an index of the complete ones, replaced atomically: a copy
+  goes into the slot that does not hold the newest complete snapshot, which is struck from the index first,
+  and is entered only once all of it arrived with the sender's checksum and its consistency verdict. A
+  sender or holder killed mid-copy leaves the other slot whole, and two complete steps per rank;
+- the restore checks the checksum of what it fetched, and writes each rank's marker last.
+
+Every socket operation has a timeout: a peer that dies or stalls mid-copy costs that copy, never a hang.
+
+    store = PeerStore(directory).start()                       # on every node: keeps its ring predecessor's
+    sender = PeerSender(replica_dir, node=i, peer=address_of_holder).start()
+    ...
+    restore_from_peer(address_of_holder, node=i, ranks=[...], dest=replica_dir)   # on a replacement node
+
+or, as one node's daemon (no torch imported):
+
+    python -m trainer.peer --replica-dir D --store-dir S --node I --port P --peer HOST:PORT
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import io
+import json
+import logging
+import pickle
+import socket
+import socketserver
+import struct
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+from .layout import write_atomic
+
+log = logging.getLogger(__name__)
+
+CHUNK = 4 << 20
+TIMEOUT_S = 10.0
+_LEN = struct.Struct("!I")
+
+
+def holder_of(node: int, nnodes: int) -> int:
+    """The node that keeps ``node``'s snapshots: the next one in the ring."""
+    return (node + 1) % nnodes
+
+
+# ---- framing ---------------------------------------------------------------------------------------------
+
+def _send_json(sock: socket.socket, obj: dict) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(_LEN.pack(len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        part = sock.recv(min(n - len(buf), CHUNK))
+        if not part:
+            raise ConnectionError(f"peer closed the connection after {len(buf)} of {n} bytes")
+        buf += part
+    return bytes(buf)
+
+
+def _recv_json(sock: socket.socket) -> dict:
+    (n,) = _LEN.unpack(_recv_exact(sock, _LEN.size))
+    return json.loads(_recv_exact(sock, n))
+
+
+def _stream(sock: socket.socket, src, size: int) -> str:
+    """Send ``size`` bytes of the open file ``src``; return their sha256."""
+    h, left = hashlib.sha256(), size
+    while left:
+        chunk = src.read(min(left, CHUNK))
+        if not chunk:
+            raise OSError(f"{src.name} ended {left} bytes early")
+        h.update(chunk)
+        sock.sendall(chunk)
+        left -= len(chunk)
+    return h.hexdigest()
+
+
+def _receive(sock: socket.socket, dst, size: int) -> str:
+    """Receive ``size`` bytes into the open file ``dst``; return their sha256."""
+    h, left = hashlib.sha256(), size
+    while left:
+        chunk = sock.recv(min(left, CHUNK))
+        if not chunk:
+            raise ConnectionError(f"peer closed the connection {left} bytes before the end of the copy")
+        h.update(chunk)
+        dst.write(chunk)
+        left -= len(chunk)
+    return h.hexdigest()
+
+
+# ---- the holder ------------------------------------------------------------------------------------------
+
+@dataclass
+class _Slots:
+    """What the holder keeps of one (node, rank): two slot files and the index of the complete ones."""
+
+    dir: Path
+    rank: int
+
+    def path(self, slot: int) -> Path:
+        return self.dir / f"rank{self.rank}.slot{slot}"
+
+    @property
+    def index_path(self) -> Path:
+        return self.dir / f"rank{self.rank}.index"
+
+    def index(self) -> dict[int, dict]:
+        """slot -> {step, sha256, marker (hex)} of each complete slot."""
+        try:
+            return {int(k): v for k, v in json.loads(self.index_path.read_text()).items()}
+        except (OSError, ValueError):
+            return {}
+
+    def write_index(self, index: dict[int, dict]) -> None:
+        write_atomic(self.index_path, json.dumps(index).encode())
+
+
+class PeerStore:
+    """Keeps the snapshots other nodes send (``PeerSender``) under ``directory``/node<i>/ and serves them
+    back (``restore_from_peer``), on ``host``:``port`` (0: a free port; see ``address``)."""
+
+    def __init__(self, directory: Path, host: str = "127.0.0.1", port: int = 0, timeout_s: float = TIMEOUT_S):
+        self.dir, self.timeout_s = Path(directory), timeout_s
+        self._lock = threading.Lock()   # one copy at a time per (node, rank); copies of different ranks overlap
+        self._busy: set[tuple[int, int]] = set()
+        store = self
+
+        class Handler(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                self.request.settimeout(store.timeout_s)
+                try:
+                    store._handle(self.request)
+                except (OSError, ValueError, KeyError) as e:   # a peer gone, stalled or confused: its copy only
+                    log.warning("peer snapshot: a request from %s failed: %s", self.client_address, e)
+
+        class Server(socketserver.ThreadingTCPServer):
+            daemon_threads = True
+            allow_reuse_address = True
+
+        self._server = Server((host, port), Handler)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._server.server_address[:2]
+
+    def start(self) -> "PeerStore":
+        self._thread = threading.Thread(target=self._server.serve_forever, args=(0.1,), name="peer-store",
+                                        daemon=True)
+        self._thread.start()
+        return self
+
+    def close(self) -> None:
+        self._server.shutdown()
+        self._server.server_close()
+
+    def slots(self, node: int, rank: int) -> _Slots:
+        return _Slots(self.dir / f"node{node}", rank)
+
+    def steps(self, node: int) -> dict[int, list[int]]:
+        """rank -> steps of the complete snapshots kept for ``node``, newest first."""
+        d = self.dir / f"node{node}"
+        ranks = sorted(int(p.name[4:-6]) for p in d.glob("rank*.index")) if d.is_dir() else []
+        return {r: sorted((e["step"] for e in self.slots(node, r).index().values()), reverse=True) for r in ranks}
+
+    def _handle(self, sock: socket.socket) -> None:
+        request = _recv_json(sock)
+        if request["op"] == "put":
+            _send_json(sock, self._put(sock, request))
+        elif request["op"] == "steps":
+            _send_json(sock, {"ranks": self.steps(int(request["node"]))})
+        elif request["op"] == "get":
+            self._get(sock, int(request["node"]), int(request["rank"]), int(request["step"]))
+        else:
+            _send_json(sock, {"error": f"unknown op {request['op']!r}"})
+
+    def _put(self, sock: socket.socket, req: dict) -> dict:
+        key = (int(req["node"]), int(req["rank"]))
+        with self._lock:
+            if key in self._busy:
+                return {"error": f"a copy of node {key[0]} rank {key[1]} is already arriving"}
+            self._busy.add(key)
+        try:
+            slots = self.slots(*key)
+            slots.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            index = slots.index()
+            newest = max(index, key=lambda s: index[s]["step"], default=1)
+            target = 1 - newest
+            # Struck from the index before a byte of it is overwritten: a copy cut short is never listed.
+            if index.pop(target, None) is not None:
+                slots.write_index(index)
+            marker = _recv_exact(sock, int(req["marker_len"]))
+            with open(slots.path(target), "wb") as f:
+                digest = _receive(sock, f, int(req["size"]))
+            trailer = _recv_json(sock)
+            if not trailer.get("consistent"):
+                return {"error": "the sender's snapshot changed while it was read; dropped"}
+            if trailer.get("sha256") != digest:
+                return {"error": "checksum mismatch; dropped"}
+            index[target] = {"step": int(req["step"]), "sha256": digest, "marker": marker.hex()}
+            slots.write_index(index)
+            return {"ok": True, "slot": target}
+        finally:
+            with self._lock:
+                self._busy.discard(key)
+
+    def _get(self, sock: socket.socket, node: int, rank: int, step: int) -> None:
+        slots = self.slots(node, rank)
+        entry = next(((s, e) for s, e in slots.index().items() if e["step"] == step), None)
+        if entry is None:
+            _send_json(sock, {"error": f"no complete snapshot of node {node} rank {rank} at step {step}"})
+            return
+        slot, e = entry
+        with open(slots.path(slot), "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            _send_json(sock, {"size": size, "sha256": e["sha256"], "marker": e["marker"]})
+            _stream(sock, f, size)
+
+
+# ---- the sender ------------------------------------------------------------------------------------------
+
+# ---- the replica's files (trainer/replica.py's NodeReplica names them so; tests/test_peer.py reads them back
+# with it), read here without torch: a node's peer daemon has no need to import it.
+
+def _marker_path(directory: Path, rank: int) -> Path:
+    return directory / f"rank{rank}.marker"
+
+
+def _slot_path(directory: Path, rank: int, slot: int) -> Path:
+    return directory / f"rank{rank}.slot{slot}"
+
+
+class _Opaque(type):
+    """Stands for any class a marker's values refer to (torch's among them): only step and slot are read."""
+
+    def __getattr__(cls, name):
+        return cls
+
+    def __call__(cls, *args, **kwargs):
+        return type.__call__(cls)
+
+
+class _MarkerHead(pickle.Unpickler):
+    def find_class(self, module: str, name: str):
+        if module in ("builtins", "copyreg", "collections") and name != "eval":
+            return super().find_class(module, name)
+        return _Opaque(name, (), {"__setstate__": lambda self, state: None})
+
+
+def _read_marker(path: Path) -> tuple[bytes, dict] | None:
+    """The marker's bytes and its step and slot; None if there is none."""
+    try:
+        raw = path.read_bytes()
+        head = _MarkerHead(io.BytesIO(raw)).load()
+        return raw, {"step": int(head["step"]), "slot": int(head["slot"])}
+    except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError, KeyError, TypeError,
+            ValueError):
+        return None
+
+
+class PeerSender:
+    """Ships each new complete snapshot of the ranks in ``replica_dir`` (one node's ``NodeReplica`` files)
+    to the holder at ``peer``, every ``interval_s`` on a background thread (``start``) or once (``send_once``)."""
+
+    def __init__(self, replica_dir: Path, node: int, peer: tuple[str, int], interval_s: float = 0.5,
+                 timeout_s: float = TIMEOUT_S):
+        self.dir, self.node, self.peer = Path(replica_dir), node, peer
+        self.interval_s, self.timeout_s = interval_s, timeout_s
+        self.sent: dict[int, int] = {}       # rank -> newest step the holder confirmed
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def ranks(self) -> list[int]:
+        return sorted(int(p.name[4:-7]) for p in self.dir.glob("rank*.marker"))
+
+    def send_once(self) -> list[tuple[int, int]]:
+        """Send what is new; return the (rank, step) pairs the holder kept. A failed copy is logged and tried
+        again at the next call (a newer snapshot by then, most likely)."""
+        kept = []
+        for rank in self.ranks():
+            try:
+                step = self._send(rank)
+            except (OSError, ValueError) as e:
+                log.warning("peer snapshot of rank %d to %s:%d failed: %s", rank, *self.peer, e)
+                continue
+            if step is not None:
+                self.sent[rank] = step
+                kept.append((rank, step))
+        return kept
+
+    def _send(self, rank: int) -> int | None:
+        first = _read_marker(_marker_path(self.dir, rank))
+        if first is None or first[1]["step"] == self.sent.get(rank):
+            return None
+        raw, marker = first
+        with socket.create_connection(self.peer, timeout=self.timeout_s) as sock, \
+                open(_slot_path(self.dir, rank, marker["slot"]), "rb") as f:
+            size = f.seek(0, 2)
+            f.seek(0)
+            _send_json(sock, {"op": "put", "node": self.node, "rank": rank, "step": marker["step"],
+                              "size": size, "marker_len": len(raw)})
+            sock.sendall(raw)
+            digest = _stream(sock, f, size)
+            # Unchanged marker: no copy into this slot began while it was read (see the module docstring).
+            again = _read_marker(_marker_path(self.dir, rank))
+            _send_json(sock, {"sha256": digest, "consistent": again is not None and again[0] == raw})
+            reply = _recv_json(sock)
+        if not reply.get("ok"):
+            log.info("peer snapshot of rank %d step %d not kept: %s", rank, marker["step"], reply.get("error"))
+            return None
+        return marker["step"]
+
+    def start(self) -> "PeerSender":
+        self._thread = threading.Thread(target=self._loop, name="peer-sender", daemon=True)
+        self._thread.start()
+        return self
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self.send_once()
+
+    def close(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.timeout_s + self.interval_s)
+
+
+# ---- the restore -----------------------------------------------------------------------------------------
+
+def peer_steps(peer: tuple[str, int], node: int, timeout_s: float = TIMEOUT_S) -> dict[int, list[int]]:
+    """rank -> the complete steps the holder at ``peer`` keeps for ``node``."""
+    with socket.create_connection(peer, timeout=timeout_s) as sock:
+        _send_json(sock, {"op": "steps", "node": node})
+        return {int(r): steps for r, steps in _recv_json(sock)["ranks"].items()}
+
+
+def restore_from_peer(peer: tuple[str, int], node: int, ranks: list[int], dest: Path,
+                      timeout_s: float = TIMEOUT_S, among: set[int] | None = None) -> int | None:
+    """Copy node ``node``'s newest snapshot that every rank of ``ranks`` has at the holder ``peer`` into
+    ``dest`` as replica files (``NodeReplica`` reads them); return its step, or None when there is none (no
+    holder reachable, no common step, a copy cut short or corrupt): the restart then falls back to the
+    committed checkpoint. Each rank's marker is written last, so a restore cut short leaves nothing usable.
+
+    ``among``: only these steps (the ones the other nodes' ranks hold: a step some rank lacks is no use).
+    """
+    try:
+        held = peer_steps(peer, node, timeout_s)
+        common = set.intersection(*(set(held.get(r, ())) for r in ranks)) if ranks else set()
+        common &= among if among is not None else common
+        if not common:
+            log.info("peer restore: %s:%d holds no step common to ranks %s of node %d (%s)", *peer, ranks, node,
+                     held)
+            return None
+        step = max(common)
+        for rank in ranks:
+            _fetch(peer, node, rank, step, Path(dest), timeout_s)
+    except (OSError, ValueError, KeyError) as e:
+        log.warning("peer restore of node %d from %s:%d failed: %s", node, *peer, e)
+        return None
+    log.info("peer restore: node %d's ranks %s restored at step %d from %s:%d", node, ranks, step, *peer)
+    return step
+
+
+def _fetch(peer: tuple[str, int], node: int, rank: int, step: int, dest: Path, timeout_s: float) -> None:
+    # Nothing of an earlier replica may be read next to this copy: its marker goes first.
+    for path in (_marker_path(dest, rank), _slot_path(dest, rank, 0), _slot_path(dest, rank, 1)):
+        path.unlink(missing_ok=True)
+    dest.mkdir(mode=0o700, parents=True, exist_ok=True)
+    with socket.create_connection(peer, timeout=timeout_s) as sock:
+        _send_json(sock, {"op": "get", "node": node, "rank": rank, "step": step})
+        head = _recv_json(sock)
+        if "error" in head:
+            raise ValueError(head["error"])
+        raw = bytes.fromhex(head["marker"])
+        with open(_slot_path(dest, rank, _MarkerHead(io.BytesIO(raw)).load()["slot"]), "wb") as f:
+            digest = _receive(sock, f, int(head["size"]))
+    if digest != head["sha256"]:
+        raise ValueError(f"rank {rank} step {step}: checksum mismatch")
+    write_atomic(_marker_path(dest, rank), raw)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """One node's peer daemon: keep the ring predecessor's snapshots, ship this node's to the successor."""
+    p = argparse.ArgumentParser(prog="python -m trainer.peer", description=main.__doc__)
+    p.add_argument("--replica-dir", type=Path, required=True, help="this node's memory snapshots (NodeReplica files)")
+    p.add_argument("--store-dir", type=Path, required=True, help="where the predecessor's snapshots are kept")
+    p.add_argument("--node", type=int, required=True)
+    p.add_argument("--port", type=int, required=True, help="this node's store listens here (loopback)")
+    p.add_argument("--peer", required=True, help="host:port of the successor's store")
+    p.add_argument("--interval-s", type=float, default=0.5)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s [peer] %(message)s")
+    host, _, port = a.peer.rpartition(":")
+    store = PeerStore(a.store_dir, port=a.port).start()
+    sender = PeerSender(a.replica_dir, a.node, (host, int(port)), interval_s=a.interval_s)
+    try:
+        sender._loop()
+    finally:
+        store.close()
+
+
+if __name__ == "__main__":
+    main()
