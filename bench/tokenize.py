@@ -14,14 +14,18 @@ What it does, in a temporary directory (``--work``):
      ``Tokenizer.encode_batch`` on batches of documents (``tokenizers`` may use its own threads there, as
      it does by default), appends the EOS and writes the ids as uint16 to one file;
   4. ``stage_dataset`` of the same directory with that tokenizer.json: copy into raw/, tokenize on every
-     core (``--workers``, default: all), write shards and the manifest;
+     core (``--workers``, default: all; their malloc is ``$GOODPUT_TOKENIZE_MALLOC``, default auto: mimalloc
+     where installed), write shards and the manifest;
   5. the fan-out: ``plan_stage`` + ``stage_partition`` for each of ``--parts`` partitions (one after the
      other here; in a pipeline they run in parallel pods) + ``merge_stage``; the merge overhead is the plan
      and merge time against the whole;
   6. prints MB/s of source text for each and the ratio (goal: >= 1.8x on 2 cores), checking that both sides
-     produced the same number of tokens.
+     produced the same number of tokens; and the CPU seconds each side used (threads and child processes
+     included), so a ratio below the goal says whether the cores were busy (work per byte bounds it) or idle.
 
-Timings are wall clock; run it on a quiet machine - other work on the cores changes both sides.
+Timings are wall clock; run it on a quiet machine - other work on the cores changes both sides. Each side's
+line says how many cores other processes took meanwhile (from /proc/stat): a figure is only worth its
+"other processes ~0.0 cores".
 """
 
 from __future__ import annotations
@@ -29,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import sys
 import sysconfig
@@ -37,6 +42,38 @@ import time
 from pathlib import Path
 
 MB = 1024 * 1024
+
+
+def cpu_s() -> float:
+    """CPU seconds (user + system) of this process's threads and its waited-for child processes."""
+    return sum(r.ru_utime + r.ru_stime for r in (resource.getrusage(resource.RUSAGE_SELF),
+                                                 resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+
+def machine_busy_s() -> float:
+    """CPU seconds all processes of the machine have been busy (Linux /proc/stat; 0 elsewhere)."""
+    try:
+        fields = open("/proc/stat").readline().split()[1:9]
+    except OSError:
+        return 0.0
+    user, nice, system, _idle, _iowait, irq, softirq, steal = map(int, fields)
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+class Meter:
+    """Wall, own CPU, and the CPU other processes of the machine took meanwhile (a shared machine's noise)."""
+
+    def __enter__(self) -> "Meter":
+        self.t0, self.c0, self.m0 = time.perf_counter(), cpu_s(), machine_busy_s()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall, self.cpu = time.perf_counter() - self.t0, cpu_s() - self.c0
+        self.others = max(0.0, machine_busy_s() - self.m0 - self.cpu)
+
+    def __str__(self) -> str:
+        return (f"CPU {self.cpu:.2f} s = {self.cpu / self.wall:.2f} cores busy; other processes "
+                f"{self.others / self.wall:.2f} cores")
 
 
 def write_corpus(root: Path, total_mb: float, files: int, doc_chars: int = 2000) -> int:
@@ -108,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
     from components.stage import stage_dataset
     from components.stage_fanout import merge_stage, plan_stage, stage_partition
+    from components.stage_tokenize import worker_allocator
 
     work = Path(tempfile.mkdtemp(prefix="bench-tokenize-", dir=args.work))
     try:
@@ -118,24 +156,26 @@ def main(argv: list[str] | None = None) -> None:
         print(f"corpus: {mb:.1f} MB of JSONL in {args.files} files; BPE of {args.vocab} tokens; "
               f"{os.cpu_count()} cores", flush=True)
 
-        base_s, base_tokens = baseline(src, tok_file, work / "baseline.bin")
+        with Meter() as base:
+            base_s, base_tokens = baseline(src, tok_file, work / "baseline.bin")
         print(f"baseline (one process, encode_batch):   {base_s:7.2f} s  {mb / base_s:7.2f} MB/s  "
-              f"{base_tokens:,} tokens", flush=True)
+              f"{base_tokens:,} tokens; {base}", flush=True)
 
         pack = max(MB, int(nbytes / (4 * args.files)) or 1)
-        t0 = time.perf_counter()
-        r = stage_dataset(str(src), work / "fsx", "bench", "single", tokenizer=str(tok_file), val_percent=0,
-                          workers=args.workers, pack_bytes=pack)
-        stage_s = time.perf_counter() - t0
+        with Meter() as stage:
+            r = stage_dataset(str(src), work / "fsx", "bench", "single", tokenizer=str(tok_file), val_percent=0,
+                              workers=args.workers, pack_bytes=pack)
+        stage_s = stage.wall
         tokens = r.train_tokens + r.val_tokens
-        print(f"goodput stage (copy + tokenize, {args.workers or os.cpu_count()} processes): {stage_s:7.2f} s  "
-              f"{mb / stage_s:7.2f} MB/s  {tokens:,} tokens", flush=True)
+        print(f"goodput stage (copy + tokenize, {args.workers or os.cpu_count()} processes, malloc "
+              f"{worker_allocator() or 'glibc'}): {stage_s:7.2f} s  {mb / stage_s:7.2f} MB/s  {tokens:,} tokens; "
+              f"{stage}", flush=True)
         if tokens != base_tokens:
             raise SystemExit(f"token counts differ: stage {tokens:,}, baseline {base_tokens:,}")
 
         t0 = time.perf_counter()
         parts = plan_stage(str(src), work / "fsx", "bench", "fanout", tokenizer=str(tok_file), val_percent=0,
-                           stage_parallelism=args.parts, pack_bytes=pack)
+                           stage_parallelism=args.parts, partition_min_bytes=1, pack_bytes=pack)
         plan_s = time.perf_counter() - t0
         part_s = []
         for i in parts:
@@ -151,7 +191,8 @@ def main(argv: list[str] | None = None) -> None:
         print(f"fan-out ({len(parts)} partitions, run one after the other here): plan {plan_s:.2f} s, partitions "
               f"{', '.join(f'{s:.2f}' for s in part_s)} s, merge {merge_s:.2f} s; plan + merge = "
               f"{(plan_s + merge_s) / wall:.1%} of a parallel run's wall ({wall:.2f} s)")
-        print(f"ratio: goodput stage / baseline = {base_s / stage_s:.2f}x (goal >= 1.8x on 2 cores)")
+        print(f"ratio: goodput stage / baseline = {base_s / stage_s:.2f}x (goal >= 1.8x on 2 cores); CPU per MB: "
+              f"baseline {base.cpu / mb:.3f} s, stage {stage.cpu / mb:.3f} s")
     finally:
         shutil.rmtree(work, ignore_errors=True)
 

@@ -58,7 +58,7 @@ from typing import Any, Iterator, NamedTuple, Protocol
 
 from components.stage_formats import BadFile, detect_format, read_documents
 from components.stage_tokenize import (BAD_RECORD_POLICIES, PACK_BYTES, BadRecordsError, ReadConfig, dataset_manifest,
-                                       plan_packs, tokenize_packs)
+                                       plan_packs, tokenize_packs, worker_allocator)
 from components.stage_tokenizer import (TokenizerInfo, TokenizerSpec, check_tokenizer_source, parse_tokenizer,
                                         stage_tokenizer)
 from trainer.layout import write_atomic
@@ -733,6 +733,7 @@ def stage_dataset(
     settings = DatasetSettings(tokenizer, data_format, text_field, text_column, split_globs(include),
                                split_globs(exclude), val_percent, bad_record_policy, bpe_sample_bytes, pack_bytes)
     spec = settings.check()
+    worker_allocator()                   # a bad GOODPUT_TOKENIZE_MALLOC fails here, not after the downloads
     if refused_key_policy not in ("skip", "fail"):
         raise ValueError(f"refused_key_policy must be skip or fail, got {refused_key_policy!r}")
     bucket, prefix = parse_source(source)

@@ -29,7 +29,7 @@ from components.stage import (JOURNAL, PREVIOUS_MANIFEST, STAGE_DIR, DatasetBuil
                               read_previous_manifest, refused_message, remove_stale_files, remove_unlisted_shards,
                               retire_manifest, size_on_disk, split_globs, summarise, sync_raw, tokenize_objects,
                               unique_refused)
-from components.stage_tokenize import PACK_BYTES, partitions, plan_packs
+from components.stage_tokenize import PACK_BYTES, partitions, plan_packs, worker_allocator
 from components.stage_tokenizer import TokenizerInfo, check_tokenizer_source
 from trainer.data import read_manifest
 from trainer.layout import write_atomic
@@ -167,6 +167,7 @@ def stage_partition(fsx_root: str | Path, name: str, version: str, partition: in
         raise ValueError(f"partition {partition} is not in the plan ({len(plan['partitions'])} partitions)")
     if plan.get("unchanged"):
         return StageResult(source=plan["source"], dataset_dir=str(dest))
+    worker_allocator()                   # a bad GOODPUT_TOKENIZE_MALLOC fails before the downloads
     settings = DatasetSettings(**{**plan["settings"], "include": tuple(plan["settings"]["include"]),
                                   "exclude": tuple(plan["settings"]["exclude"])})
     objects = _objects(plan)

@@ -221,3 +221,18 @@ def clean_sha(tmp_path_factory, dataset):
         return shas[mode]
 
     return get
+
+
+@pytest.fixture(scope="module")
+def s3():
+    """moto's real S3 HTTP server on loopback, one per test module, with test credentials in the environment
+    (and none of a real profile or instance role reachable)."""
+    from tests.s3_stand_in import CREDENTIALS, MotoS3
+
+    with pytest.MonkeyPatch.context() as mp:
+        for k, v in CREDENTIALS.items():
+            mp.setenv(k, v)
+        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
+        mp.delenv("AWS_PROFILE", raising=False)
+        with MotoS3() as server:
+            yield server

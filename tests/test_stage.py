@@ -24,20 +24,9 @@ from pipelines.cli import main as cli
 from trainer.data import Split, read_manifest
 
 try:                                  # tests/ is a package when run from the repository root
-    from tests.s3_stand_in import CREDENTIALS, FaultProxy, MotoS3
+    from tests.s3_stand_in import CREDENTIALS, FaultProxy
 except ImportError:                   # pragma: no cover - tests/ on sys.path
-    from s3_stand_in import CREDENTIALS, FaultProxy, MotoS3
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in CREDENTIALS.items():
-            mp.setenv(k, v)
-        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        mp.delenv("AWS_PROFILE", raising=False)
-        with MotoS3() as server:
-            yield server
+    from s3_stand_in import CREDENTIALS, FaultProxy
 
 
 @pytest.fixture

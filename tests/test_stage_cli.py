@@ -17,27 +17,11 @@ import pytest
 
 from components.stage import check_keys, stage_dataset
 
-try:                                  # tests/ is a package when run from the repository root
-    from tests.s3_stand_in import CREDENTIALS, MotoS3
-except ImportError:                   # pragma: no cover - tests/ on sys.path
-    from s3_stand_in import CREDENTIALS, MotoS3
-
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH = 100
 LONG = "data/" + "L" * 180 + "-the-end/" + "x" * 300 + ".txt"        # a component over 255 bytes
 REFUSED = ["data/../escape.txt", "data/sub/../../escape2.txt", "data//abs.txt", "data/nul\x00.txt", LONG,
            "data/col"]                                               # data/col is also a directory
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in CREDENTIALS.items():
-            mp.setenv(k, v)
-        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        mp.delenv("AWS_PROFILE", raising=False)
-        with MotoS3() as server:
-            yield server
 
 
 def seeded_bucket(s3, objects: dict[str, bytes]) -> str:

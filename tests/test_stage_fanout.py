@@ -14,24 +14,11 @@ from components.stage_fanout import merge_stage, plan_stage, stage_partition
 from trainer.data import read_manifest
 
 try:                                  # tests/ is a package when run from the repository root
-    from tests.s3_stand_in import CREDENTIALS, MotoS3
     from tests.test_stage_formats import check_tokens, doc, jsonl_bytes, put_bucket
 except ImportError:                   # pragma: no cover - tests/ on sys.path
-    from s3_stand_in import CREDENTIALS, MotoS3
     from test_stage_formats import check_tokens, doc, jsonl_bytes, put_bucket
 
 PACK = 600                           # source bytes per pack: a few files each, so many packs
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in CREDENTIALS.items():
-            mp.setenv(k, v)
-        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        mp.delenv("AWS_PROFILE", raising=False)
-        with MotoS3() as server:
-            yield server
 
 
 def corpus(n: int = 24) -> tuple[dict[str, bytes], dict[str, list[str]]]:

@@ -16,11 +16,6 @@ import pytest
 from components.stage import StageError, StageRefused, stage_dataset
 from trainer.data import Split, check_vocab, read_manifest
 
-try:                                  # tests/ is a package when run from the repository root
-    from tests.s3_stand_in import CREDENTIALS, MotoS3
-except ImportError:                   # pragma: no cover - tests/ on sys.path
-    from s3_stand_in import CREDENTIALS, MotoS3
-
 WORDS = "the quick brown fox jumps over a lazy dog while café naïve 東京 tokens drift past every shard".split()
 
 
@@ -76,17 +71,6 @@ def write_dir(root: Path, files: dict[str, bytes]) -> Path:
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_bytes(data)
     return root
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in CREDENTIALS.items():
-            mp.setenv(k, v)
-        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        mp.delenv("AWS_PROFILE", raising=False)
-        with MotoS3() as server:
-            yield server
 
 
 def put_bucket(s3, files: dict[str, bytes], prefix: str = "corpus/") -> str:
@@ -395,3 +379,58 @@ def test_a_tokenizer_process_that_dies_fails_the_stage_instead_of_hanging(hf_tok
     assert not t.is_alive(), "the stage hung after a tokenizer process died"
     assert isinstance(outcome[0], StageError) and "tokenizing the staged files failed" in str(outcome[0])
     assert not (tmp_path / "fsx" / "datasets" / "die" / "1" / "manifest.json").exists()
+
+
+def test_the_workers_preload_the_fast_malloc_and_their_tokens_do_not_change(hf_tokenizer, tmp_path, monkeypatch):
+    import os
+    import threading
+    import time
+
+    import psutil
+
+    from components.stage_tokenize import MALLOC_ENV, worker_allocator
+
+    preload = os.environ.get("LD_PRELOAD")
+
+    # A malloc named but not installed is refused before anything is written.
+    monkeypatch.setenv(MALLOC_ENV, "no-such-malloc")
+    with pytest.raises(ValueError, match=f"{MALLOC_ENV}=no-such-malloc: no such malloc library"):
+        stage_dataset(str(tmp_path), tmp_path / "fsx", "m", "0", tokenizer=str(hf_tokenizer))
+    assert not (tmp_path / "fsx").exists()
+    monkeypatch.setenv(MALLOC_ENV, "auto")
+    library = worker_allocator()
+    if library is None:
+        pytest.skip("no mimalloc, tcmalloc or jemalloc installed (Debian: apt-get install libmimalloc2.0)")
+
+    files = {f"big-{i:02d}.jsonl.gz": gzip.compress(jsonl_bytes([{"text": doc(i * 1000 + j, 200)}
+                                                                 for j in range(300)]), mtime=0) for i in range(12)}
+    src = write_dir(tmp_path / "src", files)
+    started = time.time()
+    staged: list = []
+    t = threading.Thread(target=lambda: staged.append(stage_dataset(
+        str(src), tmp_path / "fsx", "m", "fast", tokenizer=str(hf_tokenizer), val_percent=20, workers=2,
+        pack_bytes=8_000)))
+    t.start()
+    mapped: set[str] = set()
+    while t.is_alive() and len(mapped) < 2:
+        for p in psutil.Process().children():
+            try:
+                if p.create_time() >= started - 1 and "spawn_main" in " ".join(p.cmdline()):
+                    # libmimalloc.so.2 is a link to libmimalloc.so.2.0: the mapped file is the target
+                    if any(Path(m.path).name.startswith(Path(library).name) for m in p.memory_maps()):
+                        mapped.add(str(p.pid))
+            except psutil.Error:             # a worker gone meanwhile, or a zombie
+                continue
+        time.sleep(0.01)
+    t.join(120)
+    assert staged and len(mapped) == 2, f"the tokenizer processes did not preload {library}"
+    assert os.environ.get("LD_PRELOAD") == preload, "the stage left its workers' LD_PRELOAD in its own environment"
+    # glibc's malloc gives the same shards and manifest, byte for byte.
+    monkeypatch.setenv(MALLOC_ENV, "system")
+    stage_dataset(str(src), tmp_path / "fsx", "m", "glibc", tokenizer=str(hf_tokenizer), val_percent=20, workers=2,
+                  pack_bytes=8_000)
+    a, b = (tmp_path / "fsx" / "datasets" / "m" / v for v in ("fast", "glibc"))
+    shards = sorted(p.name for p in a.glob("*.bin"))
+    assert len(shards) > 4 and shards == sorted(p.name for p in b.glob("*.bin"))
+    for name in [*shards, "manifest.json"]:
+        assert (a / name).read_bytes() == (b / name).read_bytes(), name
