@@ -75,7 +75,7 @@ class TrainResult:
 
 def train(backend: str, trainer_args: list[str], *, run_id: str, task_name: str, fsx_root: str | Path,
           job: dict | None = None, namespace: str = "", kube_api: str = "", supervise=None,
-          local_nproc: int = 2, log: Callable[[str], None] = print) -> TrainResult:
+          local_nproc: int = 2, local_nodes: int = 1, log: Callable[[str], None] = print) -> TrainResult:
     """Run the trainer to the end on the chosen backend; return where the run is and its summary.
 
     Args:
@@ -89,7 +89,8 @@ def train(backend: str, trainer_args: list[str], *, run_id: str, task_name: str,
         namespace: namespace of the job; empty = this pod's namespace.
         kube_api: Kubernetes API URL; empty = in-cluster config (tests and ``kubectl proxy`` set it).
         supervise: a ``SuperviseConfig`` (timeouts, retries, log streaming).
-        local_nproc: ranks of the local backend.
+        local_nproc: ranks per node of the local backend.
+        local_nodes: nodes of the local backend (node process trees on this machine, ``trainer.launch.LocalCluster``).
         log: where progress lines go.
 
     Raises:
@@ -107,15 +108,15 @@ def train(backend: str, trainer_args: list[str], *, run_id: str, task_name: str,
     args = [str(int(a)) if isinstance(a, float) and a.is_integer() else str(a) for a in trainer_args]
     name = (job or {}).get("name") or job_name_for(run_id, task_name)
     if backend == "local":
-        return _train_local(args, name, Path(fsx_root), job or {}, local_nproc, log)
+        return _train_local(args, name, Path(fsx_root), job or {}, local_nproc, local_nodes, log)
     return _train_cluster(backend, args, name, run_id, task_name, Path(fsx_root), job or {}, namespace, kube_api,
                           supervise, log)
 
 
-def local_launch(job: dict, nproc: int, name: str):
-    """The local backend's launch settings: one node of ``nproc`` ranks with the rendezvous a TrainJob's pods get
+def local_launch(job: dict, nproc: int, name: str, nodes: int = 1):
+    """The local backend's launch settings: ``nodes`` nodes of ``nproc`` ranks with the rendezvous a TrainJob's pods get
     (c10d on node 0's address and a port, the job's name as its id), so that what runs here is a TrainJob's
-    trainer command (``components.trainjob.trainer_command``) with the ``PET_*`` values of one node."""
+    trainer command (``components.trainjob.trainer_command``) with the ``PET_*`` values of each node."""
     import socket
 
     from components.pytorchjob import JobSpec
@@ -124,19 +125,19 @@ def local_launch(job: dict, nproc: int, name: str):
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    launch.nproc_per_node, launch.nnodes = nproc, 1
+    launch.nproc_per_node, launch.nnodes = nproc, nodes
     launch.rdzv_endpoint, launch.rdzv_id = f"127.0.0.1:{port}", name
     return launch
 
 
-def _train_local(args: list[str], name: str, fsx_root: Path, job: dict, nproc: int, log) -> TrainResult:
+def _train_local(args: list[str], name: str, fsx_root: Path, job: dict, nproc: int, nodes: int, log) -> TrainResult:
     from trainer.launch import run_local_training
 
     if _flag_value(args, "--out") is None:
         args += ["--out", str(fsx_root / "runs" / name)]
     out = Path(_flag_value(args, "--out")).resolve()
-    launch = local_launch(job, nproc, name)
-    log(f"local training: {nproc} ranks under ft_launcher, {' '.join(args)}")
+    launch = local_launch(job, nproc, name, nodes)
+    log(f"local training: {nodes} x {nproc} ranks under ft_launcher, {' '.join(args)}")
     code, summary = run_local_training(args, launch, fsx_root)
     if code in (130, 143):
         raise RuntimeError(f"local training was interrupted ({'SIGINT' if code == 130 else 'SIGTERM'}); the ranks "
@@ -312,6 +313,7 @@ def train_op(
     timeout_s: float = 7 * 86400.0,
     fsx_root: str = "/fsx",
     local_nproc: int = 2,
+    local_nodes: int = 1,
     kube_api: str = "",
     run_id: str = dsl.PIPELINE_JOB_ID_PLACEHOLDER,
     task_name: str = dsl.PIPELINE_TASK_NAME_PLACEHOLDER,
@@ -338,7 +340,8 @@ def train_op(
         namespace: namespace of the job; empty = the namespace of this step's pod.
         timeout_s: overall deadline in seconds; past it the job is deleted and the step fails.
         fsx_root: where FSx is mounted in this step's pod (cluster), or a local directory (local).
-        local_nproc: ranks of the local backend.
+        local_nproc: ranks per node of the local backend.
+        local_nodes: nodes of the local backend.
         kube_api: Kubernetes API URL; empty = this pod's service account (in-cluster).
         run_id: the KFP run id (names the job, so a retried step re-attaches).
         task_name: the KFP task name (names the job).
@@ -356,5 +359,5 @@ def train_op(
     result = train(backend, list(trainer_args), run_id=run_id, task_name=task_name, fsx_root=fsx_root,
                    job=job if backend != "local" else {k: v for k, v in job_options.items() if k == "launch"},
                    namespace=namespace, kube_api=kube_api, supervise=SuperviseConfig(timeout_s=timeout_s),
-                   local_nproc=local_nproc)
+                   local_nproc=local_nproc, local_nodes=local_nodes)
     write_outputs(result, model, metrics)

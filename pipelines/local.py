@@ -5,9 +5,9 @@
     goodput run --local -p max_steps=200 --fsx-root /tmp/fsx
 
 The pipeline is compiled as for a cluster, with the train backend ``local`` compiled in
-(``pipelines.pipeline.build_pipeline("local")``: the same wiring, plus a ``local_nproc`` parameter), and the
-compiled YAML runs on ``kfp.local.SubprocessRunner(use_venv=False)``: every step is a subprocess of this
-Python, the train step runs ft_launcher ranks on this machine, a local directory stands in for FSx
+(``pipelines.pipeline.build_pipeline("local")``: the same wiring, plus ``local_nproc`` and ``local_nodes``
+parameters), and the compiled YAML runs on ``kfp.local.SubprocessRunner(use_venv=False)``: every step is a
+subprocess of this Python, the train step runs ft_launcher ranks on this machine, a local directory stands in for FSx
 (datasets/, runs/, models/), and the kfp-kubernetes settings (PVC mounts, placement, secrets) are
 ignored, as kfp.local does. The default dataset is this Python's standard library (its top-level
 modules, copied once into ``<fsx>/sources/``, then staged like any other source directory), so
@@ -51,6 +51,7 @@ from trainer.events import read_events
 # default flavor (debug, sized for 2 CPU cores).
 DEMO_ARGUMENTS = {
     "local_nproc": 2,
+    "local_nodes": 1,
     "model": "bytegpt",
     "model_flavor": "",
     "seq_len": 64,

@@ -183,17 +183,20 @@ TRAIN_STEPS = {
     "pytorchjob": "a Training Operator PyTorchJob of ``nodes`` x ``gpus_per_node`` under NVRx ft_launcher",
     "trainjob": "a Kubeflow Trainer v2 TrainJob on the goodput-nvrx runtime (deploy/trainer-v2) of ``nodes`` x "
                 "``gpus_per_node`` under NVRx ft_launcher",
-    "local": "``local_nproc`` ft_launcher ranks in the step itself",
+    "local": "``local_nodes`` x ``local_nproc`` ft_launcher ranks in the step itself",
 }
-LOCAL_PARAMETERS = [inspect.Parameter("local_nproc", inspect.Parameter.KEYWORD_ONLY, default=2, annotation=int)]
-LOCAL_ARGS = "\n    local_nproc: ranks of the local backend (trainer processes on this machine)."
+LOCAL_PARAMETERS = [inspect.Parameter("local_nproc", inspect.Parameter.KEYWORD_ONLY, default=2, annotation=int),
+                    inspect.Parameter("local_nodes", inspect.Parameter.KEYWORD_ONLY, default=1, annotation=int)]
+LOCAL_ARGS = ("\n    local_nproc: ranks per node of the local backend (trainer processes on this machine)."
+              "\n    local_nodes: nodes of the local backend: separate node process trees on this machine.")
 
 
 def build_pipeline(backend: str = "pytorchjob"):
     """The goodput pipeline for a train backend: ``pytorchjob``, ``trainjob`` or ``local``.
 
     One wiring (``_wire``) under three signatures: the cluster ones take ``pipeline_parameters``, the local
-    one also ``local_nproc``. KFP reads a pipeline's parameters from its function's signature and docstring.
+    one also ``local_nproc`` and ``local_nodes``. KFP reads a pipeline's parameters from its function's signature
+    and docstring.
     """
     backend = backend_name(backend)
     if backend not in BACKENDS:
@@ -212,7 +215,7 @@ def build_pipeline(backend: str = "pytorchjob"):
     return dsl.pipeline(name=PIPELINE_NAME, description=DESCRIPTION.format(kind=KINDS[backend]))(goodput_pipeline)
 
 
-def _wire(backend: str, *, local_nproc=None, **p) -> None:
+def _wire(backend: str, *, local_nproc=None, local_nodes=None, **p) -> None:
     """The steps and what their pods get; ``p`` are the pipeline's parameters (channels)."""
     cleanup = cleanup_op(run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER, backend=backend, namespace=p["namespace"])
     placed(cleanup, p["step_node_selector"], p["step_tolerations"])
@@ -262,7 +265,7 @@ def _wire(backend: str, *, local_nproc=None, **p) -> None:
         step_pod(stage_model).set_display_name("stage init_from").set_caching_options(False)
         stage_model.set_retry(3, backoff_duration="60s")     # an interrupted copy resumes from its journal
 
-        train_kw = {"local_nproc": local_nproc} if backend == "local" else {}
+        train_kw = {"local_nproc": local_nproc, "local_nodes": local_nodes} if backend == "local" else {}
         train = train_op(backend=backend, trainer_args=config.outputs["trainer_args"],
                          job_options=config.outputs["job_options"], image=p["trainer_image"], nodes=p["nodes"],
                          gpus_per_node=p["gpus_per_node"], spot=p["spot"], namespace=p["namespace"],

@@ -202,14 +202,14 @@ def test_backend_trainjob_compiles_to_the_same_steps_with_the_backend_compiled_i
     assert res.exit_code == 2 and "'local' is not one of 'pytorchjob', 'trainjob'" in res.output
 
 
-def test_the_local_variant_adds_only_local_nproc(compiled, tmp_path):
+def test_the_local_variant_adds_only_local_nproc_and_local_nodes(compiled, tmp_path):
     """``goodput run --local`` compiles the same wiring with the local backend and a rank count."""
     from pipelines.compile import compile_pipeline
 
     _, spec, _ = compiled
     local, _ = yaml.safe_load_all(compile_pipeline(tmp_path / "local.yaml", backend="local").read_text())
     params = local["root"]["inputDefinitions"]["parameters"]
-    assert set(params) - set(spec["root"]["inputDefinitions"]["parameters"]) == {"local_nproc"}
+    assert set(params) - set(spec["root"]["inputDefinitions"]["parameters"]) == {"local_nproc", "local_nodes"}
     assert all(p.get("description") for p in params.values()), "every parameter of the form is described"
     assert "ranks" in params["local_nproc"]["description"]
     _, train = find(local, "train")
