@@ -99,9 +99,9 @@ def main() -> None:
 
 
 def copy_rates(gb: float = 2.0) -> None:
-    """Device-to-host copy speed into a replica slot (a /dev/shm mapping) as ``trainer.replica`` leaves it
+    """Device-to-host copy speed into a replica slot (a /dev/shm mapping) as ``trainer.checkpoint.replica`` leaves it
     (page-locked with cudaHostRegister), into the same kind of mapping left pageable, and into pinned memory."""
-    from trainer.replica import NodeReplica
+    from trainer.checkpoint.replica import NodeReplica
 
     src = torch.randn(int(gb * 1e9) // 4, device="cuda")
     shm = Path(tempfile.mkdtemp(prefix="goodput-", dir="/dev/shm"))

@@ -45,10 +45,10 @@ def _of_kind(kind: str, procs: dict[int, tuple[int, str]], ranks: set[int]) -> l
     launchers = [p for p, (ppid, cmd) in procs.items()
                  if "fault_tolerance.launcher" in cmd and "trainer.warmstart" in procs.get(ppid, (0, ""))[1]]
     pick = {
-        "wrapper": lambda p, cmd: "trainer.warmstart" in cmd and "--serve" not in cmd,
+        "wrapper": lambda p, cmd: "trainer.warmstart" in cmd,
         "launcher": lambda p, cmd: p in launchers,
         "rank monitor": lambda p, cmd: procs[p][0] in launchers and cmd == procs[procs[p][0]][1],
-        "zygote": lambda p, cmd: "trainer.warmstart --serve" in cmd and p not in ranks and p not in forks,
+        "zygote": lambda p, cmd: "trainer.zygote" in cmd and p not in ranks and p not in forks,
         "proxy": lambda p, cmd: procs[p][0] in launchers and "-m trainer " in cmd + " " and p not in ranks,
         "rank": lambda p, cmd: p in ranks,
         "writer": lambda p, cmd: procs[p][0] in ranks and "multiprocessing" in cmd and "resource_tracker" not in cmd,

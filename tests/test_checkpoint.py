@@ -46,7 +46,7 @@ def test_round_trip_commit_retention_and_torn_cleanup(tmp_path, process_group, s
                 t.add_(100.0)                      # the checkpoint must hold the snapshot, not this
             mgr.maybe_finalize()
         mgr.wait()
-        mgr._purger.join()
+        mgr.commits.join_purge()
         assert committed_steps(tmp_path / "ckpt") == [2, 3]           # retention: keep=2
         # A torn directory (no marker) is ignored and deleted by the next restore.
         torn = step_dir(tmp_path / "ckpt", 4)
@@ -110,7 +110,7 @@ out = Path(sys.argv[1])
 mgr = CheckpointManager(out / "ckpt", CheckpointConfig(), Dist(0, 1, 0, torch.device("cpu")), EventLog(out / "e", 0))
 before = {p.pid for p in psutil.Process().children()}
 mgr.start_writer()
-mgr.queue.maybe_finalize_async_calls(blocking=True, no_dist=True)   # booted: its warm-up request ran
+mgr.writer.queue.maybe_finalize_async_calls(blocking=True, no_dist=True)   # booted: its warm-up request ran
 print(" ".join(str(p.pid) for p in psutil.Process().children() if p.pid not in before), flush=True)
 os.kill(os.getpid(), signal.SIGKILL)
 """
@@ -236,8 +236,8 @@ def test_a_replica_is_used_only_by_the_run_that_made_it(tmp_path, process_group)
 def test_save_returns_while_the_copy_runs_and_the_write_waits_for_it(tmp_path, process_group):
     """The loop's forward and backward passes overlap the copy; the writer only ever sees a whole snapshot."""
     mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
-    release, copy = threading.Event(), mgr._copy
-    mgr._copy = lambda *a: (release.wait(60), copy(*a))[1]
+    release, copy = threading.Event(), mgr.copier.copy
+    mgr.copier.copy = lambda *a: (release.wait(60), copy(*a))[1]
     try:
         live = _state(7)
         mgr.save(7, live)                                     # returns with the copy held back

@@ -20,7 +20,7 @@ from pipelines.cli import main as cli
 from trainer.checkpoint import COMMITTED, step_dir
 from trainer.config import ModelConfig
 from trainer.data import ensure_default_dataset
-from trainer.model import ByteGPT
+from trainer.models.bytegpt import ByteGPT
 
 try:                                  # tests/ is a package when run from the repository root
     from tests.s3_stand_in import CREDENTIALS, MotoS3

@@ -11,24 +11,22 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from trainer.compat import local_tensor as _local
 from trainer.config import parse_config
 from trainer.live_state import LiveStateDict
-from trainer.model import ByteGPT
-from trainer.parallel import parallelize
+from trainer.models import ParallelPlan, build_model
 from trainer.train import build_optimizer, get_lr
 
 from .conftest import TINY
 
 
-def _setup(mode: str, d):
-    cfg = parse_config(["--data", "unused", "--out", "unused", *TINY, "--warmup-steps", "3", "--max-steps", "10"])
-    torch.manual_seed(0)
-    model = parallelize(ByteGPT(cfg.model), mode, d)
+def _setup(mode: str, d, dataset):
+    cfg = parse_config(["--data", str(dataset), "--out", "unused", *TINY, "--warmup-steps", "3", "--max-steps", "10"])
+    spec = cfg.model.spec(cfg.data.data)
+    model = build_model(spec, ParallelPlan(mode=mode), d, seed=0)   # as the trainer builds it
     optimizer = build_optimizer(model, cfg.optim)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: get_lr(s, cfg.optim, cfg.run.max_steps))
     x = torch.randint(0, 256, (2, cfg.model.seq_len))
 
     def step():
-        _, loss = model(x, x)
-        loss.backward()
+        spec.loss(model, x, x).backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         scheduler.step()
@@ -54,8 +52,8 @@ def _same(reused, fresh) -> None:
 
 
 @pytest.mark.parametrize("mode", ["fsdp", "ddp"])
-def test_reused_dicts_follow_the_training_and_are_rebuilt_after_a_load(process_group, mode):
-    model, optimizer, step = _setup(mode, process_group)
+def test_reused_dicts_follow_the_training_and_are_rebuilt_after_a_load(process_group, dataset, mode):
+    model, optimizer, step = _setup(mode, process_group, dataset)
     live = LiveStateDict(model, optimizer)
     first = live()                       # builds, creating the optimizer's state
     lrs = set()

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainer.model import ByteGPT
+from trainer.models.bytegpt import ByteGPT
 from trainer.models import ModelError, ParallelPlan, build_model, num_params, resolve_model, spec_from_run_config
 
 EXAMPLES = Path(__file__).resolve().parent.parent / "examples"

@@ -107,7 +107,10 @@ def test_a_restart_resumes_from_the_newest_memory_snapshot(tmp_path, start_run, 
     assert run.wait() == 0, run.tail()
     summary = _check_finished_like_clean(run, clean_sha)
     events = run.events()
-    copies = [e["step"] for e in events if e["event"] == "memory_snapshot" and e["step"] < 7]
+    # The copies made before the restart loaded one (rank 0 records a copy before the restore's all-gather,
+    # which its peers' ckpt_loaded follow): the steps the restart redid are copied again.
+    restored_at = next(i for i, e in enumerate(events) if e["event"] == "ckpt_loaded")
+    copies = [e["step"] for e in events[:restored_at] if e["event"] == "memory_snapshot"]
     loaded = [(e["source"], e["step"]) for e in events if e["event"] == "ckpt_loaded"]
     # The fault came during step 7, after the step-4 checkpoint and a copy at step 5 or 6 (copies are spaced
     # at least 20x their duration apart, so not necessarily both): the newest copy is what both ranks loaded.

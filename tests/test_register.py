@@ -95,7 +95,7 @@ def test_a_registry_from_before_pluggable_models_still_loads(tmp_path):
 
     from components.evaluate import params_sha256
     from components.register import Registry, load_registered_model
-    from trainer.model import ByteGPT, ByteGPTConfig
+    from trainer.models.bytegpt import ByteGPT, ByteGPTConfig
 
     # What the trainer's model section held then: ByteGPT's fields alone.
     cfg = ByteGPTConfig(n_layer=1, n_embd=32, n_head=2, seq_len=16)

@@ -126,7 +126,7 @@ def test_a_forked_rank_dies_with_its_proxy(tmp_path, dataset, cleanup):
     out = tmp_path / "run"
     proc, start = _training(dataset, out, cleanup)
     children = map(int, Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
-    (proxy,) = [c for c in children if b"trainer.warmstart" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+    (proxy,) = [c for c in children if b"trainer.zygote" not in Path(f"/proc/{c}/cmdline").read_bytes()]
     assert proxy != start["pid"]
     os.kill(proxy, signal.SIGKILL)
     assert _gone(start["pid"], 10), "the forked rank outlived its proxy"

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .events import EventLog, read_events
+from .hooks import StepHook
 
 KINDS = ("exception", "kill", "hang", "sigterm", "ckpt-crash")
 _SPEC = re.compile(r"^(?P<kind>[a-z-]+)@(?P<step>\d+)(?::(?P<rank>\d+))?$")
@@ -67,7 +68,7 @@ def chaos_schedule(seed: int, every_s: float, world_size: int, horizon_s: float 
         out.append((t, rng.choice(kinds), rng.randrange(world_size)))
 
 
-class FaultInjector:
+class FaultInjector(StepHook):
     """Fires this rank's configured faults at the right moment, once per run."""
 
     def __init__(self, specs: list[str], rank: int, world_size: int, events: EventLog, events_path: Path,
@@ -90,8 +91,8 @@ class FaultInjector:
     def enabled(self) -> bool:
         return bool(self.faults or self.chaos)
 
-    def maybe_fire(self, step: int) -> None:
-        """Call once per step, mid-step (after backward, before the optimizer step)."""
+    def before_optimizer_step(self, step: int) -> None:
+        """Mid-step (after backward, before the optimizer step): fire this rank's faults due at ``step``."""
         for f in self.faults:
             if f.step == step and f.id not in self.fired:
                 if f.kind == "ckpt-crash":

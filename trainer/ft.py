@@ -24,7 +24,7 @@ import socket
 import struct
 
 from . import compat
-from .checkpoint import HelperHung
+from .errors import HelperHung
 
 log = logging.getLogger(__name__)
 

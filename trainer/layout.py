@@ -60,6 +60,6 @@ def fsync_dir(path: Path) -> None:
 
 
 def replica_dir(root: Path, out: Path) -> Path:
-    """A run's memory-snapshot directory under ``root`` (``trainer/replica.py``), named after its checkpoint
-    directory ``out`` (several runs share a node)."""
+    """A run's memory-snapshot directory under ``root`` (``trainer/checkpoint/replica.py``), named after its
+    checkpoint directory ``out`` (several runs share a node)."""
     return root / f"goodput-{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}"

@@ -32,9 +32,9 @@ import os
 import time
 import weakref
 from pathlib import Path
-from typing import Callable
 
 from .config import MetricsConfig
+from .hooks import StepHook, StepReport
 
 log = logging.getLogger("trainer")
 
@@ -48,30 +48,6 @@ PROCESS_SERIES = ("goodput_step", "goodput_steps_total", "goodput_step_seconds",
                   "goodput_checkpoint_blocking_last_seconds", "goodput_data_wait_seconds_total",
                   "goodput_data_wait_ratio", "goodput_data_starved_windows_total", "goodput_rank_info")
 RUN_SERIES = ("goodput_ratio", "goodput_restarts", "goodput_lost_steps", "goodput_last_committed_step")
-
-
-class BatchTimer:
-    """Seconds spent inside a batch source since the last ``take()``: wrap ``sampler.next_batch`` with it."""
-
-    def __init__(self, clock: Callable[[], float] = time.perf_counter):
-        self.clock = clock
-        self.waited_s = 0.0
-
-    def wrap(self, next_batch: Callable):
-        clock = self.clock
-
-        def timed_next_batch():
-            t0 = clock()
-            try:
-                return next_batch()
-            finally:
-                self.waited_s += clock() - t0
-
-        return timed_next_batch
-
-    def take(self) -> float:
-        waited, self.waited_s = self.waited_s, 0.0
-        return waited
 
 
 class DataWaitMonitor:
@@ -171,7 +147,7 @@ class RunCollector:
                                 "(-1 = none yet)", value=v["goodput_last_committed_step"])
 
 
-class MetricsExporter:
+class MetricsExporter(StepHook):
     """The metrics of one training process. Built once per process (``Session``), it outlives in-process
     restarts; ``enabled`` says whether the HTTP endpoint is up. Every ``observe_*`` is cheap and safe to call
     with the endpoint off (the data-starvation warning still works)."""
@@ -180,7 +156,6 @@ class MetricsExporter:
                  events=None, events_path: Path | None = None):
         self.cfg, self.rank, self.local_rank = cfg, rank, local_rank
         self.events = events
-        self.timer = BatchTimer()
         self.data_wait = DataWaitMonitor(cfg.data_wait_window, cfg.data_wait_warn)
         self.port: int | None = None
         self._server = self._thread = None
@@ -232,12 +207,13 @@ class MetricsExporter:
         os.register_at_fork(after_in_child=_forget_server_in_child(weakref.ref(self)))
         log.info("metrics: http://%s:%d/metrics", self.cfg.metrics_addr or "0.0.0.0", port)
 
-    def time_batches(self, next_batch: Callable) -> Callable:
-        """``next_batch`` timed: what the step waits for its data is measured, not assumed."""
-        return self.timer.wrap(next_batch)
+    def after_step(self, report: StepReport) -> None:
+        self.observe_step(report.step, report.step_s, report.tokens, mfu=report.mfu, data_wait_s=report.data_wait_s)
 
-    def observe_step(self, step: int, step_s: float, tokens_per_step: int, mfu: float | None = None) -> None:
-        wait_s = self.timer.take()
+    def observe_step(self, step: int, step_s: float, tokens_per_step: int, mfu: float | None = None,
+                     data_wait_s: float = 0.0) -> None:
+        """``data_wait_s``: of ``step_s``, what the step waited for its batches (measured by the loop)."""
+        wait_s = data_wait_s
         starved = self.data_wait.observe(step_s, wait_s)
         if starved is not None:
             log.warning("rank %d: data loading starves the step: %.0f%% of the last %d steps' time was spent "

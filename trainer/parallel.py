@@ -1,5 +1,5 @@
-"""Process group, device and data parallelism, applied to a model from outside (torchtitan's
-``parallelize`` pattern): FSDP2 shards each block and then the root; DDP replicates."""
+"""The process group and this process's device, from the launcher's environment, and the stores it meets on.
+(How a model is spread over the ranks is ``trainer.models.parallelize``.)"""
 
 from __future__ import annotations
 
@@ -11,9 +11,6 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
-import torch.nn as nn
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-from torch.nn.parallel import DistributedDataParallel
 
 
 @dataclass(frozen=True)
@@ -76,18 +73,3 @@ def wait_until_listening(host: str, port: int, timeout_s: float = 300.0) -> None
                 raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:.0f}s: is rank 0 running, "
                                    f"and is MASTER_ADDR reachable from this node?") from e
             time.sleep(0.005)
-
-
-def parallelize(model: nn.Module, mode: str, d: Dist) -> nn.Module:
-    """Apply FSDP2 (``fsdp``) or DDP (``ddp``) to a model already on ``d.device``."""
-    if mode == "fsdp":
-        # bf16 compute with fp32 reduction on GPU; full fp32 on CPU, where bf16 matmuls are slow.
-        mp = (MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
-              if d.device.type == "cuda" else MixedPrecisionPolicy())
-        for block in model.blocks:
-            fully_shard(block, mp_policy=mp)
-        fully_shard(model, mp_policy=mp)
-        return model
-    if mode == "ddp":
-        return DistributedDataParallel(model, device_ids=[d.device.index] if d.device.type == "cuda" else None)
-    raise ValueError(f"unknown parallelism {mode!r}; use fsdp or ddp")

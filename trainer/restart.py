@@ -23,13 +23,9 @@ from typing import Callable, Optional
 import torch.distributed as dist
 
 from . import compat
-from .checkpoint import HelperHung
 from .config import RestartConfig
+from .errors import RECURRING, HelperHung
 from .parallel import free_port, wait_until_listening
-
-
-# Errors that come back the same on every attempt (settings, data format, paths): no layer retries them.
-RECURRING = (ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError, PermissionError)
 
 
 def build_wrapper(cfg: RestartConfig, cuda: bool):

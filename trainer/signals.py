@@ -22,6 +22,8 @@ import signal
 import threading
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+# A helper stopped (SIGSTOP) this long counts as hung (environment, seconds): nothing waits on it forever.
+STOPPED_S = float(os.environ.get("GOODPUT_STOPPED_S", "3"))
 _PR_SET_PDEATHSIG = 1
 
 

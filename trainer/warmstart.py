@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import gc
 import glob
 import json
 import os
@@ -38,11 +37,12 @@ import tempfile
 import threading
 import time
 import traceback
-import warnings
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from .layout import replica_dir
-from .signals import parent_death_preexec
+from .signals import STOPPED_S, parent_death_preexec
 
 ENV = "GOODPUT_WARMSTART_SOCKET"
 ZYGOTE_PID_ENV = "GOODPUT_ZYGOTE_PID"
@@ -50,10 +50,17 @@ ZYGOTE_PID_ENV = "GOODPUT_ZYGOTE_PID"
 # be importing), and the wrapper for its exit. Past them the worker starts cold, or the zygote is killed.
 HANDOFF_TIMEOUT_S = float(os.environ.get("GOODPUT_WARMSTART_TIMEOUT_S", "120"))
 ZYGOTE_EXIT_S = 10.0
-STOPPED_S = float(os.environ.get("GOODPUT_STOPPED_S", "3"))   # a stopped (SIGSTOP) helper counts as hung after this
 forked = False          # True in a rank forked from the zygote (reported in its worker_start event)
 _MAX_MSG = 1 << 20
 _FORWARDED = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGUSR1, signal.SIGUSR2)
+
+
+@dataclass(frozen=True)
+class ChildRun:
+    """What a forked child runs: ``before_threads()`` while it has one thread, then ``main(argv)`` (its exit code)."""
+
+    before_threads: Callable[[], None]
+    main: Callable[[list[str]], int]
 
 
 # ---- the launch wrapper ------------------------------------------------------------------------------
@@ -79,8 +86,8 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
     # The zygote exits when this pipe closes, i.e. when this process is gone, however it ended.
     alive_r, alive_w = os.pipe()
     zygote = subprocess.Popen(
-        [sys.executable, "-m", "trainer.warmstart", "--serve", str(listener.fileno()), str(alive_r),
-         "1" if warm else "0", *replicas],
+        [sys.executable, "-m", "trainer.zygote", str(listener.fileno()), str(alive_r), "1" if warm else "0",
+         *replicas],
         pass_fds=(listener.fileno(), alive_r), start_new_session=True,
         env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
     listener.close()
@@ -178,24 +185,7 @@ def _remove(directories: list[str]) -> None:
         shutil.rmtree(d, ignore_errors=True)
 
 
-# ---- the zygote --------------------------------------------------------------------------------------
-
-def _preload() -> None:
-    """Import what a rank imports, including what torch and NVRx import lazily on first use."""
-    warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
-    import multiprocessing.managers  # noqa: F401  NVRx's write-results queue (a Manager)
-    import multiprocessing.shared_memory  # noqa: F401  checkpoint staging
-
-    import nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async  # noqa: F401
-    import nvidia_resiliency_ext.inprocess  # noqa: F401
-    import torch._dynamo  # noqa: F401  fully_shard imports it on first call (over 1 s here)
-
-    from . import restart, train  # noqa: F401
-
-    # What was imported lives as long as every child: out of the collector's sight, a child's collections
-    # neither scan it (see train.run) nor write to its pages, which stay shared with the zygote.
-    gc.freeze()
-
+# ---- the zygote (its process: ``trainer.zygote``, which says what it imports and runs) -----------------
 
 def _fork_unsafe() -> str | None:
     import torch
@@ -207,14 +197,12 @@ def _fork_unsafe() -> str | None:
     return None
 
 
-def serve(listen_fd: int, alive_fd: int, preload: bool = True, replicas: tuple[str, ...] = ()) -> None:
-    """The zygote's loop: fork a child per request, report each child's exit status to its proxy.
+def serve(listen_fd: int, alive_fd: int, child: ChildRun | None, replicas: tuple[str, ...] = ()) -> None:
+    """The zygote's loop: fork a child per request to run ``child``, report each child's exit status to its proxy.
 
-    ``preload=False``: a janitor only (see ``run_with_zygote``); requests are refused, the ranks start cold.
+    ``child=None``: a janitor only (see ``run_with_zygote``); requests are refused, the ranks start cold.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)      # the wrapper decides when the zygote ends
-    if preload:
-        _preload()
     listener = socket.socket(fileno=listen_fd)
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_w, False)
@@ -228,11 +216,11 @@ def serve(listen_fd: int, alive_fd: int, preload: bool = True, replicas: tuple[s
         for key, _ in sel.select():
             if key.fileobj is listener:
                 conn, _ = listener.accept()
-                if not preload:
+                if child is None:
                     _send(conn, {"refused": "warm start is off"})
                     conn.close()
                     continue
-                pid = _fork_child(conn, close_in_child=(listen_fd, wake_r, wake_w, alive_fd))
+                pid = _fork_child(conn, child, close_in_child=(listen_fd, wake_r, wake_w, alive_fd))
                 if pid is not None:
                     children[pid] = conn
             elif key.fileobj == wake_r:
@@ -284,7 +272,7 @@ def _kill_leftovers(pgid: int | None = None, marker: bytes | None = None) -> Non
             continue          # gone meanwhile
 
 
-def _fork_child(conn: socket.socket, close_in_child: tuple[int, ...]) -> int | None:
+def _fork_child(conn: socket.socket, child: ChildRun, close_in_child: tuple[int, ...]) -> int | None:
     conn.settimeout(10)
     try:
         msg, fds, _, _ = socket.recv_fds(conn, _MAX_MSG, 3)
@@ -303,14 +291,14 @@ def _fork_child(conn: socket.socket, close_in_child: tuple[int, ...]) -> int | N
     if pid == 0:
         for fd in close_in_child:
             os.close(fd)
-        os._exit(_run_child(conn, request, fds))
+        os._exit(_run_child(conn, request, fds, child))
     for fd in fds:
         os.close(fd)
     _send(conn, {"pid": pid})
     return pid
 
 
-def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
+def _run_child(conn: socket.socket, request: dict, fds: list[int], child: ChildRun) -> int:
     """In the forked child: become the worker the proxy would have been, run it, return its exit code."""
     global forked
     forked = True
@@ -327,19 +315,11 @@ def _run_child(conn: socket.socket, request: dict, fds: list[int]) -> int:
     os.environ.update(request["env"])
     sys.argv = request["argv"]
     conn.settimeout(None)
-    from .checkpoint import fork_write_results_queue
-
-    fork_write_results_queue()   # before any thread starts: forking is safe only while there is one
+    child.before_threads()   # forking (which it may do) is safe only while the process runs one thread
     threading.Thread(target=_die_with_proxy, args=(conn, request["proxy"]), name="warmstart-proxy-watch",
                      daemon=True).start()
-    import torch
-
-    if "OMP_NUM_THREADS" in os.environ:   # read by OpenMP when the zygote imported torch, not since
-        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
-    from .__main__ import main
-
     try:
-        code = main(sys.argv[1:])
+        code = child.main(sys.argv[1:])
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except BaseException:
@@ -493,9 +473,7 @@ def _recv(conn: socket.socket) -> dict | None:
 
 
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["--serve"]:
-        serve(int(argv[1]), int(argv[2]), argv[3] == "1", tuple(argv[4:]))
-    elif argv[:1] == ["--cold"] and argv[1:]:
+    if argv[:1] == ["--cold"] and argv[1:]:
         exit_like(run_with_zygote(argv[1:], warm=False))
     elif argv:
         exit_like(run_with_zygote(argv))

@@ -15,6 +15,9 @@ is replaced atomically once the copy is done. A rank killed mid-copy leaves the 
 Only the state's local tensors are stored (a DTensor's shard, with its mesh and placements taken from the
 live state when it is read back), so reading a replica needs the live state of the same structure, which
 the restart has just built.
+
+``MemorySnapshots`` is what the checkpoint manager uses: which slot the next copy goes to, which holds the
+newest complete snapshot (and of which run), and reading it back after a restart.
 """
 
 from __future__ import annotations
@@ -28,8 +31,9 @@ from typing import Any
 import torch
 from torch.distributed.tensor import DTensor
 
-from . import compat
-from .layout import write_atomic
+from .. import compat
+from ..layout import write_atomic
+from .staging import staged_into
 
 log = logging.getLogger(__name__)
 
@@ -193,3 +197,53 @@ class NodeReplica:
             self._unpin(slot)
         for path in (self.marker_path, self._slot_path(0), self._slot_path(1)):
             path.unlink(missing_ok=True)
+
+
+class MemorySnapshots:
+    """This rank's replica as the checkpoint manager sees it: the newest complete snapshot and the next slot.
+
+    Args:
+        directory: the rank's replica directory (``layout.replica_dir``).
+        rank: this process's rank.
+        pin: page-lock the slots (the state lives on a GPU).
+    """
+
+    def __init__(self, directory: Path, rank: int, *, pin: bool):
+        self.node = NodeReplica(directory, rank, pin=pin)
+        self.buffers: list[dict | None] = [None, None]   # the slots' buffers, as mapped by this attempt
+        self.snapshot: dict | None = None                # the newest complete snapshot, once read
+        marker = self.node.marked()
+        self.step: int | None = marker["step"] if marker else None
+        self.slot: int = marker["slot"] if marker else 1
+        # A replica left by an earlier process may be another run's (the same output directory started
+        # afresh): it is used only by the run that made it.
+        self.run: str | None = marker.get("run") if marker else None
+        self.copy_s = 0.0   # how long the last copy took (the interval policy spaces them)
+
+    def stage(self, state: dict) -> tuple[int, dict, list]:
+        """(slot, snapshot, pairs) for a copy of ``state`` into the slot that does not hold the newest snapshot."""
+        slot = 1 - self.slot
+        self.buffers[slot], snapshot, pairs = staged_into(state, self.buffers[slot],
+                                                          lambda s: self.node.buffer(s, slot))
+        return slot, snapshot, pairs
+
+    def completed(self, step: int, slot: int, snapshot: dict, run: str | None, copy_s: float) -> None:
+        """The copy into ``slot`` is whole: it is now the newest snapshot (marked on the node)."""
+        self.node.mark(step, slot, snapshot, run)
+        self.snapshot, self.step, self.slot, self.run, self.copy_s = snapshot, step, slot, run, copy_s
+
+    def read_back(self, state: dict) -> None:
+        """A snapshot left by an earlier process or attempt: read it back against the live ``state``'s structure."""
+        if self.step is not None and self.snapshot is None:
+            loaded = self.node.load(state)
+            self.step, self.slot, self.snapshot = loaded or (None, self.slot, None)
+
+    def unmap(self) -> None:
+        """Forget this attempt's mappings (a new process group needs new ones); the marker still names the
+        newest slot, which the next copy leaves alone."""
+        self.buffers, self.snapshot = [None, None], None
+
+    def drop(self) -> None:
+        """Forget the snapshot and free its memory on the node (a committed checkpoint supersedes it)."""
+        self.node.discard()
+        self.buffers, self.snapshot, self.step = [None, None], None, None

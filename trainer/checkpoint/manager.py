@@ -1,0 +1,373 @@
+"""``CheckpointManager``: saves, memory snapshots and restore of the training state (how; the
+``Checkpointer`` decides when).
+
+An async save, in the order the training loop sees it:
+  1. ``save``: DCP planning runs on the staging copy (``staging``), and a background thread starts
+     copying the state's tensors into it.
+  2. The loop runs the next step's forward and backward passes while the copy runs: they only read the
+     parameters. ``finish_snapshot``, called before the optimizer step changes the state, waits for the
+     copy (usually done by then) and hands the write to NVRx's persistent worker (``writer``). The loop
+     is blocked only for planning and for whatever of the copy is left.
+  3. ``maybe_finalize`` (top of every step): finalizes this rank's finished writes without blocking
+     and without collectives by writing its done file; rank 0 commits complete steps (``commit``).
+  4. ``wait`` (exit, SIGTERM): blocking finalize on every rank, barrier, commit.
+
+``snapshot_to_memory`` copies the state into node memory instead (``replica``): no disk, no writer, no
+collective. ``restore`` takes the newest state every rank can get: memory, else the newest committed
+checkpoint (fetched from the S3 mirror first when FSx has none).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+
+from .. import compat
+from ..config import CheckpointConfig
+from ..events import EventLog
+from ..layout import read_marker, replica_dir, step_dir
+from ..mirror import CheckpointMirror, maybe_fetch_from_mirror
+from ..parallel import Dist
+from .commit import Commits, Pending
+from .replica import MemorySnapshots
+from .staging import Copier, Staging
+from .writer import Writer
+
+log = logging.getLogger(__name__)
+
+StateSource = dict | Callable[[], dict]   # a state dict, or a function that builds one
+
+
+@dataclass
+class _Snapshot:
+    """A copy of the state that is running: between ``save`` (or ``snapshot_to_memory``) and
+    ``finish_snapshot``."""
+
+    step: int
+    state: dict | None      # the snapshot: the copy's tensors and the state's other values
+    copy: Future            # the background copy; its result is the seconds it took
+    request: Any            # the NVRx AsyncRequest that writes the snapshot (None: kept in memory only)
+    pending: Pending | None
+    blocked_s: float        # how long the call that started it held the caller
+    phases: dict
+    slot: int = 0           # a memory snapshot's replica slot
+
+
+class CheckpointManager:
+    """Saves and loads the training state through the commit protocol.
+
+    Args:
+        root: ``<out>/checkpoints``.
+        cfg: checkpoint section of the config.
+        d: this process's distributed context.
+        events: the run's event log (rank 0 records checkpoint phases).
+        on_write_started: test and fault-injection hook, called on every rank after a save was handed
+            to the writer and before the loop continues.
+        run_id: names the run across its restarts (rank 0's counts; the others learn it in ``restore``).
+    """
+
+    def __init__(self, root: Path, cfg: CheckpointConfig, d: Dist, events: EventLog,
+                 on_write_started: Callable[[int], None] | None = None, run_id: str | None = None):
+        self.root, self.cfg, self.d, self.events, self.run_id = root, cfg, d, events, run_id
+        self.on_write_started = on_write_started
+        # Rank 0 commits, so rank 0 mirrors (--ckpt-mirror): a background uploader fed by each commit.
+        self.mirror = CheckpointMirror(root, cfg, events) if cfg.mirror and d.is_main else None
+        self.commits = Commits(root, d, events, cfg.keep, self.mirror)
+        self.writer = Writer(cfg, d.rank, events)
+        self.staging = Staging(pin=d.device.type == "cuda")
+        self.copier = Copier(d.device)
+        # The in-memory replica (snapshot_to_memory): two slots in node-local shared memory, which a rank
+        # started by an in-job restart finds again.
+        self.replica = MemorySnapshots(replica_dir(Path(cfg.memory_dir), root), d.rank, pin=d.device.type == "cuda")
+        # The staging copy's snapshot, while it holds the last save's state (in-process restarts resume from it).
+        self.snapshot: dict | None = None
+        self.snapshot_step: int | None = None
+        self.copying: _Snapshot | None = None
+        # Called with the blocking seconds of every interval save (the interval policy, the metrics).
+        self.on_snapshot: Callable[[float], None] | None = None
+
+    # ------------------------------------------------------------------------------------ status
+    @property
+    def writing(self) -> bool:
+        """A snapshot is being copied or written (as of the last finalize)."""
+        return self.copying is not None or self.writer.writes_in_flight > 0
+
+    @property
+    def cold(self) -> bool:
+        """This rank's writer has not finished a write yet (see ``Writer.cold``)."""
+        return self.writer.cold
+
+    @property
+    def writes_in_flight(self) -> int:
+        return self.writer.writes_in_flight
+
+    @property
+    def replica_copy_s(self) -> float:
+        return self.replica.copy_s
+
+    def start_writer(self) -> None:
+        self.writer.start()
+
+    # ----------------------------------------------------------------------------------------- load
+    def restore(self, state: dict) -> tuple[int | None, str, dict]:
+        """Restore the newest state into ``state``; return (step or None, source, the restored dict).
+
+        Every rank may hold snapshots in memory: after an in-process restart, the staging copy of its last
+        save; and the replica of its last ``snapshot_to_memory``, which also survives an in-job restart on
+        the same node. The newest step that every rank holds, if no committed checkpoint is newer, is
+        copied back (``memory``: no disk read). Otherwise the newest committed checkpoint is loaded
+        (``checkpoint``). Collective: call on every rank.
+        """
+        self.finish_snapshot()   # a fault can come while a snapshot is copied: the copy still completes
+        self.replica.read_back(state)
+        newest = self.commits.newest() if self.d.is_main else None
+        held = [None] * self.d.world_size
+        # Sync point: which snapshot steps each rank holds in memory (the replica's with the run that made
+        # it), and rank 0's run and newest committed step.
+        dist.all_gather_object(held, (self.snapshot_step, self.replica.step, self.replica.run, self.run_id, newest))
+        self.run_id, committed = held[0][3], held[0][4]
+        everywhere = set.intersection(*({h[0], h[1] if h[2] == self.run_id else None} - {None} for h in held))
+        usable = {s for s in everywhere if committed is None or s >= committed}
+        if usable:
+            step, source = max(usable), "memory"
+            copy_state_dict, _ = compat.cpu_state_dict_helpers()
+            restored = copy_state_dict(self.snapshot if step == self.snapshot_step else self.replica.snapshot, state)
+            self.events.emit("ckpt_loaded", step=step, source=source)
+        else:
+            step, source, restored = self._load_committed(state), "checkpoint", state
+            if step is None:   # a fresh start: whatever replica is left belongs to no run
+                self.replica.drop()
+        # The new process group gets fresh staging buffers and plans: the old ones describe DTensors of the
+        # previous group's device mesh. A write still in flight keeps its own mapping of the old buffers.
+        # Allocating them now keeps that cost out of the first save's blocking time. (Not on the copier
+        # thread: the caller goes on to load ``restored`` into the model and optimizer, which mutates it.)
+        self.snapshot = self.snapshot_step = None
+        self.staging.drop()
+        self.replica.unmap()
+        if not self.cfg.sync:
+            self.staging.allocate(restored)
+        return step, source, restored
+
+    def _load_committed(self, state: dict) -> int | None:
+        """Load the newest committed checkpoint into ``state`` in place; return its step or None.
+
+        Rank 0 picks the step and deletes torn directories first; the choice is broadcast so every rank
+        loads the same checkpoint.
+        """
+        if self.cfg.mirror:
+            # Collective: with no committed checkpoint on FSx, rank 0 first fetches the newest mirrored one.
+            maybe_fetch_from_mirror(self.root, self.cfg, self.d, self.events)
+        choice = [None]
+        if self.d.is_main:
+            choice[0] = self.commits.newest()
+            pending = self.commits.pending
+            self.commits.delete_torn(older_than=None if not pending else pending[0].step)
+        # Sync point: every rank waits for rank 0's choice (and its clean-up of torn directories).
+        dist.broadcast_object_list(choice, src=0)
+        step = choice[0]
+        if step is None:
+            return None
+        path = step_dir(self.root, step)
+        marker = read_marker(path)
+        if marker["world_size"] != self.d.world_size:
+            raise RuntimeError(f"{path} was written by {marker['world_size']} ranks but this run has "
+                               f"{self.d.world_size}; exact resume needs the same number of ranks")
+        t0 = time.monotonic()
+        dcp.load(state, checkpoint_id=str(path))
+        self.events.emit("ckpt_loaded", step=step, source="checkpoint", load_s=round(time.monotonic() - t0, 4))
+        return step
+
+    # ----------------------------------------------------------------------------------------- save
+    def save(self, step: int, state: StateSource, *, blocking: bool = False) -> None:
+        """Checkpoint ``state`` as step ``step``. Must be called on every rank with the same step.
+
+        ``state``: the state dict, or a function that builds it (then building it counts as blocking time).
+
+        Async (the default), it returns once the copy of ``state`` has started: the caller may run forward
+        and backward passes, but must call ``finish_snapshot`` before it changes the state. With ``blocking``
+        (SIGTERM, end of training), and with ``--ckpt-sync``, it returns once the checkpoint is committed.
+        """
+        t0 = time.monotonic()
+        state = state() if callable(state) else state
+        path = step_dir(self.root, step)
+        if self.d.is_main:
+            self.events.emit("ckpt_start", step=step)
+        if self.cfg.sync or (blocking and self._writer_cold()):
+            dcp.save(state, checkpoint_id=str(path))
+            if self.on_write_started:
+                self.on_write_started(step)
+            # Sync point: every rank's shards are on disk before rank 0 commits.
+            dist.barrier()
+            if self.d.is_main:
+                self.commits.commit(Pending(step, t0), results=None)
+            self._snapshot_taken(step, time.monotonic() - t0, sync=True, interval=not blocking)
+            return
+        self._save_async(step, state, path, t0)
+        if blocking:
+            self.finish_snapshot(report=False)
+            self.wait()
+            self._snapshot_taken(step, time.monotonic() - t0, sync=True, interval=False)
+
+    def _writer_cold(self) -> bool:
+        """Whether some rank's writer is not started, or still booting with no write queued (collective).
+
+        A blocking save then writes synchronously (SIGTERM or the end of training soon after a start):
+        faster than waiting for the writer to boot.
+        """
+        flag = torch.tensor([float(self.writer.booting)], device=self.d.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)   # sync point: every rank takes the same path
+        return flag.item() > 0
+
+    def _save_async(self, step: int, state: dict, path: Path, t0: float) -> None:
+        """Plan the write and start the copy; ``self.copying`` records where the blocking time went (wait,
+        commit, stage, plan, start)."""
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+
+        self.writer.start()
+        # The staging copy is reused, so the previous snapshot must be whole and its write finished before
+        # it is overwritten.
+        self.finish_snapshot()
+        self.writer.finalize(writes_only=True)
+        t_wait = time.monotonic()
+        if self.snapshot_step is not None:
+            # Sync point: every rank has recorded the previous write, so rank 0 commits it now; otherwise a
+            # crash during this save would lose a checkpoint that was already whole on disk. The condition must
+            # be the same on every rank: ``pending`` is not (a non-zero rank drops a step once its own part is
+            # written, rank 0 only once every part is), and a barrier on rank 0 alone deadlocks the loop.
+            dist.barrier()
+            self.commits.maybe_commit()
+        t_commit = time.monotonic()
+        snapshot, pairs = self.staging.stage(state)
+        # The staging copy is about to be overwritten: it no longer holds the previous snapshot.
+        self.snapshot = self.snapshot_step = None
+        t_stage = time.monotonic()
+        rel = compat.installed_release()
+        # Up to 0.6 planning reads the staging tensors' metadata only, so it runs before the copy, which runs on
+        # behind the loop's next forward and backward. From 0.7 planning clones every CPU tensor: planned before
+        # the copy is complete, the checkpoint would hold what the staging copy held, the previous save's state.
+        copy = self.copier.start(pairs) if rel.plan_copies_cpu_tensors else None
+        if copy is not None:
+            copy.result()
+        t_copy = time.monotonic()
+        writer = FileSystemWriterAsync(str(path), thread_count=self.cfg.write_threads)
+        writer, metadata, _ = save_state_dict_async_plan(snapshot, writer, planner=self.staging.planner,
+                                                         enable_cache=True, metadata_cache=self.staging.plan_cache)
+        # NVRx trusts a plan once a second full planning (with a gather) produced the same one. That it
+        # stays valid is what Staging.stage checks at every save, so it is trusted from the first.
+        compat.trust_save_plan(self.staging.plan_cache, metadata)
+        t_plan = time.monotonic()
+
+        def finalize() -> None:
+            # Runs on this rank once its worker finished: record the write results durably.
+            self.commits.record_done(step, writer.retrieve_write_results())
+            self.writer.written()
+
+        request = compat.save_request(writer, [finalize], rel)
+        copy = copy or self.copier.start(pairs)
+        now = time.monotonic()
+        phases = {"wait_s": t_wait - t0, "commit_s": t_commit - t_wait, "stage_s": t_stage - t_commit,
+                  "plan_s": t_plan - t_copy, "start_s": now - t_plan}
+        if rel.plan_copies_cpu_tensors:
+            phases["copy_before_plan_s"] = t_copy - t_stage
+        self.copying = _Snapshot(step, snapshot, copy, request,
+                                 Pending(step, t0, writer if self.d.is_main else None, metadata), now - t0, phases)
+
+    def finish_snapshot(self, *, report: bool = True) -> float:
+        """Wait for the copy ``save`` started and hand the write to NVRx's worker; return the seconds waited.
+
+        Call before the state changes (the optimizer step). Returns at once when no copy is running.
+        ``report``: record the save's blocking time (an interval save's; a blocking save records its own).
+        """
+        s, self.copying = self.copying, None
+        if s is None:
+            return 0.0
+        t0 = time.monotonic()
+        copy_s = s.copy.result()
+        if s.request is None:   # kept in memory only
+            waited = time.monotonic() - t0
+            self.replica.completed(s.step, s.slot, s.state, self.run_id, copy_s)
+            if self.d.is_main:
+                self.events.emit("memory_snapshot", step=s.step, block_s=round(s.blocked_s + waited, 4),
+                                 copy_s=round(copy_s, 4))
+            return waited
+        self.snapshot, self.snapshot_step = s.state, s.step
+        self.writer.schedule(s.request)
+        self.commits.add(s.pending)
+        waited = time.monotonic() - t0
+        if report:
+            self._snapshot_taken(s.step, s.blocked_s + waited, sync=False,
+                                 phases={**s.phases, "copy_wait_s": waited, "copy_s": copy_s})
+        if self.on_write_started:
+            self.on_write_started(s.step)
+        return waited
+
+    def snapshot_to_memory(self, step: int, state: StateSource) -> dict:
+        """Copy ``state`` into the in-memory replica (node-local shared memory; nothing is written to disk).
+
+        Like ``save``: the copy runs on the copier thread, and ``finish_snapshot`` must be called before
+        the state changes. It costs no disk, no writer and no collective, so it can be taken far more often
+        than checkpoints: a restart in the same process or on the same node then redoes only the steps
+        since the last one. Returns the copy (``save`` can write it later, as this step's checkpoint).
+        """
+        t0 = time.monotonic()
+        self.finish_snapshot()
+        state = state() if callable(state) else state
+        slot, snapshot, pairs = self.replica.stage(state)   # never the slot of the newest complete snapshot
+        copy = self.copier.start(pairs)
+        self.copying = _Snapshot(step, snapshot, copy, None, None, time.monotonic() - t0, {}, slot)
+        return snapshot   # whole once finish_snapshot returned; kept until the next copy but one
+
+    def drop_replica(self) -> None:
+        """Forget the replica and free its memory on the node (a committed checkpoint supersedes it)."""
+        self.replica.drop()
+
+    def _snapshot_taken(self, step: int, block_s: float, *, sync: bool, phases: dict | None = None,
+                        interval: bool = True) -> None:
+        if self.d.is_main:
+            self.events.emit("ckpt_snapshot", step=step, block_s=round(block_s, 4), sync=sync,
+                             **{k: round(v, 4) for k, v in (phases or {}).items()})
+        if interval and self.on_snapshot is not None:
+            self.on_snapshot(block_s)
+
+    def maybe_finalize(self) -> None:
+        """Top of every step: finalize finished writes without blocking; rank 0 commits complete steps."""
+        if not self.writer.started:
+            return
+        self.writer.maybe_finalize()
+        self.commits.maybe_commit()
+
+    def wait(self) -> None:
+        """Block until every scheduled checkpoint is committed (call on all ranks)."""
+        self.finish_snapshot()
+        self.writer.finalize(writes_only=True)   # not the writer's warm-up: it may still be booting
+        # Sync point: all ranks' done files exist before rank 0 commits the rest.
+        dist.barrier()
+        self.commits.maybe_commit()
+        self.commits.check_all_committed()
+
+    def maybe_drain_mirror(self) -> None:
+        """Rank 0: wait, at most --ckpt-mirror-drain-s, until every committed checkpoint is mirrored."""
+        if self.mirror is not None:
+            self.mirror.drain(self.cfg.mirror_drain_s)
+            # Local retention skipped steps the mirror still needed; those it has released go now.
+            self.commits.join_purge()
+            newest = self.commits.newest()
+            if newest is not None:
+                self.commits.purge(newest)
+
+    def close(self) -> None:
+        self.finish_snapshot()
+        self.copier.close()
+        self.writer.close()
+        self.commits.join_purge()
+        if self.mirror is not None:
+            self.mirror.close(self.cfg.mirror_drain_s)

@@ -1,0 +1,258 @@
+"""This rank's NVRx checkpoint writer: a persistent worker process fed through ``AsyncCallsQueue``, the
+write-results queue's manager process, and the watch that ends the rank when either hangs.
+
+Both helpers ignore SIGTERM and SIGINT (the launcher signals a rank's whole process group, and they must
+live on to write the final checkpoint the rank saves after it), and both die with their rank
+(``PR_SET_PDEATHSIG``, ``_end_with``): a SIGKILLed rank cannot close them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import logging
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import psutil
+
+from .. import compat
+from ..config import CheckpointConfig
+from ..events import EventLog
+from ..signals import STOP_SIGNALS, STOPPED_S, die_with_parent
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _stop_signals_ignored():
+    """What is started inside ignores SIGTERM and SIGINT (inherited dispositions): see ``Writer.start``."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
+    try:
+        yield
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+
+
+_forked_managers: list[int] = []   # the write-results manager forked with a warm rank (fork_write_results_queue)
+
+
+def _results_queue(context: str):
+    """NVRx's write-results queue, its manager started in the ``context`` start method, dying with the rank
+    (``PR_SET_PDEATHSIG``: a SIGKILLed rank cannot close it, and it never notices on its own)."""
+    import multiprocessing
+    from multiprocessing.managers import SyncManager
+
+    manager = SyncManager(ctx=multiprocessing.get_context(context))
+    manager.start(initializer=die_with_parent)
+    return manager.Queue()    # the proxy keeps its manager alive
+
+
+def fork_write_results_queue() -> None:
+    """Create NVRx's write-results queue now, its manager forked from this process. Call only while the
+    process runs a single thread and has imported torch: a rank forked from the warm-start zygote.
+
+    NVRx otherwise spawns the manager when the writer starts: the rank blocks about 0.3 s for it, and the
+    fresh interpreter imports torch (seconds of CPU, on the rank's cores) the first time it unpickles a
+    write result. That is after every in-job restart, and where no save came between the restart and the
+    end of training, the final, blocking save waited those seconds. A fork has torch already.
+    """
+    # It ignores SIGTERM, as the writers do (see Writer.start).
+    with _stop_signals_ignored():
+        before = _children()
+        compat.set_write_results_queue(_results_queue("fork"))
+        _forked_managers.extend(_children() - before)
+
+
+def _children() -> set[int]:
+    """PIDs of this process's children."""
+    return {p.pid for p in psutil.Process().children()}
+
+
+def _prepare_writer(module: str, rank_pid: int, companions: list[int]) -> None:
+    """Runs in NVRx's persistent worker, once: tie its life to its rank's, and import the writer's module
+    before the first write needs it."""
+    compat.writer_ignores_sigterm()
+    die_with_parent(parent=rank_pid)
+    threading.Thread(target=_end_with, args=(rank_pid, companions), name="end-with-rank", daemon=True).start()
+    importlib.import_module(module)
+
+
+def _end_with(rank_pid: int, companions: list[int]) -> None:
+    """In the worker: once its rank is gone, end the ``companions`` (the write-results queue's manager) and
+    this process.
+
+    A rank ended by SIGKILL cannot close its queue, and the worker would wait on it forever, holding the
+    staging copy's shared memory. Under the warm start the zygote ends the rank's process group anyway;
+    with ``--no-warm-start`` (or torchrun) every in-job restart would leave them behind.
+    """
+    while os.getppid() == rank_pid:
+        time.sleep(0.5)
+    for pid in companions:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    os._exit(1)
+
+
+class Writer:
+    """The rank's writer process and what it has in flight.
+
+    Args:
+        cfg: checkpoint section of the config (``--ckpt-writer-nice``, ``--ckpt-write-timeout-s``).
+        rank: this process's rank (for messages).
+        events: the run's event log (``helper_hung``).
+    """
+
+    def __init__(self, cfg: CheckpointConfig, rank: int, events: EventLog):
+        self.cfg, self.rank, self.events = cfg, rank, events
+        self.queue = None
+        self.writes_in_flight = 0   # handed to the worker and not finalized: they read the staging copy
+        self.writes_done = 0        # finished by this process's worker (none yet: it may still be booting)
+        self.writers: list[int] = []    # the worker's pid, once started
+        self.helpers: list[int] = []    # the worker's and the write-results manager's
+        self.write_started = 0.0        # when the oldest write in flight was handed over
+
+    @property
+    def started(self) -> bool:
+        return self.queue is not None
+
+    def start(self) -> None:
+        """Start NVRx's persistent worker process and its results-queue manager, if not running yet.
+
+        Called by the loop once the first step after a (re)start is done, not when the manager is built:
+        the worker is a spawned process that imports torch and the writer's module (seconds of CPU), and
+        on a restart that CPU would be taken from the ranks while they restore. No checkpoint needs the
+        writer before then (a blocking save before it writes synchronously). The warm-up request imports
+        the writer's module; saves never wait for it (it does not read the staging copy).
+        """
+        if self.cfg.sync or self.queue is not None:
+            return
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue, AsyncRequest
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+
+        rel = compat.installed_release()
+
+        # They ignore SIGTERM and SIGINT (inherited through spawn): the launcher signals the rank's whole
+        # process group, and the writers must live on to finish the final checkpoint the rank writes after
+        # it. They end when the rank closes the queue, or dies (_end_with, PR_SET_PDEATHSIG), or by SIGKILL.
+        with _stop_signals_ignored():
+            started = _children()
+            if compat.write_results_queue() is None:   # not forked with the rank (a cold start)
+                compat.set_write_results_queue(_results_queue("spawn"))
+            compat.start_write_results_queue(rel)
+            manager = _children() - started
+            self.queue = AsyncCallsQueue(**compat.async_calls_queue_kwargs(rel, self.cfg.writer_nice))
+            self.queue.schedule_async_request(
+                AsyncRequest(_prepare_writer, (FileSystemWriterAsync.__module__, os.getpid(), sorted(manager)), []))
+        # The worker's niceness is set as it is born, not once it runs: its boot (importing torch, seconds
+        # of CPU) would otherwise slow the steps after every restart wherever it shares cores with training.
+        # Its write processes inherit it. Never lowered: that needs a privilege pods do not have.
+        self.writers = sorted(_children() - started - manager)
+        # A write ends once its results reach the manager: a stopped or dead manager hangs it as well.
+        self.helpers = [*self.writers, *sorted(manager), *_forked_managers]
+        threading.Thread(target=self._watch, name="ckpt-writer-watch", daemon=True).start()
+        for pid in self.writers:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                child = psutil.Process(pid)
+                child.nice(max(child.nice(), self.cfg.writer_nice))
+
+    def schedule(self, request: Any) -> None:
+        """Hand a write (an NVRx ``AsyncRequest``) to the worker."""
+        self.queue.schedule_async_request(request)
+        if not self.writes_in_flight:
+            self.write_started = time.monotonic()
+        self.writes_in_flight += 1
+
+    def written(self) -> None:
+        """Called on this rank (in its finalize) once the worker finished the oldest write in flight."""
+        self.writes_in_flight -= 1
+        self.writes_done += 1
+        self.write_started = time.monotonic()   # the next one in flight, if any, has been running since
+
+    @property
+    def cold(self) -> bool:
+        """No write has finished since this process started its writer: one in flight may still wait for the
+        writer's boot (a spawned interpreter importing torch), and a save after it would wait for that too."""
+        return not self.cfg.sync and self.writes_done == 0
+
+    @property
+    def booting(self) -> bool:
+        """Not started, or still booting with no write queued (its warm-up request is unfinished)."""
+        if self.queue is None:
+            return True
+        self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
+        return self.writes_in_flight == 0 and self.queue.get_num_unfinalized_calls() > 0
+
+    def maybe_finalize(self) -> None:
+        """Finalize finished writes without blocking and without collectives."""
+        if self.queue is not None:
+            self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
+
+    def finalize(self, writes_only: bool = False) -> None:
+        """Finalize NVRx requests until none is left (with ``writes_only``: until no write is left).
+
+        Polls every 5 ms: NVRx's own blocking finalize sleeps 100 ms between checks, which the loop
+        would pay whenever a save waits for the previous write.
+        """
+        if self.queue is None:
+            return
+        while True:
+            self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
+            if not (self.writes_in_flight if writes_only else self.queue.get_num_unfinalized_calls()):
+                return
+            time.sleep(0.005)
+
+    def close(self) -> None:
+        self.helpers = []   # ends the watch: the writers exit now
+        if self.queue is not None:
+            # Rank-local finalize first: NVRx's own close() would synchronize ranks through CUDA.
+            self.finalize()
+            self.queue.close()
+            self.queue = None
+
+    def _watch(self) -> None:
+        """Thread: end this rank if a write is running on a helper (the writer, the write-results manager)
+        that is gone or stopped (SIGSTOP) for ``STOPPED_S``, or on a write slower than
+        ``--ckpt-write-timeout-s``: the write would never finish, and the loop would wait for it in NVRx's
+        finalize (a blocking read of its results), at the next save or at the end of training. Ended like
+        a dead rank (SIGKILL, after a ``helper_hung`` event), the in-job layer restarts it with new helpers."""
+        stopped_since = None
+        while self.helpers:
+            time.sleep(0.5)
+            if not self.writes_in_flight:
+                stopped_since = None
+                continue
+            now, why, stopped = time.monotonic(), None, False
+            for pid in list(self.helpers):
+                try:
+                    status = psutil.Process(pid).status()
+                except psutil.NoSuchProcess:
+                    status = psutil.STATUS_DEAD
+                if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                    why = f"the checkpoint {self._helper(pid)} of rank {self.rank} (pid {pid}) is gone"
+                elif status == psutil.STATUS_STOPPED:
+                    stopped, stopped_since = True, stopped_since or now
+                    if now - stopped_since > STOPPED_S:
+                        why = (f"the checkpoint {self._helper(pid)} of rank {self.rank} (pid {pid}) was stopped "
+                               f"for {STOPPED_S:g}s")
+            stopped_since = stopped_since if stopped else None
+            if why is None and now - self.write_started > self.cfg.write_timeout_s:
+                why = (f"a checkpoint write of rank {self.rank} took more than {self.cfg.write_timeout_s:g}s "
+                       f"(--ckpt-write-timeout-s)")
+            if why is not None:
+                log.error("%s: ending this rank so that the in-job layer restarts it with new helpers", why)
+                self.events.emit("helper_hung", reason=why)
+                for pid in self.helpers:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    def _helper(self, pid: int) -> str:
+        return "writer" if pid in self.writers else "write-results manager"

@@ -1,0 +1,19 @@
+"""The errors that decide which recovery layer handles a failure (imported by every layer, importing nothing)."""
+
+
+class HelperHung(RuntimeError):
+    """A helper process of this rank (its checkpoint writer, its rank monitor) is gone or stopped answering.
+
+    Restarting the training function in the same process would meet the same helper, so the in-process
+    layer passes it on to the in-job one, which starts the rank and its helpers afresh."""
+
+
+# Errors that come back the same on every attempt (settings, data format, paths): no layer retries them.
+RECURRING = (ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError, PermissionError)
+
+
+def recurring_cause(e: BaseException) -> BaseException | None:
+    """``e`` or its cause, if it is an error that every attempt would meet again; else None."""
+    if isinstance(e, RECURRING):
+        return e
+    return e.__cause__ if isinstance(e.__cause__, RECURRING) else None

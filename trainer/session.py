@@ -1,0 +1,84 @@
+"""``Session``: what lives as long as the training process, across in-process restarts.
+
+The config, the event log, the stop-signal flag, fault injection, the rank monitor's client, metrics,
+the spot watcher, the datasets, and the checkpoint manager (its writer process, staging copy and memory
+snapshots). In-process restarts reuse it, so no restart pays for these twice; each attempt (``Trainer``)
+builds only what depends on the process group.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from pathlib import Path
+
+from . import warmstart
+from .checkpoint import CheckpointManager
+from .config import TrainConfig
+from .data import Split
+from .events import EventLog, read_events
+from .faults import FaultInjector
+from .ft import FTManager
+from .metrics import build_metrics
+from .parallel import Dist, ensure_launcher_env
+from .signals import SigtermFlag
+from .spot import build_spot_watcher
+
+
+class Session:
+    def __init__(self, cfg: TrainConfig):
+        ensure_launcher_env()
+        self.cfg = cfg
+        self.rank, self.world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        self.out = Path(cfg.run.out)
+        self.out.mkdir(parents=True, exist_ok=True)
+        self.spec = cfg.model.spec(cfg.data.data)   # the model, its vocabulary checked against the dataset
+        self.events_path = self.out / "events.jsonl"
+        self.events = EventLog(self.events_path, self.rank)
+        self.run_id: str | None = None    # rank 0's, from _record_start; the others learn it in restore
+        self.sigterm = SigtermFlag.install()
+        if self.rank == 0:
+            self._record_start()
+        self.events.emit("worker_start", pid=os.getpid(), warm=warmstart.forked)
+        self.faults = FaultInjector(cfg.faults.inject_fault, self.rank, self.world_size, self.events,
+                                    self.events_path,
+                                    chaos_seed=cfg.faults.chaos_seed if cfg.faults.chaos_seed >= 0 else None,
+                                    fault_every_s=cfg.faults.fault_every)
+        self.ft = FTManager(cfg.restart.ft_calc_after_steps, cfg.restart.ft_min_step_timeout_s,
+                            cfg.restart.ft_ipc_timeout_s)
+        # --metrics-port: Prometheus endpoint on port + LOCAL_RANK; the data-starvation warning either way.
+        self.metrics = build_metrics(cfg.metrics, rank=self.rank, world_size=self.world_size, events=self.events,
+                                     events_path=self.events_path)
+        self.spot = build_spot_watcher(cfg.spot, self.events)   # --spot-watch: IMDSv2 poller on local rank 0
+        self.split_train = Split.open(Path(cfg.data.data), "train")
+        self.split_val = Split.open(Path(cfg.data.data), "val")
+        self.ckpt: CheckpointManager | None = None
+
+    def _record_start(self) -> None:
+        restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        starts = [e for e in read_events(self.events_path) if e["event"] == "run_start"]
+        earlier = bool(starts)
+        # Names the run across its restarts; memory snapshots left on a node are trusted only by their run.
+        self.run_id = (starts[0].get("run_id") if starts else None) or uuid.uuid4().hex
+        self.cfg.save(self.out / "config.json", model=self.spec.describe())
+        self.events.emit("run_start", world_size=self.world_size, restart_count=restart_count, run_id=self.run_id)
+        if restart_count > 0:
+            self.events.emit("restart", layer="injob", restart_count=restart_count)
+        elif earlier:
+            self.events.emit("restart", layer="job")
+
+    def checkpoints(self, d: Dist) -> CheckpointManager:
+        """The process's checkpoint manager, built by the first attempt (it needs the process's device)."""
+        if self.ckpt is None:
+            self.ckpt = CheckpointManager(self.out / "checkpoints", self.cfg.checkpoint, d, self.events,
+                                          on_write_started=self.faults.on_checkpoint_write_started,
+                                          run_id=self.run_id)
+        return self.ckpt
+
+    def close(self) -> None:
+        self.spot.close()
+        self.metrics.close()
+        if self.ckpt is not None:
+            self.ckpt.close()
+        self.ft.close()
+        self.events.close()

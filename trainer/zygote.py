@@ -1,0 +1,61 @@
+"""The warm-start zygote's process (``trainer.warmstart``): import what a rank imports, then fork ranks.
+
+Started by ``trainer.warmstart.run_with_zygote``, never by hand:
+
+    python -m trainer.zygote LISTEN_FD ALIVE_FD WARM [SNAPSHOT_DIR ...]
+
+``WARM`` 0: a janitor only, which imports nothing and forks nothing. The mechanism (fork safety, stdio and
+signal hand-over, clean-up) is ``trainer.warmstart``; this module is what it runs: ``python -m trainer``.
+"""
+
+import gc
+import os
+import sys
+import warnings
+
+from . import warmstart
+
+
+def preload() -> None:
+    """Import what a rank imports, including what torch and NVRx import lazily on first use."""
+    warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
+    import multiprocessing.managers  # noqa: F401  NVRx's write-results queue (a Manager)
+    import multiprocessing.shared_memory  # noqa: F401  checkpoint staging
+
+    import nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async  # noqa: F401
+    import nvidia_resiliency_ext.inprocess  # noqa: F401
+    import torch._dynamo  # noqa: F401  fully_shard imports it on first call (over 1 s here)
+
+    from . import train  # noqa: F401
+
+    # What was imported lives as long as every child: out of the collector's sight, a child's collections
+    # neither scan it (see train.run) nor write to its pages, which stay shared with the zygote.
+    gc.freeze()
+
+
+def before_threads() -> None:
+    """In a forked rank, while it runs one thread."""
+    import torch
+
+    from .checkpoint import fork_write_results_queue
+
+    fork_write_results_queue()
+    if "OMP_NUM_THREADS" in os.environ:   # read by OpenMP when the zygote imported torch, not since
+        torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
+
+def run_rank(argv: list[str]) -> int:
+    from .__main__ import main
+
+    return main(argv)
+
+
+def main(argv: list[str]) -> None:
+    listen_fd, alive_fd, warm, replicas = int(argv[0]), int(argv[1]), argv[2] == "1", tuple(argv[3:])
+    if warm:
+        preload()
+    warmstart.serve(listen_fd, alive_fd, warmstart.ChildRun(before_threads, run_rank) if warm else None, replicas)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
