@@ -41,13 +41,13 @@ from trainer.launch import NODE_ENV, LaunchConfig, LocalCluster
 from trainer.layout import replica_dir
 
 REPO = Path(__file__).resolve().parent.parent
-# The restore, in a process that has imported torch before the loss (the replacement node's janitor would
-# have): this one cannot import torch, whose import reads stack traces and finds bench/tokenize.py first.
+# The restore, in a process of its own that has imported torch before the loss, as the replacement node's
+# janitor would have.
 RESTORE = """
 import sys
 from pathlib import Path
 from trainer.peer import restore_from_peer
-from trainer.replica import NodeReplica
+from trainer.checkpoint.replica import NodeReplica
 other_dir, other, port, node, dest = sys.argv[1:]
 sys.stdin.readline()
 marker = NodeReplica(Path(other_dir), int(other)).marked()

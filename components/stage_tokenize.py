@@ -13,7 +13,7 @@ pack's shards. Memory is a batch per worker whatever the file sizes.
 
 The workers run on a faster malloc than glibc's where one is installed (``worker_allocator``): a third of
 ``tokenizers``' encode time is spent in glibc's malloc and free, and mimalloc takes about 30% off a worker's
-CPU time per byte (``bench/tokenize.py``). The tokens do not depend on it.
+CPU time per byte (``bench/tokenization.py``). The tokens do not depend on it.
 """
 
 from __future__ import annotations

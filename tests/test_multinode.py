@@ -2,13 +2,9 @@
 each node its own process tree (launch wrapper and zygote, ft_launcher, rank monitor, rank, checkpoint
 writers) and memory-snapshot directory, joined by c10d rendezvous on loopback.
 
-The in-job restart tests are strict xfails: after a restart that does not restart every node the same way,
-the nodes' ranks disagree on TORCHELASTIC_RESTART_COUNT (ft_launcher 0.4.1 counts it per agent: the node
-whose rank failed counts a restart, a node restarted for the membership change does not, a replacement
-starts at 0), and trainer/restart.py keys the wrapper's store port and the process group's store prefix by
-it, so the ranks wait for each other under different keys until the store's timeout. They pass with that
-key made job-wide (checked with the change of docs/multinode.md, "What the trainer needs", applied). The
-elastic one (strict) needs the trainer to accept a resharded checkpoint too.
+A rank's failure on one node restarts the worker group on both; the ranks' stores are keyed by the launch round
+(trainer/restart.py), not by the agents' restart counts, which ft_launcher keeps per node. The elastic test
+(strict xfail) needs the trainer to accept a resharded checkpoint too.
 """
 
 from __future__ import annotations
@@ -31,12 +27,6 @@ from tests.conftest import GOODPUT, MARK, STEPS, TINY, marked, until
 
 # Tight rank-monitor timeouts and a short rendezvous wait: a lost node is noticed within seconds.
 FT = dict(max_restarts=2, step_timeout_s=4.0, workload_check_interval_s=0.5, join_timeout_s=60.0)
-# Not strict: today they pass when both agents happen to count the restart alike (the node that did not fail
-# saw its rank fail too before it saw the other node waiting), and hang until the timeout otherwise.
-RESTART_COUNT_XFAIL = pytest.mark.xfail(
-    strict=False, raises=(AssertionError, TimeoutError),
-    reason="trainer/restart.py keys the in-process layer's store by TORCHELASTIC_RESTART_COUNT, which "
-           "ft_launcher counts per node: remove this mark with that fix")
 
 
 @pytest.fixture
@@ -159,7 +149,6 @@ def test_sigterm_stops_every_node_with_a_committed_checkpoint(tmp_path, dataset)
     assert until(lambda: not marked(mark), 15), marked(mark)
 
 
-@RESTART_COUNT_XFAIL
 def test_a_rank_killed_on_node_1_restarts_both_nodes(cluster, two_node_sha):
     c = cluster(*STEPS, "--inject-fault", "kill@7:1", "--memory-snapshot-every-s", "0.001")
     assert c.supervise(timeout=90) == 0, logs(c)
@@ -172,7 +161,6 @@ def test_a_rank_killed_on_node_1_restarts_both_nodes(cluster, two_node_sha):
     assert len(loaded) == 2 and loaded[0] == loaded[1] and loaded[0][0] == "memory" and loaded[0][1] >= 5
 
 
-@RESTART_COUNT_XFAIL
 def test_a_hang_on_node_0_is_caught_and_both_nodes_restart(cluster, two_node_sha):
     c = cluster(*STEPS, "--inject-fault", "hang@6:0", "--ft-calc-after-steps", "3", "--ft-min-step-timeout-s", "3",
                 step_timeout_s=300.0)

@@ -11,7 +11,7 @@ import torch
 
 from trainer import peer
 from trainer.peer import PeerSender, PeerStore, holder_of, peer_steps, restore_from_peer
-from trainer.replica import NodeReplica
+from trainer.checkpoint.replica import NodeReplica
 
 from tests.conftest import until
 

@@ -134,19 +134,30 @@ def _wrapper_store_port() -> int:
     TCPStore then fails to bind on rank 0 and every rank waits for a server that never comes.
     """
     store = _launcher_store()
-    key = f"goodput/wrapper_port/{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+    key = f"goodput/wrapper_port/{_launch_round()}"
     if int(os.environ["RANK"]) == 0:
         store.set(key, str(free_port()))
     return int(store.get(key))
 
 
 def iteration_store(iteration: int) -> "dist.Store":
-    """The store for this attempt's process group, prefixed by the launcher's restart count and the
-    in-process iteration, so a rank never reads a key an earlier attempt wrote (such as a dead peer's gloo
-    address: seen under torchrun, whose agent keeps its store across restarts).
+    """The store for this attempt's process group, prefixed by the launch round and the in-process iteration,
+    so a rank never reads a key an earlier attempt wrote (such as a dead peer's gloo address: seen under
+    torchrun, whose agent keeps its store across restarts).
 
     Under a launcher the rendezvous store at MASTER_ADDR:MASTER_PORT is hosted by the agent; without one,
     rank 0 hosts it.
     """
-    group = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    return dist.PrefixStore(f"goodput/attempt/{group}/{iteration}", _launcher_store())
+    return dist.PrefixStore(f"goodput/attempt/{_launch_round()}/{iteration}", _launcher_store())
+
+
+def _launch_round() -> str:
+    """The same on every rank of one start of the worker group, and new at the next.
+
+    Each agent counts only its own restarts (a node restarted for another node's failure, or a replacement,
+    does not), so the restart count serves only where the agent's store outlives the rounds (torchrun's agent
+    store); otherwise every round has a rendezvous store of its own, at a new MASTER_PORT.
+    """
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    return os.environ["MASTER_PORT"]

@@ -2,8 +2,8 @@
 loop of ``tokenizers``' ``encode_batch`` over the same files, side by side in one run; and the fan-out's
 merge overhead.
 
-    python bench/tokenize.py                     # 300 MB of JSONL in 16 files, a BPE of 8192 tokens
-    python bench/tokenize.py --mb 20             # a quick look
+    python bench/tokenization.py                     # 300 MB of JSONL in 16 files, a BPE of 8192 tokens
+    python bench/tokenization.py --mb 20             # a quick look
 
 What it does, in a temporary directory (``--work``):
   1. writes ``--mb`` MB of JSONL (``--files`` files, documents cut from this Python's standard library
