@@ -236,3 +236,11 @@ def s3():
         mp.delenv("AWS_PROFILE", raising=False)
         with MotoS3() as server:
             yield server
+
+
+@pytest.fixture(scope="module")
+def s3_registry(s3):
+    """A bucket on the moto S3 server for a model registry: (server, s3://<bucket>/registry)."""
+    bucket = f"models-{uuid.uuid4().hex[:8]}"
+    s3.client().create_bucket(Bucket=bucket)
+    return s3, f"s3://{bucket}/registry"

@@ -22,11 +22,6 @@ from trainer.config import ModelConfig
 from trainer.data import ensure_default_dataset
 from trainer.models.bytegpt import ByteGPT
 
-try:                                  # tests/ is a package when run from the repository root
-    from tests.s3_stand_in import CREDENTIALS, MotoS3
-except ImportError:                   # pragma: no cover - tests/ on sys.path
-    from s3_stand_in import CREDENTIALS, MotoS3
-
 TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8"]
 STEPS = [10, 20, 30]
 
@@ -113,18 +108,6 @@ def test_corrupt_and_partial_checkpoints_are_reported_and_skipped(trained, tmp_p
     assert len(json.loads((tmp_path / "out3" / "evaluation.json").read_text())["skipped"]) == 4
     res = CliRunner().invoke(cli, ["evaluate", "--run", str(bad), "--data", str(data), "--out", str(tmp_path / "o4")])
     assert res.exit_code == 1 and "could be evaluated" in res.output
-
-
-@pytest.fixture(scope="module")
-def s3_registry():
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in CREDENTIALS.items():
-            mp.setenv(k, v)
-        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        with MotoS3() as server:
-            bucket = f"models-{uuid.uuid4().hex[:8]}"
-            server.client().create_bucket(Bucket=bucket)
-            yield server, f"s3://{bucket}/registry"
 
 
 def _read(registry: str, rel: str, s3) -> bytes | None:

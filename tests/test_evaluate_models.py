@@ -27,11 +27,6 @@ from trainer.layout import COMMITTED, step_dir
 from trainer.models import build_local, resolve_model
 from trainer.models.hf import INDEX, export_state_dict
 
-try:                                  # tests/ is a package when run from the repository root
-    from tests.s3_stand_in import CREDENTIALS, MotoS3
-except ImportError:                   # pragma: no cover - tests/ on sys.path
-    from s3_stand_in import CREDENTIALS, MotoS3
-
 transformers = pytest.importorskip("transformers")
 # Checkpoints are written and read in one process, as evaluate and export read them.
 pytestmark = pytest.mark.filterwarnings("ignore:torch.distributed is disabled:UserWarning")
@@ -113,18 +108,6 @@ def random_hf(tmp_path_factory) -> tuple[Path, float]:
     path = tmp_path_factory.mktemp("base") / "hf"
     model.save_pretrained(path)
     return path, model
-
-
-@pytest.fixture(scope="module")
-def s3_registry():
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in CREDENTIALS.items():
-            mp.setenv(k, v)
-        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        with MotoS3() as server:
-            bucket = f"models-{uuid.uuid4().hex[:8]}"
-            server.client().create_bucket(Bucket=bucket)
-            yield server, f"s3://{bucket}/registry"
 
 
 def download(s3, uri: str, dest: Path) -> Path:

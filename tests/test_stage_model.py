@@ -7,17 +7,6 @@ import pytest
 
 from components.stage_model import STAGED_FILE, stage_model, staged_model_dir
 from tests.llama_dirs import save_small_llama
-from tests.s3_stand_in import CREDENTIALS, MotoS3
-
-
-@pytest.fixture(scope="module")
-def s3():
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in CREDENTIALS.items():
-            mp.setenv(k, v)
-        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        with MotoS3() as server:
-            yield server
 
 
 @pytest.fixture

@@ -199,26 +199,19 @@ def test_init_from_production_continues_from_the_registrys_production_model(llam
 
 
 @pytest.fixture(scope="module")
-def s3(llama_dir):
-    """A moto S3 server holding the small Llama under s3://<bucket>/llama/ (and a prefix with no model)."""
-    from tests.s3_stand_in import CREDENTIALS, MotoS3
-
-    with pytest.MonkeyPatch.context() as mp:
-        for k, v in CREDENTIALS.items():
-            mp.setenv(k, v)
-        mp.setenv("AWS_EC2_METADATA_DISABLED", "true")
-        with MotoS3() as server:
-            bucket = f"models-{uuid.uuid4().hex[:8]}"
-            client = server.client()
-            client.create_bucket(Bucket=bucket)
-            for f in llama_dir.iterdir():
-                client.upload_file(str(f), bucket, f"llama/{f.name}")
-            client.put_object(Bucket=bucket, Key="empty/README", Body=b"no model here")
-            yield server, bucket
+def s3_llama(s3, llama_dir):
+    """The small Llama under s3://<bucket>/llama/ (and a prefix with no model) on the moto S3 server."""
+    bucket = f"models-{uuid.uuid4().hex[:8]}"
+    client = s3.client()
+    client.create_bucket(Bucket=bucket)
+    for f in llama_dir.iterdir():
+        client.upload_file(str(f), bucket, f"llama/{f.name}")
+    client.put_object(Bucket=bucket, Key="empty/README", Body=b"no model here")
+    return s3, bucket
 
 
-def test_init_from_s3_is_staged_to_fsx_and_checked_before(s3, tmp_path):
-    server, bucket = s3
+def test_init_from_s3_is_staged_to_fsx_and_checked_before(s3_llama, tmp_path):
+    server, bucket = s3_llama
     fsx = tmp_path / "fsx"
     s = build_train_config(**{**SETTINGS, "fsx_root": str(fsx)}, model="llama", init_from=f"s3://{bucket}/llama",
                            endpoint_url=server.url, baseline="init_from")
