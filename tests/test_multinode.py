@@ -203,6 +203,9 @@ def test_a_node_lost_without_replacement_under_min_max_finishes_on_fewer_nodes(c
     s = summary(c)
     assert s["steps"] == 20
     assert [e["world_size"] for e in events(c) if e["event"] == "run_start"][-1] == 1
+    # One job throughout: node 0's agent restarted its worker for every membership change (node 1 joining
+    # after node 0 started alone, node 1 lost), never a new job's start.
+    assert not [e for e in events(c) if e["event"] == "restart" and e["layer"] == "job"]
     # The one-rank run resumed from a committed two-rank checkpoint, resharded, and said so...
     (resharded,) = [e for e in events(c) if e["event"] == "resharded"]
     assert (resharded["from_world_size"], resharded["to_world_size"]) == (2, 1)

@@ -75,3 +75,29 @@ def test_sigterm_commits_a_checkpoint_and_exits_cleanly(tmp_path, start_run, cle
     assert rerun.wait() == 0, rerun.tail()
     assert [e["step"] for e in rerun.events() if e["event"] == "resumed"][-1] == stopped_at
     assert rerun.summary()["params_sha256"] == clean_sha("fsdp")
+
+
+@pytest.mark.parametrize("same_agent", [True, False])
+def test_a_membership_change_restart_is_not_a_job_restart(tmp_path, monkeypatch, dataset, same_agent):
+    """A membership change (a node joins or leaves an elastic job): the agent restarts its workers without
+    counting a restart, so the count alone would call it a new job; its attempt's error file says otherwise."""
+    from trainer.config import parse_config
+    from trainer.events import EventLog, read_events
+    from trainer.session import Session
+
+    def start(agent_dir: str) -> list[dict]:
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / agent_dir / "attempt_0" / "0" / "error.json"))
+        s = Session.__new__(Session)
+        s.cfg, s.out = parse_config(["--data", str(dataset), "--out", str(tmp_path / "run")]), tmp_path / "run"
+        s.out.mkdir(exist_ok=True)
+        s.spec, s.events_path = s.cfg.model.spec(s.cfg.data.data), s.out / "events.jsonl"
+        s.world_size, s.events = 1, EventLog(s.events_path, 0)
+        s._record_start()
+        s.events.close()
+        return [e for e in read_events(s.events_path) if e["event"] == "restart"]
+
+    assert start("agent_a") == []
+    (restart,) = start("agent_a" if same_agent else "agent_b")
+    assert restart["layer"] == ("injob" if same_agent else "job")
+    assert restart.get("membership_change", False) == same_agent
