@@ -74,6 +74,24 @@ def test_sampler_is_deterministic_resumable_and_disjoint_across_ranks(tmp_path):
         BatchSampler(split, rank=0, world_size=2, batch_size=1, seq_len=len(split), seed=0)
 
 
+def test_sampler_resumed_on_another_world_size_goes_on_from_the_checkpointed_batch(tmp_path):
+    """An elastic resume, 2 ranks -> 1: the one rank reads its new slice (the whole split) at the checkpointed
+    position, as a 1-rank run would there (so a later resume of it is exact), and replays no old rank's batch."""
+    build_dataset(_texts(tmp_path / "raw"), tmp_path / "ds", val_percent=10)
+    split = Split.open(tmp_path / "ds", "train")
+    make = lambda rank, world: BatchSampler(split, rank=rank, world_size=world, batch_size=4, seq_len=32,  # noqa
+                                            seed=3)
+    old = [make(r, 2) for r in (0, 1)]
+    before = [[s.next_batch()[0] for _ in range(4)] for s in old]
+    resumed = make(0, 1)
+    resumed.batches_read = old[0].batches_read           # the checkpointed position, the same on both old ranks
+    assert (resumed.lo, resumed.hi) == (0, len(split))
+    x = resumed.next_batch()[0]
+    fresh = make(0, 1)
+    assert np.array_equal(x, [fresh.next_batch()[0] for _ in range(5)][4]) and resumed.batches_read == 5
+    assert not any(np.array_equal(x, b) for batches in before for b in batches)
+
+
 def test_eval_windows_are_fixed(tmp_path):
     build_dataset(_texts(tmp_path / "raw"), tmp_path / "ds", val_percent=10)
     split = Split.open(tmp_path / "ds", "val")

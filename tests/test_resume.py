@@ -75,3 +75,61 @@ def test_sigterm_commits_a_checkpoint_and_exits_cleanly(tmp_path, start_run, cle
     assert rerun.wait() == 0, rerun.tail()
     assert [e["step"] for e in rerun.events() if e["event"] == "resumed"][-1] == stopped_at
     assert rerun.summary()["params_sha256"] == clean_sha("fsdp")
+
+
+@pytest.mark.parametrize("same_agent", [True, False])
+def test_a_membership_change_restart_is_not_a_job_restart(tmp_path, monkeypatch, dataset, same_agent):
+    """A membership change (a node joins or leaves an elastic job): the agent restarts its workers without
+    counting a restart, so the count alone would call it a new job; its attempt's error file says otherwise."""
+    from trainer.config import parse_config
+    from trainer.events import EventLog, read_events
+    from trainer.session import Session
+
+    def start(agent_dir: str) -> list[dict]:
+        monkeypatch.setenv("TORCHELASTIC_RESTART_COUNT", "0")
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(tmp_path / agent_dir / "attempt_0" / "0" / "error.json"))
+        s = Session.__new__(Session)
+        s.cfg, s.out = parse_config(["--data", str(dataset), "--out", str(tmp_path / "run")]), tmp_path / "run"
+        s.out.mkdir(exist_ok=True)
+        s.spec, s.events_path = s.cfg.model.spec(s.cfg.data.data), s.out / "events.jsonl"
+        s.world_size, s.events = 1, EventLog(s.events_path, 0)
+        s._record_start()
+        s.events.close()
+        return [e for e in read_events(s.events_path) if e["event"] == "restart"]
+
+    assert start("agent_a") == []
+    (restart,) = start("agent_a" if same_agent else "agent_b")
+    assert restart["layer"] == ("injob" if same_agent else "job")
+    assert restart.get("membership_change", False) == same_agent
+
+
+def test_a_replica_of_another_world_size_is_never_used(tmp_path, process_group):
+    """An elastic job re-formed with fewer ranks: rank 0's replica of the two-rank run has the layout of the
+    one-rank state (replicated, as with DDP) and the same run, yet the resume is from the committed checkpoint."""
+    import dataclasses
+
+    import torch
+
+    from trainer.checkpoint import CheckpointManager
+    from trainer.config import CheckpointConfig
+    from trainer.events import EventLog
+
+    def state(step: int) -> dict:
+        return {"model": {"w": torch.full((8, 8), float(step))}, "train": {"step": step}}
+
+    root, events = tmp_path / "ckpt", EventLog(tmp_path / "e", 0)
+    cfg = CheckpointConfig(memory_dir=str(tmp_path / "shm"))
+    one = CheckpointManager(root, cfg, process_group, events, run_id="run")
+    one.save(3, state(3), blocking=True)
+    one.close()
+    two = CheckpointManager(root, cfg, dataclasses.replace(process_group, world_size=2), events, run_id="run")
+    two.snapshot_to_memory(5, state(5))      # no collective: rank 0's copy as the two-rank run made it
+    two.finish_snapshot()
+    two.close()
+    again = CheckpointManager(root, cfg, process_group, events, run_id="run")
+    try:
+        step, source, restored = again.restore(state(-1))
+        assert (step, source) == (3, "checkpoint") and restored["train"]["step"] == 3
+        assert torch.equal(restored["model"]["w"], state(3)["model"]["w"])
+    finally:
+        again.close()

@@ -325,6 +325,12 @@ class BatchSampler:
 
     Rank r owns tokens ``[r*n/W, (r+1)*n/W)``. Batch number k draws its window offsets from a
     generator seeded by (seed, rank, k), so the only state to checkpoint is k (``batches_read``).
+
+    A resume on another world size (an elastic job re-formed with fewer or more nodes) keeps k: it counts
+    one rank's batches, the same on every rank (steps x grad_accum), so the run goes on at the batch after
+    the checkpoint's. Each rank's slice is recomputed from the new world size, so batch k is no old rank's
+    batch k: windows are random draws, so none is replayed and no position is skipped, but the batches are
+    not those of a run that kept its size, and the global batch is the new world size's.
     """
 
     def __init__(self, split: Split, *, rank: int, world_size: int, batch_size: int, seq_len: int,

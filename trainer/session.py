@@ -57,14 +57,20 @@ class Session:
     def _record_start(self) -> None:
         restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
         starts = [e for e in read_events(self.events_path) if e["event"] == "run_start"]
-        earlier = bool(starts)
+        # The agent's per-process log directory and its attempt: an agent that restarts its workers for a
+        # membership change (a node joined or left) keeps its restart count, so the same agent's restart
+        # shows as the same path; a new job's agents have new directories.
+        agent_attempt = os.environ.get("TORCHELASTIC_ERROR_FILE")
         # Names the run across its restarts; memory snapshots left on a node are trusted only by their run.
         self.run_id = (starts[0].get("run_id") if starts else None) or uuid.uuid4().hex
         self.cfg.save(self.out / "config.json", model=self.spec.describe())
-        self.events.emit("run_start", world_size=self.world_size, restart_count=restart_count, run_id=self.run_id)
+        self.events.emit("run_start", world_size=self.world_size, restart_count=restart_count, run_id=self.run_id,
+                         agent_attempt=agent_attempt)
         if restart_count > 0:
             self.events.emit("restart", layer="injob", restart_count=restart_count)
-        elif earlier:
+        elif agent_attempt and any(e.get("agent_attempt") == agent_attempt for e in starts):
+            self.events.emit("restart", layer="injob", restart_count=0, membership_change=True)
+        elif starts:
             self.events.emit("restart", layer="job")
 
     def checkpoints(self, d: Dist) -> CheckpointManager:

@@ -28,6 +28,7 @@ import math
 import time
 from dataclasses import asdict, dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_state_dict
@@ -199,7 +200,12 @@ class Trainer:
         set_state_dict(self.model, self.optimizer, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
         self.scheduler.load_state_dict(loaded["scheduler"])
         self.state = TrainState(**loaded["train"])
-        set_rng_state(loaded[f"rng_rank{self.d.rank}"], self.d.device)
+        rng = loaded.get(f"rng_rank{self.d.rank}")
+        if rng is not None:
+            set_rng_state(rng, self.d.device)
+        else:   # resharded from fewer ranks: this rank had no stream; a new one from the run seed, rank and step
+            torch.manual_seed(int(np.random.SeedSequence([self.cfg.run.seed, self.d.rank, self.state.step])
+                                  .generate_state(1)[0]))
         self.recovery.load_state_dict(loaded["ft"])
 
     # ---- the loop

@@ -116,6 +116,13 @@ class CheckpointManager:
     def start_writer(self) -> None:
         self.writer.start()
 
+    @property
+    def _replica_run(self) -> str | None:
+        """What a replica is tagged with: the run and its world size. A snapshot of another world size (an
+        elastic job that lost or gained nodes) holds another sharding and other ranks' data positions, and
+        its layout can still match (replicated DDP state): it is never used, the resharded checkpoint is."""
+        return None if self.run_id is None else f"{self.run_id}@{self.d.world_size}"
+
     # ----------------------------------------------------------------------------------------- load
     def restore(self, state: dict) -> tuple[int | None, str, dict]:
         """Restore the newest state into ``state``; return (step or None, source, the restored dict).
@@ -134,7 +141,7 @@ class CheckpointManager:
         # it), and rank 0's run and newest committed step.
         dist.all_gather_object(held, (self.snapshot_step, self.replica.step, self.replica.run, self.run_id, newest))
         self.run_id, committed = held[0][3], held[0][4]
-        everywhere = set.intersection(*({h[0], h[1] if h[2] == self.run_id else None} - {None} for h in held))
+        everywhere = set.intersection(*({h[0], h[1] if h[2] == self._replica_run else None} - {None} for h in held))
         usable = {s for s in everywhere if committed is None or s >= committed}
         if usable:
             step, source = max(usable), "memory"
@@ -176,14 +183,25 @@ class CheckpointManager:
         if step is None:
             return None
         path = step_dir(self.root, step)
-        marker = read_marker(path)
-        if marker["world_size"] != self.d.world_size:
-            raise RuntimeError(f"{path} was written by {marker['world_size']} ranks but this run has "
-                               f"{self.d.world_size}; exact resume needs the same number of ranks")
+        written_by = read_marker(path)["world_size"]
+        if written_by != self.d.world_size:
+            self._reshard(state, path, step, written_by)
         t0 = time.monotonic()
         dcp.load(state, checkpoint_id=str(path))
         self.events.emit("ckpt_loaded", step=step, source="checkpoint", load_s=round(time.monotonic() - t0, 4))
         return step
+
+    def _reshard(self, state: dict, path: Path, step: int, written_by: int) -> None:
+        """A checkpoint of another world size (an elastic job re-formed with fewer or more nodes): DCP
+        reshards the model's and optimizer's DTensors on load. Entries the checkpoint has no key for (a rank's
+        own RNG state where that rank did not exist) are dropped from ``state``, for the app to start afresh."""
+        saved = {fqn.split(".", 1)[0] for fqn in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata}
+        for key in [k for k in state if k not in saved]:
+            del state[key]
+        if self.d.is_main:
+            log.warning("resuming from step %d written by %d ranks on %d: resharded, not a bitwise resume",
+                        step, written_by, self.d.world_size)
+            self.events.emit("resharded", from_world_size=written_by, to_world_size=self.d.world_size, step=step)
 
     # ----------------------------------------------------------------------------------------- save
     def save(self, step: int, state: StateSource, *, blocking: bool = False) -> None:
@@ -294,7 +312,7 @@ class CheckpointManager:
         copy_s = s.copy.result()
         if s.request is None:   # kept in memory only
             waited = time.monotonic() - t0
-            self.replica.completed(s.step, s.slot, s.state, self.run_id, copy_s)
+            self.replica.completed(s.step, s.slot, s.state, self._replica_run, copy_s)
             if self.d.is_main:
                 self.events.emit("memory_snapshot", step=s.step, block_s=round(s.blocked_s + waited, 4),
                                  copy_s=round(copy_s, 4))
