@@ -144,7 +144,7 @@ def list_keys(c, prefix: str) -> list[str]:
 def ceiling(url: str, keys: list[str], threads: int, moto: int) -> float:
     """Objects/s of concurrent GETs (bodies read and dropped), with the same client settings as ``goodput
     stage`` (so the ceiling is the endpoint's, not a slower client's)."""
-    from components.stage import s3_client
+    from components.s3 import s3_client
 
     c = s3_client(url, max_pool_connections=threads + 4)
     with ServerCPU(moto) as cpu, cf.ThreadPoolExecutor(threads) as ex:
@@ -156,7 +156,7 @@ def ceiling(url: str, keys: list[str], threads: int, moto: int) -> float:
 
 def listing(url: str, prefix: str, moto: int) -> float:
     """Seconds to list the prefix once (the floor of any incremental re-stage)."""
-    from components.stage import s3_client
+    from components.s3 import s3_client
 
     c = s3_client(url)
     with ServerCPU(moto) as cpu:
@@ -216,7 +216,7 @@ def main() -> None:
     rows = []
     try:
         upload(url, args.small, args.small_size, args.large, args.large_mb, work)
-        from components.stage import s3_client
+        from components.s3 import s3_client
 
         n = args.small
         keys = list_keys(s3_client(url), "small/")

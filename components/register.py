@@ -53,7 +53,7 @@ class Registry:
         self.uri = uri.rstrip("/")
         self.s3 = self.uri.startswith("s3://")
         if self.s3:
-            from components.stage import s3_client
+            from components.s3 import s3_client
 
             self.bucket, _, self.prefix = self.uri[len("s3://"):].partition("/")
             if not self.bucket:

@@ -97,7 +97,7 @@ def check_tokenizer_source(spec: TokenizerSpec, endpoint_url: str | None = None)
         return
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from components.stage import s3_client
+    from components.s3 import s3_client
 
     bucket, key = _s3_location(spec.location)
     try:
@@ -110,7 +110,7 @@ def _fetch_s3(uri: str, dest: Path, endpoint_url: str | None) -> tuple[Path, dic
     """tokenizer.json (and tokenizer_config.json, if there) from an object or a prefix, into ``dest``."""
     from botocore.exceptions import ClientError
 
-    from components.stage import s3_client
+    from components.s3 import s3_client
 
     bucket, key = _s3_location(uri)
     client = s3_client(endpoint_url, max_attempts=5)

@@ -138,7 +138,8 @@ def _config_to_check(source: str, init_dir: str, endpoint_url: str, reachable: b
         return
     from botocore.exceptions import BotoCoreError, ClientError
 
-    from components.stage import parse_source, s3_client
+    from components.s3 import s3_client
+    from components.stage import parse_source
 
     bucket, prefix = parse_source(source)
     with tempfile.TemporaryDirectory(prefix="goodput-init-from-") as tmp:

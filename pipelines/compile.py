@@ -21,8 +21,6 @@ import os
 import re
 from pathlib import Path
 
-PIPELINE_NAME = "goodput-train"
-"""The pipeline's name in KFP (``pipelineInfo.name``) and the default name for ``goodput upload``."""
 COMPONENT_IMAGE_ENV = "GOODPUT_COMPONENT_IMAGE"
 TRAINER_IMAGE_ENV = "GOODPUT_TRAINER_IMAGE"
 TRAINER_EXECUTORS = ("exec-train-config-op", "exec-evaluate-op")

@@ -530,7 +530,8 @@ def run_local(arguments: dict, *, pipeline_root: Path, package: Path | None = No
     """
     from kfp import components, local
 
-    from pipelines.compile import PIPELINE_NAME, compile_pipeline
+    from pipelines import PIPELINE_NAME
+    from pipelines.compile import compile_pipeline
 
     pipeline_root = Path(pipeline_root).resolve()
     pipeline_root.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,7 @@ from components.register_op import register_op
 from components.stage_model_op import stage_model_op
 from components.train import TRAINER_IMAGE, train_op
 from components.train_config_op import train_config_op
-from pipelines.compile import PIPELINE_NAME
+from pipelines import PIPELINE_NAME
 from pipelines.pods import FSX_MOUNT, on_fsx, placed, with_s3_secret
 from pipelines.stage_pipeline import stage_pipeline
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import click
 
 from pipelines.cli.kfp_options import api_errors, connection_options, package_option, pipeline_package
-from pipelines.compile import PIPELINE_NAME
+from pipelines import PIPELINE_NAME
 
 
 @click.command()
