@@ -102,14 +102,30 @@ def test_a_checkpoint_due_while_the_writers_are_cold_is_copied_now_and_written_w
     assert m.calls[2:] == [("save", 4, {"copy of step": 4}, False)]
 
 
-def test_at_most_two_checkpoints_are_owed_then_a_due_save_waits(tmp_path):
+def test_at_most_two_checkpoints_are_owed_then_a_due_save_waits_and_supersedes_them(tmp_path):
     ckpt, m = _checkpointer(tmp_path)
     for step in (2, 3):
         _step(ckpt, step, due=True, busy=True, cold=True)
     m.calls.clear()
     _step(ckpt, 4, due=True, busy=True, cold=True)
     # The third waits for the writer, with this step copied to node memory first (a restart resumes from it).
+    # That copy takes a slot of the owed copies: they are dropped, not written later from a slot now holding
+    # step 4 (a "step 2" checkpoint with step 4's state), nor after step 4 commits.
     assert m.calls == [("memory", 4), ("save", 4, "live", False)]
+    _step(ckpt, 5)
+    _step(ckpt, 6, busy=True)
+    ckpt.finish(6)
+    assert [c for c in m.calls if c[0] == "save" and c[1] in (2, 3)] == []
+
+
+def test_an_owed_checkpoint_is_superseded_by_a_due_save_behind_a_warm_busy_writer(tmp_path):
+    ckpt, m = _checkpointer(tmp_path)
+    _step(ckpt, 2, due=True, busy=True, cold=True)          # owed: its copy is the replica's newest slot
+    _step(ckpt, 4, due=True, busy=True)                     # warm and busy: copied to the other slot, saved
+    _step(ckpt, 6, due=True, busy=True)                     # the next copy reuses step 2's slot
+    _step(ckpt, 7)
+    assert m.calls == [("memory", 2), ("memory", 4), ("save", 4, "live", False),
+                       ("memory", 6), ("save", 6, "live", False)]
 
 
 def test_a_due_save_behind_a_busy_warm_writer_copies_to_memory_first(tmp_path):

@@ -6,6 +6,7 @@ and runs the saves of a stop and of the end of training. ``CheckpointManager`` b
 from __future__ import annotations
 
 import contextlib
+import logging
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -17,6 +18,8 @@ from ..layout import COMMITTED, step_dir
 from ..parallel import Dist
 from ..spot import SpotWatcher
 from .manager import CheckpointManager
+
+log = logging.getLogger(__name__)
 
 
 class Stateful(Protocol):
@@ -130,6 +133,12 @@ class Checkpointer(StepHook):
                 self.owed.append((step, m.snapshot_to_memory(step, app)))
         elif self.due:
             with self.guard.saving():
+                if self.owed:
+                    # This checkpoint supersedes the owed ones, which would only be written after it. Their
+                    # copies hold the replica's two slots: the copy below must not overwrite one still owed.
+                    log.info("checkpoints of steps %s, owed to a cold writer, superseded by step %d",
+                             [s for s, _ in self.owed], step)
+                    self.owed = []
                 if self.writers_busy:
                     # The save will wait for the previous write (on every rank: the flag was all-reduced).
                     # Copied to node memory first, this step is what a restart meanwhile resumes from.
