@@ -2,9 +2,11 @@
 by the trainer and handed to NVRx's worker once, when the worker is warm; nothing is lost at exit.
 
 On NVRx 0.6/0.7 handing a request over blocks until the worker has run it (its preload function), so a
-request given to a booting worker blocked the loop for the boot; these tests run on the installed release
-(0.4.1 here), whose queue would take it at once: what they check is that the trainer holds it back. The
-worker is stopped (SIGSTOP) to keep it booting for as long as a test needs.
+request given to a booting worker blocked the loop for the boot, and the writer holds it
+(``holds_while_booting``, from the release). These tests run on the installed release (0.4.1 here), whose
+queue would take it at once and where the writer hands requests over at once as before: they turn the
+holding on to check it, the same code 0.6/0.7 run. The worker is stopped (SIGSTOP) to keep it booting for
+as long as a test needs.
 """
 
 from __future__ import annotations
@@ -42,6 +44,7 @@ def _booting_writer(tmp_path, process_group, monkeypatch):
     # stop is the test's own.
     monkeypatch.setattr(writer_module, "STOPPED_S", 600.0)
     mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
+    mgr.writer.holds_while_booting = True   # what 0.6+ set (see the module's docstring)
     mgr.start_writer()
     (worker,) = mgr.writer.writers
     os.kill(worker, signal.SIGSTOP)
@@ -83,6 +86,21 @@ def test_a_save_during_the_boot_is_handed_over_once_when_the_writer_is_warm(tmp_
         assert torch.equal(_saved(mgr.root, 4)["model"]["w"], _state(4)["model"]["w"])
     handed = [e for e in read_events(tmp_path / "e") if e["event"] == "ckpt_handed_over"]
     assert len(handed) == 1 and handed[0]["booted"] and handed[0]["deferred_s"] > 0
+
+
+def test_up_to_0_5_a_save_during_the_boot_is_queued_at_once(tmp_path, process_group, monkeypatch):
+    """Where NVRx queues a request without waiting (0.4.1, 0.5), the writer hands it over at once."""
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
+    try:
+        if mgr.writer.holds_while_booting:
+            pytest.skip("the installed NVRx blocks on a booting worker: the writer holds saves there")
+        mgr.start_writer()
+        _save_and_step(mgr, 4)
+        assert not mgr.writer.deferred and mgr.writer.queue.call_idx == 1   # NVRx has it: warm-up 0, write 1
+        mgr.wait()
+        assert torch.equal(_saved(mgr.root, 4)["model"]["w"], _state(4)["model"]["w"])
+    finally:
+        mgr.close()
 
 
 @pytest.mark.parametrize("then", ["wait", "blocking save"])

@@ -117,6 +117,9 @@ class Writer:
         self.writes_done = 0        # finished by this process's worker (none yet: it may still be booting)
         self.warm = False           # the worker's warm-up request finished: it has booted
         self.deferred: list = []    # (request, when scheduled): writes held back until the worker is warm
+        # NVRx blocks in schedule_async_request on a booting worker where requests carry preload_fn (0.6+);
+        # up to 0.5 it queues them, and the trainer hands them over at once, as it always did.
+        self.holds_while_booting = compat.installed_release().preload_builds_buckets
         self.writers: list[int] = []    # the worker's pid, once started
         self.helpers: list[int] = []    # the worker's and the write-results manager's
         self.write_started = 0.0        # when the oldest write in flight was scheduled
@@ -172,16 +175,17 @@ class Writer:
 
         From 0.6 a request carries ``preload_fn``, and NVRx's ``schedule_async_request`` returns only once
         the worker has run it (``preload_q.join()``): on a worker still booting (a spawned interpreter
-        importing torch) the save would block the loop for the rest of the boot. So while the warm-up
-        request is unfinished the write is kept here and handed over at the top of the first step after it
-        finished (``maybe_finalize``), or by ``finalize``. It is in flight from now: the staging copy it
-        reads stays held (the next save finalizes it first) and the watch times it.
+        importing torch) the save would block the loop for the rest of the boot. So there
+        (``holds_while_booting``), while the warm-up request is unfinished, the write is kept here and handed
+        over at the top of the first step after it finished (``maybe_finalize``), or by ``finalize``. It is
+        in flight from now: the staging copy it reads stays held (the next save finalizes it first) and the
+        watch times it.
         """
         if not self.writes_in_flight:
             self.write_started = time.monotonic()
         self.writes_in_flight += 1
         self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
-        if self.warm and not self.deferred:
+        if (self.warm or not self.holds_while_booting) and not self.deferred:
             self.queue.schedule_async_request(request)
         else:
             self.deferred.append((request, time.monotonic()))
