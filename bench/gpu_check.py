@@ -8,10 +8,14 @@ Three runs of the same training under ft_launcher, one rank per GPU on this node
   writing does not touch the training math, its weights equal ``clean``'s exactly when this GPU stack is
   deterministic run to run;
 - ``faults``: ``clean`` plus an exception (in-process restart), a SIGKILL (in-job restart) and a hang
-  (the rank monitor kills it, in-job restart). Its weights must equal ``clean``'s where ``sync``'s do.
+  (the rank monitor kills it, in-job restart). Its weights must equal ``clean``'s where ``sync``'s do;
+- ``straggler``: ``clean`` with NVRx's straggler detection (``--straggler-report-s``); from 40% of the
+  steps on, another process runs matrix products on the last rank's GPU, which slows that rank's kernels:
+  rank 0 must report it in a ``straggler`` event (on one GPU against its own earlier speed, the individual
+  score; with several, against the others too).
 
-It prints each run's checkpoint blocking, the async/sync ratio, each fault's recovery and layer, and
-whether the weights match. Run it on a GPU node (CPU works too, with gloo, as a smoke test)::
+It prints each run's checkpoint blocking, the async/sync ratio, each fault's recovery and layer, the
+straggler reports, and whether the weights match. Run it on a GPU node (CPU works too, with gloo, as a smoke test)::
 
     python bench/gpu_check.py                      # ~3 minutes on one H200
     python bench/gpu_check.py --n-layer 2 --n-embd 64 --steps 60 --ckpt-every 10   # a CPU smoke test
@@ -20,9 +24,14 @@ whether the weights match. Run it on a GPU node (CPU works too, with gloo, as a 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
+import signal
 import statistics
+import subprocess
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -42,7 +51,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=400)
     p.add_argument("--ckpt-every", type=int, default=100)
     p.add_argument("--timeout", type=float, default=240, help="seconds per run")
-    p.add_argument("--runs", default="clean,sync,faults", help="which of the runs, comma-separated")
+    p.add_argument("--runs", default="clean,sync,faults,straggler", help="which of the runs, comma-separated")
+    p.add_argument("--straggler-report-s", type=float, default=5.0, help="the straggler run's report interval")
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args()
     nproc = max(1, torch.cuda.device_count())
@@ -55,14 +65,17 @@ def main() -> None:
               "--log-every", "50", "--ft-calc-after-steps", "10", "--ft-min-step-timeout-s", "2"]
     at = [a.steps * k // 10 for k in (3, 5, 7)]
     faults = [f"exception@{at[0]}", f"kill@{at[1]}", f"hang@{at[2]}"]
-    runs = {"clean": [], "sync": ["--ckpt-sync"], "faults": [x for f in faults for x in ("--inject-fault", f)]}
+    runs = {"clean": [], "sync": ["--ckpt-sync"], "faults": [x for f in faults for x in ("--inject-fault", f)],
+            "straggler": ["--straggler-report-s", str(a.straggler_report_s)]}
     launch = LaunchConfig(nproc_per_node=nproc, max_restarts=3, workload_check_interval_s=0.25,
                           monitor_interval_s=0.2, workers_stop_timeout_s=2.0)
     rows, sha, block_p50 = [], {}, {}
     for name in a.runs.split(","):
         extra = runs[name]
         out = root / name
-        code, wall = train(out, [*common, "--out", str(out), *extra], launch, timeout=a.timeout)
+        slowed = nproc - 1 if name == "straggler" and torch.cuda.is_available() else None
+        with _gpu_hog(out, device=slowed, after_step=a.steps * 4 // 10):
+            code, wall = train(out, [*common, "--out", str(out), *extra], launch, timeout=a.timeout)
         if code != 0:
             print(f"{name}: exit {code}; log: {out}.log")
             print((Path(f"{out}.log")).read_text()[-4000:])
@@ -86,6 +99,8 @@ def main() -> None:
         for f in s["faults"]:
             print(f"  {name}: {f['kind']}@{f['step']} rank {f['rank']}: detected {f.get('detected_s')} s, "
                   f"recovered {f.get('recovered_s')} s by {f.get('layer')}")
+        if name == "straggler":
+            _print_stragglers(log, slowed)
     print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
           f"{nproc} rank(s), torch {torch.__version__}")
     print(table(rows, ["run", "wall s", "step ms p50", "ckpt block ms p50", "max", "val loss", "goodput",
@@ -96,6 +111,54 @@ def main() -> None:
         print(f"weights clean == sync (deterministic stack): {sha['clean'] == sha['sync']}")
     if "clean" in sha and "faults" in sha:
         print(f"weights faults == clean: {sha['clean'] == sha['faults']}")
+    if "clean" in sha and "straggler" in sha:
+        print(f"weights straggler == clean (detection changes no math): {sha['clean'] == sha['straggler']}")
+
+
+# Runs on the slowed rank's GPU (its own CUDA context, time-sliced with the rank's): as a throttled or shared GPU.
+_HOG = "import torch\nx = torch.randn(8192, 8192, device='cuda')\nwhile True:\n    x @ x\n"
+
+
+class _gpu_hog:
+    """While the block runs: once ``out``'s training has logged ``after_step``, a process of matrix products
+    on GPU ``device`` (None: nothing)."""
+
+    def __init__(self, out: Path, device: int | None, after_step: int):
+        self.out, self.device, self.after_step = out, device, after_step
+        self.done, self.proc = threading.Event(), None
+        self.watch = threading.Thread(target=self._start_when_due, daemon=True)
+
+    def __enter__(self):
+        if self.device is not None:
+            self.watch.start()
+        return self
+
+    def _start_when_due(self) -> None:
+        while not self.done.wait(0.5):
+            if any(e["event"] == "step" and e["step"] >= self.after_step for e in events(self.out)):
+                self.proc = subprocess.Popen([sys.executable, "-c", _HOG], start_new_session=True,
+                                             env={**os.environ, "CUDA_VISIBLE_DEVICES": str(self.device)})
+                print(f"  straggler: matrix products on GPU {self.device} from step {self.after_step}")
+                return
+
+    def __exit__(self, *exc):
+        self.done.set()
+        if self.watch.is_alive():
+            self.watch.join()
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _print_stragglers(log: list[dict], slowed: int | None) -> None:
+    reports = [e for e in log if e["event"] == "straggler"]
+    for e in reports:
+        print(f"  straggler event at step {e['step']}: ranks {e['ranks']} on {e['nodes']}, "
+              f"relative {e['relative']}, individual {e['individual']}")
+    if slowed is None:
+        print("  straggler: no GPU, detection is off (the run's log says why)")
+    else:
+        print(f"  straggler: slowed rank {slowed} reported: {any(slowed in e['ranks'] for e in reports)}")
 
 
 def copy_rates(gb: float = 2.0) -> None:

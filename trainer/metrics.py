@@ -11,7 +11,9 @@ Per process (every rank): ``goodput_step`` (last completed optimizer step), ``go
 job's, from this rank's step time), ``goodput_mfu_ratio`` (model FLOPs utilisation of this rank's device over
 the last step; absent on CPU and GPUs of unknown peak), ``goodput_checkpoint_blocking_seconds`` (histogram) and
 ``..._last_seconds``, ``goodput_data_wait_seconds_total``, ``goodput_data_wait_ratio`` and
-``goodput_data_starved_windows_total``. Per run (global rank 0, from ``events.jsonl`` at scrape time, so the
+``goodput_data_starved_windows_total``; on global rank 0 with straggler detection (GPU,
+``trainer.straggler``): ``goodput_straggler_score{rank,kind}`` (each rank's NVRx GPU score at the last
+report, 0..1, ``kind`` relative or individual). Per run (global rank 0, from ``events.jsonl`` at scrape time, so the
 numbers span every attempt and survive restarts of the process): ``goodput_ratio`` (productive step time /
 wall time so far, ``trainer.goodput.account``), ``goodput_restarts{layer}``, ``goodput_lost_steps`` and
 ``goodput_last_committed_step``.
@@ -47,6 +49,7 @@ PROCESS_SERIES = ("goodput_step", "goodput_steps_total", "goodput_step_seconds",
                   "goodput_tokens_per_second", "goodput_mfu_ratio", "goodput_checkpoint_blocking_seconds",
                   "goodput_checkpoint_blocking_last_seconds", "goodput_data_wait_seconds_total",
                   "goodput_data_wait_ratio", "goodput_data_starved_windows_total", "goodput_rank_info")
+STRAGGLER_SERIES = ("goodput_straggler_score",)   # rank 0, once a straggler report came (GPU only)
 RUN_SERIES = ("goodput_ratio", "goodput_restarts", "goodput_lost_steps", "goodput_last_committed_step")
 
 
@@ -180,6 +183,7 @@ class MetricsExporter(StepHook):
         self.tokens_per_s = Gauge("goodput_tokens_per_second", "tokens of the whole job per second, over the "
                                   "last step", registry=r)
         self.mfu = None   # goodput_mfu_ratio: registered at the first known MFU, so CPU runs export no fake 0
+        self.straggler = None   # goodput_straggler_score: registered at the first straggler report
         self.ckpt_block = Histogram("goodput_checkpoint_blocking_seconds", "time a checkpoint blocked training, "
                                     "seconds", buckets=CKPT_BUCKETS_S, registry=r)
         self.ckpt_block_last = Gauge("goodput_checkpoint_blocking_last_seconds", "blocking time of the last "
@@ -248,6 +252,20 @@ class MetricsExporter(StepHook):
             return
         self.ckpt_block.observe(block_s)
         self.ckpt_block_last.set(block_s)
+
+    def observe_straggler_scores(self, scores: dict[str, dict[int, float]]) -> None:
+        """Rank 0, at every straggler report: ``scores[kind][rank]`` (``trainer.straggler.straggler_record``)."""
+        if self._server is None:
+            return
+        if self.straggler is None:
+            from prometheus_client import Gauge
+
+            self.straggler = Gauge("goodput_straggler_score", "GPU performance score of each rank at the last "
+                                   "straggler report (NVRx: 1 = as fast as the fastest rank (relative) or as its "
+                                   "own best (individual))", ["rank", "kind"], registry=self.registry)
+        for kind, by_rank in scores.items():
+            for rank, score in by_rank.items():
+                self.straggler.labels(str(rank), kind).set(score)
 
     def close(self) -> None:
         if self._server is not None:

@@ -46,6 +46,7 @@ from .parallel import Dist, init_distributed
 from .recovery import Recovery, exit_if_recurring, run_under_layers
 from .restart import iteration_store
 from .session import Session
+from .straggler import straggler_hooks
 from .summary import summarize, write_summary
 
 log = logging.getLogger("trainer")
@@ -166,6 +167,7 @@ class Trainer:
             self.update_hooks: list[StepHook] = [self.checkpointer, session.faults]
             self.step_hooks: list[StepHook] = [self.checkpointer, self.recovery, session.metrics,
                                                StepLog(self.events, cfg.run.max_steps, cfg.run.log_every, d.is_main)]
+            self.step_hooks += straggler_hooks(cfg.metrics, self, d, self.events, session.metrics)   # GPU only
 
             # ---- restore: from memory or a checkpoint; else a fresh start
             resumed_from, source = self.checkpointer.restore()

@@ -113,11 +113,16 @@ class Writer:
     def __init__(self, cfg: CheckpointConfig, rank: int, events: EventLog):
         self.cfg, self.rank, self.events = cfg, rank, events
         self.queue = None
-        self.writes_in_flight = 0   # handed to the worker and not finalized: they read the staging copy
+        self.writes_in_flight = 0   # scheduled, deferred or not, and not finalized: they read the staging copy
         self.writes_done = 0        # finished by this process's worker (none yet: it may still be booting)
+        self.warm = False           # the worker's warm-up request finished: it has booted
+        self.deferred: list = []    # (request, when scheduled): writes held back until the worker is warm
+        # NVRx blocks in schedule_async_request on a booting worker where requests carry preload_fn (0.6+);
+        # up to 0.5 it queues them, and the trainer hands them over at once, as it always did.
+        self.holds_while_booting = compat.installed_release().preload_builds_buckets
         self.writers: list[int] = []    # the worker's pid, once started
         self.helpers: list[int] = []    # the worker's and the write-results manager's
-        self.write_started = 0.0        # when the oldest write in flight was handed over
+        self.write_started = 0.0        # when the oldest write in flight was scheduled
 
     @property
     def started(self) -> bool:
@@ -130,7 +135,7 @@ class Writer:
         the worker is a spawned process that imports torch and the writer's module (seconds of CPU), and
         on a restart that CPU would be taken from the ranks while they restore. No checkpoint needs the
         writer before then (a blocking save before it writes synchronously). The warm-up request imports
-        the writer's module; saves never wait for it (it does not read the staging copy).
+        the writer's module; saves never wait for it (``schedule`` holds writes back until it finished).
         """
         if self.cfg.sync or self.queue is not None:
             return
@@ -149,8 +154,10 @@ class Writer:
             compat.start_write_results_queue(rel)
             manager = _children() - started
             self.queue = AsyncCallsQueue(**compat.async_calls_queue_kwargs(rel, self.cfg.writer_nice))
+            self.warm = False
             self.queue.schedule_async_request(
-                AsyncRequest(_prepare_writer, (FileSystemWriterAsync.__module__, os.getpid(), sorted(manager)), []))
+                AsyncRequest(_prepare_writer, (FileSystemWriterAsync.__module__, os.getpid(), sorted(manager)),
+                             [self._warmed]))
         # The worker's niceness is set as it is born, not once it runs: its boot (importing torch, seconds
         # of CPU) would otherwise slow the steps after every restart wherever it shares cores with training.
         # Its write processes inherit it. Never lowered: that needs a privilege pods do not have.
@@ -164,11 +171,42 @@ class Writer:
                 child.nice(max(child.nice(), self.cfg.writer_nice))
 
     def schedule(self, request: Any) -> None:
-        """Hand a write (an NVRx ``AsyncRequest``) to the worker."""
-        self.queue.schedule_async_request(request)
+        """Hand a write (an NVRx ``AsyncRequest``) to the worker, or hold it until the worker is warm.
+
+        From 0.6 a request carries ``preload_fn``, and NVRx's ``schedule_async_request`` returns only once
+        the worker has run it (``preload_q.join()``): on a worker still booting (a spawned interpreter
+        importing torch) the save would block the loop for the rest of the boot. So there
+        (``holds_while_booting``), while the warm-up request is unfinished, the write is kept here and handed
+        over at the top of the first step after it finished (``maybe_finalize``), or by ``finalize``. It is
+        in flight from now: the staging copy it reads stays held (the next save finalizes it first) and the
+        watch times it.
+        """
         if not self.writes_in_flight:
             self.write_started = time.monotonic()
         self.writes_in_flight += 1
+        self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
+        if (self.warm or not self.holds_while_booting) and not self.deferred:
+            self.queue.schedule_async_request(request)
+        else:
+            self.deferred.append((request, time.monotonic()))
+
+    def _warmed(self) -> None:
+        """The warm-up request's finalize function (run on this rank): the worker has booted."""
+        self.warm = True
+
+    def _hand_over(self, wait_for_boot: bool) -> None:
+        """Give the deferred writes to the worker, oldest first: once it is warm, or at once with
+        ``wait_for_boot`` (for a caller that waits for them anyway: NVRx then blocks until the worker booted)."""
+        if not (self.deferred and (self.warm or wait_for_boot)):
+            return
+        while self.deferred:
+            request, since = self.deferred.pop(0)
+            t0 = time.monotonic()
+            self.queue.schedule_async_request(request)
+            if self.rank == 0:   # how long it was held back, and what the hand-over blocked (from 0.6 the
+                # worker runs the preload function meanwhile): blocking time of the step whose top it was
+                self.events.emit("ckpt_handed_over", deferred_s=round(t0 - since, 4),
+                                 block_s=round(time.monotonic() - t0, 4), booted=self.warm)
 
     def written(self) -> None:
         """Called on this rank (in its finalize) once the worker finished the oldest write in flight."""
@@ -184,16 +222,18 @@ class Writer:
 
     @property
     def booting(self) -> bool:
-        """Not started, or still booting with no write queued (its warm-up request is unfinished)."""
+        """Not started, or still booting with no write scheduled (its warm-up request is unfinished)."""
         if self.queue is None:
             return True
         self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
-        return self.writes_in_flight == 0 and self.queue.get_num_unfinalized_calls() > 0
+        return self.writes_in_flight == 0 and not self.warm
 
     def maybe_finalize(self) -> None:
-        """Finalize finished writes without blocking and without collectives."""
+        """Top of a step: finalize finished writes, without blocking and without collectives, and hand the
+        deferred ones to the worker once it is warm."""
         if self.queue is not None:
-            self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
+            self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)   # the warm-up's too
+            self._hand_over(wait_for_boot=False)
 
     def finalize(self, writes_only: bool = False) -> None:
         """Finalize NVRx requests until none is left (with ``writes_only``: until no write is left).
@@ -203,6 +243,7 @@ class Writer:
         """
         if self.queue is None:
             return
+        self._hand_over(wait_for_boot=True)
         while True:
             self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
             if not (self.writes_in_flight if writes_only else self.queue.get_num_unfinalized_calls()):
@@ -210,10 +251,11 @@ class Writer:
             time.sleep(0.005)
 
     def close(self) -> None:
+        # Rank-local finalize first (deferred writes too, still watched): NVRx's own close() would
+        # synchronize ranks through CUDA.
+        self.finalize()
         self.helpers = []   # ends the watch: the writers exit now
         if self.queue is not None:
-            # Rank-local finalize first: NVRx's own close() would synchronize ranks through CUDA.
-            self.finalize()
             self.queue.close()
             self.queue = None
 

@@ -1,0 +1,122 @@
+"""A save while the checkpoint writer still boots (the first after every start and in-job restart) is held
+by the trainer and handed to NVRx's worker once, when the worker is warm; nothing is lost at exit.
+
+On NVRx 0.6/0.7 handing a request over blocks until the worker has run it (its preload function), so a
+request given to a booting worker blocked the loop for the boot, and the writer holds it
+(``holds_while_booting``, from the release). These tests run on the installed release (0.4.1 here), whose
+queue would take it at once and where the writer hands requests over at once as before: they turn the
+holding on to check it, the same code 0.6/0.7 run. The worker is stopped (SIGSTOP) to keep it booting for
+as long as a test needs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from tests.conftest import until
+from trainer.checkpoint import CheckpointManager, committed_steps, step_dir
+from trainer.checkpoint import writer as writer_module
+from trainer.config import CheckpointConfig
+from trainer.events import EventLog, read_events
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(32, 32, generator=g)}, "train": {"step": seed}}
+
+
+def _saved(root, step: int) -> dict:
+    loaded = {"model": {"w": torch.zeros(32, 32)}, "train": {"step": -1}}
+    dcp.load(loaded, checkpoint_id=str(step_dir(root, step)))
+    return loaded
+
+
+@contextlib.contextmanager
+def _booting_writer(tmp_path, process_group, monkeypatch):
+    """A manager whose writer was started and is held in its boot (stopped) until the block's ``resume()``."""
+    # The watch ends a rank whose writer stays stopped for STOPPED_S while a write is in flight: here the
+    # stop is the test's own.
+    monkeypatch.setattr(writer_module, "STOPPED_S", 600.0)
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
+    mgr.writer.holds_while_booting = True   # what 0.6+ set (see the module's docstring)
+    mgr.start_writer()
+    (worker,) = mgr.writer.writers
+    os.kill(worker, signal.SIGSTOP)
+    try:
+        yield mgr, lambda: os.kill(worker, signal.SIGCONT)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGCONT)
+        mgr.close()
+
+
+def _save_and_step(mgr: CheckpointManager, step: int) -> dict:
+    """An interval save as the loop makes it: save, finish before the optimizer step, which then changes
+    the live state (the checkpoint must hold the snapshot)."""
+    live = _state(step)
+    mgr.save(step, live)
+    mgr.finish_snapshot()
+    live["model"]["w"].add_(100.0)
+    return live
+
+
+def test_a_save_during_the_boot_is_handed_over_once_when_the_writer_is_warm(tmp_path, process_group, monkeypatch):
+    with _booting_writer(tmp_path, process_group, monkeypatch) as (mgr, resume):
+        _save_and_step(mgr, 4)
+        queue = mgr.writer.queue
+        # Held back: NVRx has only the warm-up request, and the save counts as in flight (its staging copy
+        # is held, and the loop knows its writer is busy and cold).
+        assert queue.get_num_unfinalized_calls() == 1 and mgr.writes_in_flight == 1 and mgr.cold
+        mgr.maybe_finalize()                       # the top of a step while the worker still boots
+        assert queue.get_num_unfinalized_calls() == 1 and not list(step_dir(mgr.root, 4).glob("*.distcp"))
+        resume()
+        # The top of every step: the first one after the warm-up finished hands the write over.
+        assert until(lambda: (mgr.maybe_finalize(), mgr.writer.warm)[1], timeout=180)
+        assert mgr.writer.deferred == [] and queue.call_idx == 1   # the warm-up's 0, the write's 1: once
+        assert until(lambda: (mgr.maybe_finalize(), mgr.writes_in_flight == 0)[1], timeout=120)
+        mgr.wait()
+        assert queue.call_idx == 1 and mgr.writer.writes_done == 1
+        assert committed_steps(mgr.root) == [4]
+        assert torch.equal(_saved(mgr.root, 4)["model"]["w"], _state(4)["model"]["w"])
+    handed = [e for e in read_events(tmp_path / "e") if e["event"] == "ckpt_handed_over"]
+    assert len(handed) == 1 and handed[0]["booted"] and handed[0]["deferred_s"] > 0
+
+
+def test_up_to_0_5_a_save_during_the_boot_is_queued_at_once(tmp_path, process_group, monkeypatch):
+    """Where NVRx queues a request without waiting (0.4.1, 0.5), the writer hands it over at once."""
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
+    try:
+        if mgr.writer.holds_while_booting:
+            pytest.skip("the installed NVRx blocks on a booting worker: the writer holds saves there")
+        mgr.start_writer()
+        _save_and_step(mgr, 4)
+        assert not mgr.writer.deferred and mgr.writer.queue.call_idx == 1   # NVRx has it: warm-up 0, write 1
+        mgr.wait()
+        assert torch.equal(_saved(mgr.root, 4)["model"]["w"], _state(4)["model"]["w"])
+    finally:
+        mgr.close()
+
+
+@pytest.mark.parametrize("then", ["wait", "blocking save"])
+def test_a_save_held_during_the_boot_is_written_at_exit(tmp_path, process_group, monkeypatch, then):
+    """The end of training (``wait``) and a stop (a blocking save, whose staging copy is the held one's)
+    hand the held write over and wait for it: both checkpoints hold their own step's state."""
+    with _booting_writer(tmp_path, process_group, monkeypatch) as (mgr, resume):
+        _save_and_step(mgr, 4)
+        assert mgr.writer.deferred and not mgr.writer.warm
+        resume()
+        if then == "wait":
+            mgr.wait()
+            assert committed_steps(mgr.root) == [4]
+        else:
+            mgr.save(6, _state(6), blocking=True)
+            assert committed_steps(mgr.root) == [4, 6]
+            assert torch.equal(_saved(mgr.root, 6)["model"]["w"], _state(6)["model"]["w"])
+        assert torch.equal(_saved(mgr.root, 4)["model"]["w"], _state(4)["model"]["w"])
+        assert mgr.writer.queue.call_idx == (1 if then == "wait" else 2) and mgr.writes_in_flight == 0
