@@ -87,6 +87,13 @@ def _training(dataset: Path, out: Path, cleanup) -> tuple[subprocess.Popen, dict
     return proc, start
 
 
+def _proxy(wrapper: subprocess.Popen) -> int:
+    """The process the launcher started (here the wrapper, standing for it): the forked rank's proxy."""
+    children = map(int, Path(f"/proc/{wrapper.pid}/task/{wrapper.pid}/children").read_text().split())
+    (proxy,) = [c for c in children if b"trainer.zygote" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+    return proxy
+
+
 @pytest.fixture
 def cleanup():
     procs: list[subprocess.Popen] = []
@@ -125,13 +132,29 @@ def test_a_forked_rank_dies_with_its_proxy(tmp_path, dataset, cleanup):
     """The launcher SIGKILLs the process it started (its proxy); the rank must not live on."""
     out = tmp_path / "run"
     proc, start = _training(dataset, out, cleanup)
-    children = map(int, Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split())
-    (proxy,) = [c for c in children if b"trainer.zygote" not in Path(f"/proc/{c}/cmdline").read_bytes()]
+    proxy = _proxy(proc)
     assert proxy != start["pid"]
     os.kill(proxy, signal.SIGKILL)
     assert _gone(start["pid"], 10), "the forked rank outlived its proxy"
     assert proc.wait(timeout=30) == -signal.SIGKILL
     assert _until(lambda: not _group(start["pid"]), 5), _group(start["pid"])   # nor did its NVRx helpers
+
+
+def test_the_proxy_hands_the_rank_over_without_importing_torch(tmp_path, dataset, cleanup):
+    """What a warm start saves is each rank's import of torch (seconds): the proxy hands its arguments over
+    before parsing them (their check builds the model spec, which imports torch); the fork parses them."""
+    out = tmp_path / "run"
+    proc, start = _training(dataset, out, cleanup)
+    maps = Path(f"/proc/{_proxy(proc)}/maps").read_text()
+    assert "libtorch" not in maps and start["warm"] is True
+
+
+def test_bad_arguments_fail_in_the_fork_as_they_would_cold(tmp_path, dataset, cleanup):
+    out = tmp_path / "run"
+    proc = _warm(dataset, out, "--max-steps", "-3")
+    cleanup(proc)
+    assert proc.wait(timeout=120) == 2
+    assert "error: " in (tmp_path / "log").read_text() and not (out / "events.jsonl").exists()
 
 
 def test_the_write_results_manager_is_forked_with_the_rank_and_ignores_sigterm(tmp_path, dataset, cleanup):

@@ -13,17 +13,19 @@ from .signals import die_with_parent
 def main(argv: list[str] | None = None) -> int:
     warnings.filterwarnings("ignore", message="The pynvml package is deprecated")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [%(name)s] %(message)s", stream=sys.stdout)
+    if argv is None:
+        if "TORCHELASTIC_RESTART_COUNT" in os.environ:
+            # Started by a launcher (ft_launcher, torchrun), which puts every worker in a session of its own:
+            # a launcher killed outright (SIGKILL) must not leave its workers running.
+            die_with_parent()
+        # Under ``trainer.warmstart``: run in a fork of the zygote and exit. Before the arguments are parsed:
+        # checking the model imports torch, which the fork has already; the fork parses and checks them itself.
+        warmstart.delegate(sys.argv[1:])
     try:
         cfg = parse_config(argv)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if argv is None and "TORCHELASTIC_RESTART_COUNT" in os.environ:
-        # Started by a launcher (ft_launcher, torchrun), which puts every worker in a session of its own:
-        # a launcher killed outright (SIGKILL) must not leave its workers running.
-        die_with_parent()
-    if argv is None:
-        warmstart.delegate(sys.argv[1:])   # under ``trainer.warmstart``: run in a fork of the zygote, exit
     from .train import run   # torch is imported only once the arguments are known to be good
 
     run(cfg)
