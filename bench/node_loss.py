@@ -68,11 +68,11 @@ COLUMNS = {"fsx": "ft_launcher, FSx checkpoint", "torchrun": "torchrun --max-res
 class TorchrunCluster(LocalCluster):
     """The same node trees with plain ``torchrun`` as each node's agent (no zygote, no rank monitors)."""
 
-    launcher_module = "torch.distributed.run"
+    launcher_modules = ("torch.distributed.run",)
 
     def command(self, i: int) -> list[str]:
         launch = self.launch
-        return [sys.executable, "-m", self.launcher_module, "--nnodes", str(launch.nnodes),
+        return [sys.executable, "-m", self.launcher_modules[0], "--nnodes", str(launch.nnodes),
                 "--nproc-per-node", str(launch.nproc_per_node), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id,
                 "--rdzv-conf", f"is_host={int(i == 0)},join_timeout={launch.join_timeout_s:g}",
