@@ -406,6 +406,9 @@ def _health_check_args(rel: Release, extras: LauncherExtras) -> list[str]:
 # sets them. The barrier rendezvous (0.6, 0.7) keeps the fields but never reads them: it has no heartbeats.
 NVRX_KEEP_ALIVE = (5.0, 3)            # (interval s, missed beats): NVRx's, kept where nothing is passed
 KEEP_ALIVE_KEYS = ("keep_alive_interval", "keep_alive_max_attempt")   # --rdzv-conf keys, RendezvousSettings' names
+# A node waiting in the rendezvous beats only when it polls the store, once a second (``_delay(seconds=1)`` in
+# the op executor): a node silent for less than 2 s may be one that is waiting, not one that is lost.
+MIN_KEEP_ALIVE_S = 2.0
 KEEP_ALIVE_ENTRY = "trainer.launch"   # the launcher entry point that honours them (``honour_keep_alive_conf``)
 _LEGACY_RDZV = "nvidia_resiliency_ext.fault_tolerance._ft_rendezvous"
 
@@ -424,6 +427,10 @@ def keep_alive_conf(interval_s: float, max_attempts: int, rel: Release) -> dict[
         raise ValueError(f"NVRx {rel.version}'s {rel.rendezvous[0]} rendezvous has no keep-alive heartbeats "
                          f"(a lost node is found by the barrier's join counts): leave the keep-alive at NVRx's "
                          f"{NVRX_KEEP_ALIVE[0]:g} s x {NVRX_KEEP_ALIVE[1]}")
+    if interval_s * max_attempts < MIN_KEEP_ALIVE_S:
+        raise ValueError(f"a keep-alive of {interval_s:g} s x {max_attempts} drops a node after "
+                         f"{interval_s * max_attempts:g} s without a heartbeat, but nodes waiting in the rendezvous "
+                         f"beat only about once a second: make interval x attempts at least {MIN_KEEP_ALIVE_S:g} s")
     return dict(zip(KEEP_ALIVE_KEYS, (f"{interval_s:g}", str(max_attempts))))
 
 

@@ -57,10 +57,10 @@ class LaunchConfig:
     # next round waits that long. Shorter recovers sooner; too short drops a live node whose beats a network
     # hiccup or a stalled store delayed (its job then restarts), and every beat is a write to the store.
     keep_alive_interval_s: float = field(default=0.0, metadata={
-        "help": "seconds between a node's rendezvous heartbeats (0: NVRx's 5 s; 0.5 s for local nodes)"})
+        "help": "seconds between a node's rendezvous heartbeats (0: NVRx's 5 s; 1 s for local nodes)"})
     keep_alive_max_attempts: int = field(default=0, metadata={
-        "help": "heartbeats a node may miss before the rendezvous drops it as lost (0: NVRx's 3; 4 for local "
-                "nodes)"})
+        "help": "heartbeats a node may miss before the rendezvous drops it as lost (0: NVRx's 3, also for "
+                "local nodes)"})
     # Rank-monitor timeouts (seconds). Sections are opened by the trainer; each timeout is a safe upper
     # bound for its phase, and the trainer tightens ``step`` from measured step times at run time.
     setup_timeout_s: float = field(default=600.0, metadata={"help": "init, data, resume (section 'setup')"})
@@ -311,10 +311,10 @@ def _any_rank_started(out: Path, since: float) -> bool:
 
 NODE_ENV = "GOODPUT_LOCAL_NODE"   # carried by every process of a local node's tree: what a node loss kills
 KILL_TIMEOUT_S = 10.0
-# Loopback does not drop packets, and a node lost here is replaced at once: a lost node is dropped after 2 s
-# without a heartbeat (NVRx's 15 s was most of a node loss's recovery), which still tolerates 3 missed beats
-# of an agent starved of CPU.
-LOCAL_KEEP_ALIVE = (0.5, 4)
+# Loopback does not drop packets and a lost node is replaced at once (its launcher joins ~3 s later): a lost
+# node is dropped after 3 s without a heartbeat instead of NVRx's 15 s, most of a node loss's recovery; a node
+# waiting in the rendezvous beats about once a second, so this still tolerates a missed beat or two.
+LOCAL_KEEP_ALIVE = (1.0, 3)
 
 
 def _free_port() -> int:
