@@ -132,3 +132,13 @@ def test_local_nodes_get_the_short_keep_alive_unless_one_is_set(tmp_path, monkey
         conf = dict(kv.split("=") for kv in cmd[cmd.index("--rdzv-conf") + 1].split(","))
         assert (float(conf["keep_alive_interval"]), int(conf["keep_alive_max_attempt"])) == expected
         assert conf["is_host"] == "0"
+
+
+def test_goodput_train_refuses_a_too_short_keep_alive_before_anything_is_written(tmp_path, monkeypatch):
+    from trainer.launch import LaunchError, run_local_training
+
+    monkeypatch.delenv(compat.VERSION_ENV, raising=False)
+    launch = LaunchConfig(nnodes=2, nproc_per_node=1, keep_alive_interval_s=0.5, keep_alive_max_attempts=2)
+    with pytest.raises(LaunchError, match="at least 2 s"):
+        run_local_training(["--max-steps", "1", "--out", str(tmp_path / "out")], launch, tmp_path / "fsx")
+    assert list(tmp_path.iterdir()) == []

@@ -249,6 +249,8 @@ def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: 
     args, cfg = validate_launch(trainer_args, checked, fsx_root)
     try:
         compat.nnodes_arg(nodes, compat.target_release(), min_nodes=min_nodes)
+        if nodes > 1:
+            compat.keep_alive_conf(*launch.keep_alive(), compat.target_release())
     except ValueError as e:
         raise LaunchError(str(e)) from None
     if "--data" not in trainer_args:
