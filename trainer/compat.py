@@ -402,8 +402,9 @@ def _health_check_args(rel: Release, extras: LauncherExtras) -> list[str]:
 # ------------------------------------------------------------------------------ rendezvous keep-alive
 # A lost node leaves the rendezvous only once its agent's keep-alive heartbeats stopped for interval x attempts.
 # The legacy FT rendezvous (the default up to 0.5) hard-codes 5 s x 3 in FtRendezvousHandler.from_backend
-# (0.4.1, 0.5.0; torch's DynamicRendezvousHandler.from_backend likewise): no launcher flag or --rdzv-conf key
-# sets them. The barrier rendezvous (0.6, 0.7) keeps the fields but never reads them: it has no heartbeats.
+# (0.4.1, 0.5.0): no launcher flag or --rdzv-conf key sets them. torch's own c10d handler (torchrun, 2.13)
+# reads the same two --rdzv-conf keys, whole seconds; NVRx's fork of it does not. The barrier rendezvous
+# (0.6, 0.7) keeps the fields but never reads them: it has no heartbeats.
 NVRX_KEEP_ALIVE = (5.0, 3)            # (interval s, missed beats): NVRx's, kept where nothing is passed
 KEEP_ALIVE_KEYS = ("keep_alive_interval", "keep_alive_max_attempt")   # --rdzv-conf keys, RendezvousSettings' names
 # A node waiting in the rendezvous beats only when it polls the store, once a second (``_delay(seconds=1)`` in
