@@ -23,7 +23,7 @@ import importlib.metadata
 import os
 import re
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
 from packaging.version import InvalidVersion, Version
@@ -397,6 +397,84 @@ def _health_check_args(rel: Release, extras: LauncherExtras) -> list[str]:
     if extras.progress_file:
         args += ["--ft-checkpoint-iteration-file", extras.progress_file]
     return args
+
+
+# ------------------------------------------------------------------------------ rendezvous keep-alive
+# A lost node leaves the rendezvous only once its agent's keep-alive heartbeats stopped for interval x attempts.
+# The legacy FT rendezvous (the default up to 0.5) hard-codes 5 s x 3 in FtRendezvousHandler.from_backend
+# (0.4.1, 0.5.0): no launcher flag or --rdzv-conf key sets them. torch's own c10d handler (torchrun, 2.13)
+# reads the same two --rdzv-conf keys, whole seconds; NVRx's fork of it does not. The barrier rendezvous
+# (0.6, 0.7) keeps the fields but never reads them: it has no heartbeats.
+NVRX_KEEP_ALIVE = (5.0, 3)            # (interval s, missed beats): NVRx's, kept where nothing is passed
+KEEP_ALIVE_KEYS = ("keep_alive_interval", "keep_alive_max_attempt")   # --rdzv-conf keys, RendezvousSettings' names
+# A node waiting in the rendezvous beats only when it polls the store, once a second (``_delay(seconds=1)`` in
+# the op executor): a node silent for less than 2 s may be one that is waiting, not one that is lost.
+MIN_KEEP_ALIVE_S = 2.0
+KEEP_ALIVE_ENTRY = "trainer.launch"   # the launcher entry point that honours them (``honour_keep_alive_conf``)
+_LEGACY_RDZV = "nvidia_resiliency_ext.fault_tolerance._ft_rendezvous"
+
+
+def has_keep_alive(rel: Release) -> bool:
+    """Whether the release's default rendezvous drops a lost node by missed keep-alive heartbeats."""
+    return rel.rendezvous[0] == "legacy"
+
+
+def keep_alive_conf(interval_s: float, max_attempts: int, rel: Release) -> dict[str, str]:
+    """The ``--rdzv-conf`` entries of a keep-alive (empty for NVRx's own); ``honour_keep_alive_conf`` must run
+    in the launcher. A keep-alive for a release whose rendezvous has none is a ``ValueError``."""
+    if (interval_s, max_attempts) == NVRX_KEEP_ALIVE:
+        return {}
+    if not has_keep_alive(rel):
+        raise ValueError(f"NVRx {rel.version}'s {rel.rendezvous[0]} rendezvous has no keep-alive heartbeats "
+                         f"(a lost node is found by the barrier's join counts): leave the keep-alive at NVRx's "
+                         f"{NVRX_KEEP_ALIVE[0]:g} s x {NVRX_KEEP_ALIVE[1]}")
+    if interval_s * max_attempts < MIN_KEEP_ALIVE_S:
+        raise ValueError(f"a keep-alive of {interval_s:g} s x {max_attempts} drops a node after "
+                         f"{interval_s * max_attempts:g} s without a heartbeat, but nodes waiting in the rendezvous "
+                         f"beat only about once a second: make interval x attempts at least {MIN_KEEP_ALIVE_S:g} s")
+    return dict(zip(KEEP_ALIVE_KEYS, (f"{interval_s:g}", str(max_attempts))))
+
+
+def honour_keep_alive_conf() -> None:
+    """Make the installed legacy FT rendezvous read ``KEEP_ALIVE_KEYS`` from ``--rdzv-conf``; run in the
+    launcher process before it builds its rendezvous handler (it imports ``create_handler`` at that moment).
+
+    The handler, its state holder and its op executor each keep the settings (0.4.1, 0.5.0): all three get
+    the new ones before the first heartbeat. Without the keys a handler is left as NVRx made it.
+    """
+    if not has_keep_alive(installed_release()):
+        return
+    from datetime import timedelta
+
+    rdzv = importlib.import_module(_LEGACY_RDZV)
+    original = _attr(rdzv, "create_handler")
+    if getattr(original, "honours_keep_alive", False):
+        return
+
+    def create_handler(store, backend, params):
+        handler = original(store, backend, params)
+        interval, attempts = (params.config.get(k) for k in KEEP_ALIVE_KEYS)
+        if interval is None and attempts is None:
+            return handler
+        settings = replace(
+            _attr(handler, "_settings"),
+            keep_alive_interval=timedelta(seconds=float(interval if interval is not None else NVRX_KEEP_ALIVE[0])),
+            keep_alive_max_attempt=int(attempts if attempts is not None else NVRX_KEEP_ALIVE[1]))
+        for holder in (handler, _attr(handler, "_state_holder"), _attr(handler, "_op_executor")):
+            _attr(holder, "_settings")
+            holder._settings = settings
+        return handler
+
+    create_handler.honours_keep_alive = True
+    rdzv.create_handler = create_handler
+
+
+def launcher_main(argv: list[str]) -> None:
+    """``ft_launcher argv`` with ``honour_keep_alive_conf`` applied (it exits)."""
+    honour_keep_alive_conf()
+    from nvidia_resiliency_ext.fault_tolerance.launcher import main
+
+    main(argv)
 
 
 # ------------------------------------------------------------------------------ async checkpoint queue

@@ -53,6 +53,14 @@ class LaunchConfig:
                 "the job after this)"})
     last_call_timeout_s: float = field(default=TORCH_LAST_CALL_S, metadata={
         "help": "elastic jobs: once the fewest nodes have joined, seconds the rendezvous waits for more"})
+    # A lost node is dropped from the rendezvous after interval x attempts without a heartbeat: the survivors'
+    # next round waits that long. Shorter recovers sooner; too short drops a live node whose beats a network
+    # hiccup or a stalled store delayed (its job then restarts), and every beat is a write to the store.
+    keep_alive_interval_s: float = field(default=0.0, metadata={
+        "help": "seconds between a node's rendezvous heartbeats (0: NVRx's 5 s; 1 s for local nodes)"})
+    keep_alive_max_attempts: int = field(default=0, metadata={
+        "help": "heartbeats a node may miss before the rendezvous drops it as lost (0: NVRx's 3, also for "
+                "local nodes)"})
     # Rank-monitor timeouts (seconds). Sections are opened by the trainer; each timeout is a safe upper
     # bound for its phase, and the trainer tightens ``step`` from measured step times at run time.
     setup_timeout_s: float = field(default=600.0, metadata={"help": "init, data, resume (section 'setup')"})
@@ -82,9 +90,17 @@ class LaunchConfig:
         if self.join_timeout_s <= 0 or self.last_call_timeout_s < 0:
             raise ValueError(f"join_timeout_s must be positive and last_call_timeout_s not negative, got "
                              f"{self.join_timeout_s} and {self.last_call_timeout_s}")
+        if self.keep_alive_interval_s < 0 or self.keep_alive_max_attempts < 0:
+            raise ValueError(f"keep_alive_interval_s and keep_alive_max_attempts must not be negative (0: NVRx's "
+                             f"default), got {self.keep_alive_interval_s} and {self.keep_alive_max_attempts}")
         if known.get("nnodes", 2) > 1 and not self.rdzv_endpoint:   # a placeholder may be many nodes
             raise ValueError("a multi-node job needs rdzv_endpoint (host:port of the rendezvous)")
         return self
+
+    def keep_alive(self) -> tuple[float, int]:
+        """(heartbeat interval s, missed beats) with NVRx's for what is 0."""
+        return (self.keep_alive_interval_s or compat.NVRX_KEEP_ALIVE[0],
+                self.keep_alive_max_attempts or compat.NVRX_KEEP_ALIVE[1])
 
 
 def launcher_command(launch: LaunchConfig, trainer_args: list[str], *, executable: str | None = None,
@@ -104,20 +120,27 @@ def launcher_command(launch: LaunchConfig, trainer_args: list[str], *, executabl
         extras: launcher features only some releases have (hot spares, health checks); one the release
             lacks is a ``ValueError``.
         rdzv_conf: more c10d rendezvous settings (``--rdzv-conf``) of a multi-node job.
+
+    A keep-alive other than NVRx's (``launch.keep_alive_*``) goes into ``--rdzv-conf`` and the launcher
+    runs as ``python -m trainer.launch`` (``compat.launcher_main``), which makes NVRx's rendezvous read it.
     """
     launch.validate()
+    release = compat.target_release() if release is None else release
+    keep_alive = compat.keep_alive_conf(*launch.keep_alive(), release) if launch.rdzv_endpoint else {}
     conf = {**({"join_timeout": f"{launch.join_timeout_s:g}"} if launch.join_timeout_s != NVRX_JOIN_TIMEOUT_S
                else {}),
             **({"last_call_timeout": f"{launch.last_call_timeout_s:g}"}
                if launch.last_call_timeout_s != TORCH_LAST_CALL_S else {}),
-            **(rdzv_conf or {})}
+            **keep_alive, **(rdzv_conf or {})}
     rdzv = ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())] if conf and launch.rdzv_endpoint else []
-    head = [executable, "-m", LAUNCHER_MODULE] if executable else ["ft_launcher"]
+    # NVRx reads no keep-alive setting: an entry point of ours makes its rendezvous read the --rdzv-conf keys.
+    head = ([executable or "python", "-m", compat.KEEP_ALIVE_ENTRY] if keep_alive else
+            [executable, "-m", LAUNCHER_MODULE] if executable else ["ft_launcher"])
     # Cold too, the wrapper's zygote is the node's janitor: it ends what a killed launcher leaves behind.
     head = [executable or "python", "-m", "trainer.warmstart", *([] if launch.warm_start else ["--cold"]), *head]
     return [
         *head,
-        *compat.launcher_args(launch, compat.target_release() if release is None else release, extras),
+        *compat.launcher_args(launch, release, extras),
         *rdzv,
         "-m", "trainer",
         *trainer_args,
@@ -226,6 +249,8 @@ def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: 
     args, cfg = validate_launch(trainer_args, checked, fsx_root)
     try:
         compat.nnodes_arg(nodes, compat.target_release(), min_nodes=min_nodes)
+        if nodes > 1:
+            compat.keep_alive_conf(*launch.keep_alive(), compat.target_release())
     except ValueError as e:
         raise LaunchError(str(e)) from None
     if "--data" not in trainer_args:
@@ -288,6 +313,10 @@ def _any_rank_started(out: Path, since: float) -> bool:
 
 NODE_ENV = "GOODPUT_LOCAL_NODE"   # carried by every process of a local node's tree: what a node loss kills
 KILL_TIMEOUT_S = 10.0
+# Loopback does not drop packets and a lost node is replaced at once (its launcher joins ~3 s later): a lost
+# node is dropped after 3 s without a heartbeat instead of NVRx's 15 s, most of a node loss's recovery; a node
+# waiting in the rendezvous beats about once a second, so this still tolerates a missed beat or two.
+LOCAL_KEEP_ALIVE = (1.0, 3)
 
 
 def _free_port() -> int:
@@ -330,7 +359,9 @@ class LocalCluster:
             code = cluster.supervise()
     """
 
-    launcher_module = LAUNCHER_MODULE     # the node agent's module (a benchmark's baseline may swap it)
+    # The node agent's modules: NVRx's launcher, or the entry point that sets its keep-alive (a benchmark's
+    # baseline may swap them).
+    launcher_modules = (LAUNCHER_MODULE, compat.KEEP_ALIVE_ENTRY)
 
     def __init__(self, launch: LaunchConfig, trainer_args: list[str], *, min_nodes: int = 0,
                  workdir: Path | None = None, env: dict[str, str] | None = None):
@@ -339,6 +370,10 @@ class LocalCluster:
         directory per node, ``goodput-nodes-<hash of --out>/node<i>``."""
         n = compat.count(launch.nnodes, "nnodes")
         self.launch = dataclasses.replace(launch, rdzv_endpoint=f"127.0.0.1:{_free_port()}")
+        if compat.has_keep_alive(compat.target_release()):
+            self.launch = dataclasses.replace(
+                self.launch, keep_alive_interval_s=launch.keep_alive_interval_s or LOCAL_KEEP_ALIVE[0],
+                keep_alive_max_attempts=launch.keep_alive_max_attempts or LOCAL_KEEP_ALIVE[1])
         self.min_nodes, self.args, self.env = min_nodes, list(trainer_args), {**os.environ, **(env or {})}
         # Every node's ranks share this machine's cores: each gets its share of them (the launcher sets 1 only
         # where a node has several ranks), so that CPU ranks neither oversubscribe nor compute differently
@@ -402,7 +437,7 @@ class LocalCluster:
             for pid in self.pids(node.index):
                 with contextlib.suppress(psutil.Error):
                     # The launcher itself, not the wrapper whose arguments name it.
-                    if psutil.Process(pid).cmdline()[1:3] == ["-m", self.launcher_module]:
+                    if psutil.Process(pid).cmdline()[1:3] in [["-m", m] for m in self.launcher_modules]:
                         return
             time.sleep(0.05)
 
@@ -513,3 +548,7 @@ def last_stop(trainer_args: list[str], since: float) -> int | None:
         return None
     exits = [e for e in read_events(out / "events.jsonl") if e["event"] == "exit" and e["t"] >= since]
     return exits[-1]["step"] if exits else None
+
+
+if __name__ == "__main__":   # the launcher with a keep-alive of ours (launcher_command's head)
+    compat.launcher_main(sys.argv[1:])
