@@ -62,7 +62,7 @@ def release_parser(version: str) -> argparse.ArgumentParser:
 def launcher_options(argv: list[str]) -> list[str]:
     """What follows the launcher itself in a launch command (the warm-start wrapper and python come first)."""
     for i, word in enumerate(argv):
-        if word in ("ft_launcher", "nvidia_resiliency_ext.fault_tolerance.launcher", compat.KEEP_ALIVE_ENTRY):
+        if word in ("ft_launcher", "nvidia_resiliency_ext.fault_tolerance.launcher", compat.LAUNCHER_ENTRY):
             return argv[i + 1:]
     raise AssertionError(f"no ft_launcher in {argv}")
 

@@ -1,6 +1,6 @@
 """The rendezvous keep-alive (``LaunchConfig.keep_alive_*``): when a lost node is dropped from the rendezvous.
 
-NVRx 0.4.1-0.5 hard-code 5 s x 3 missed heartbeats; ``python -m trainer.launch`` (``compat.launcher_main``)
+NVRx 0.4.1-0.5 hard-code 5 s x 3 missed heartbeats; ``python -m trainer.launch`` (``trainer.launch.launcher_main``)
 makes their legacy FT rendezvous read ``keep_alive_interval`` / ``keep_alive_max_attempt`` from ``--rdzv-conf``.
 The rendezvous test runs the installed NVRx's real handlers on a real c10d store, one process per node.
 """
@@ -19,13 +19,13 @@ from trainer import compat
 from trainer.launch import LOCAL_KEEP_ALIVE, LaunchConfig, LocalCluster, launcher_command
 
 # One node's rendezvous handler, made as the launcher makes it (the c10d handler of the registry after
-# ``honour_keep_alive_conf``; 0.4.1 registers it in its own copy of torch's registry). It joins a round on each
+# ``honour_rdzv_conf``; 0.4.1 registers it in its own copy of torch's registry). It joins a round on each
 # line of stdin and prints "rank world" for it.
 NODE = """
 import sys
 from torch.distributed.elastic.rendezvous import RendezvousParameters
 from trainer import compat
-compat.honour_keep_alive_conf()
+compat.honour_rdzv_conf()
 from nvidia_resiliency_ext.fault_tolerance import launcher
 launcher._register_ft_rdzv_handler()
 from nvidia_resiliency_ext.fault_tolerance._torch_elastic_compat.rendezvous import rendezvous_handler_registry
@@ -127,8 +127,9 @@ def test_local_nodes_get_the_short_keep_alive_unless_one_is_set(tmp_path, monkey
     args = ["--out", str(tmp_path / "out"), "--memory-snapshot-dir", str(tmp_path / "shm")]
     for launch, expected in ((LaunchConfig(nnodes=2, nproc_per_node=1), LOCAL_KEEP_ALIVE),
                              (LaunchConfig(nnodes=2, nproc_per_node=1, keep_alive_interval_s=2), (2, 3))):
-        cmd = LocalCluster(launch, args).command(1)
-        assert cmd[cmd.index("-m", 3) + 1] == compat.KEEP_ALIVE_ENTRY
+        cluster = LocalCluster(launch, args)
+        cmd = cluster.command(cluster.nodes[1])
+        assert cmd[cmd.index("-m", 3) + 1] == compat.LAUNCHER_ENTRY
         conf = dict(kv.split("=") for kv in cmd[cmd.index("--rdzv-conf") + 1].split(","))
         assert (float(conf["keep_alive_interval"]), int(conf["keep_alive_max_attempt"])) == expected
         assert conf["is_host"] == "0"
