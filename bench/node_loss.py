@@ -32,7 +32,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import datetime
 import json
+import re
 import socket
 import statistics
 import subprocess
@@ -68,7 +70,7 @@ LOSS_AT = 30
 LAUNCH = LaunchConfig(nnodes=2, nproc_per_node=1, max_restarts=3, monitor_interval_s=0.1,
                       workload_check_interval_s=0.1, workers_stop_timeout_s=0.3, join_timeout_s=120)
 COLUMNS = {"fsx": "ft_launcher, FSx checkpoint", "torchrun": "torchrun --max-restarts",
-           "peer": "ft_launcher, peer snapshot"}
+           "peer": "ft_launcher, peer snapshot", "standby": "ft_launcher, warm standby"}
 
 
 class TorchrunCluster(LocalCluster):
@@ -76,15 +78,15 @@ class TorchrunCluster(LocalCluster):
 
     launcher_modules = ("torch.distributed.run",)
 
-    def command(self, i: int) -> list[str]:
-        launch = self.launch
+    def command(self, node) -> list[str]:
+        launch, i = self.launch, node.index
         return [sys.executable, "-m", self.launcher_modules[0], "--nnodes", str(launch.nnodes),
                 "--nproc-per-node", str(launch.nproc_per_node), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id,
                 "--rdzv-conf", f"is_host={int(i == 0)},join_timeout={launch.join_timeout_s:g}",
                 "--max-restarts", str(launch.max_restarts), "--monitor-interval", f"{launch.monitor_interval_s:g}",
                 "-m", "trainer", *self.args, "--restart-layers", "injob",
-                "--memory-snapshot-dir", str(self.nodes[i].memory_dir)]
+                "--memory-snapshot-dir", str(node.memory_dir)]
 
 
 def _keep_alive(value: str) -> tuple[float, int]:
@@ -137,7 +139,8 @@ class PeerDaemons:
 def run(kind: str, root: Path, data: Path, lose: bool, timeout: float, launch: LaunchConfig = LAUNCH) -> dict:
     out = root / "runs" / f"{kind}{'' if lose else '-clean'}"
     args = ["--data", str(data), *TINY, "--out", str(out)]
-    cluster = (TorchrunCluster if kind == "torchrun" else LocalCluster)(launch, args, workdir=out.parent / out.name)
+    cluster = (TorchrunCluster if kind == "torchrun" else LocalCluster)(
+        launch, args, workdir=out.parent / out.name, standby=int(kind == "standby" and lose))
     peers = PeerDaemons(cluster, out) if kind == "peer" else None
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {}
@@ -150,8 +153,10 @@ def run(kind: str, root: Path, data: Path, lose: bool, timeout: float, launch: L
         if lose:
             # Between checkpoints: past LOSS_AT, with the step-20 checkpoint committed (its write may still
             # run on a writer that boots after each start, so it can commit after LOSS_AT).
+            # A standby is waiting at its gate by then (it was started with the nodes).
             while not (any(e["event"] == "step" and e["step"] >= LOSS_AT for e in events(out)) and
-                       any(e["event"] == "ckpt_committed" and e["step"] == 20 for e in events(out))):
+                       any(e["event"] == "ckpt_committed" and e["step"] == 20 for e in events(out)) and
+                       cluster.standby_ready()):
                 if time.monotonic() - t0 > timeout or all(n.proc.poll() is not None for n in cluster.nodes):
                     raise RuntimeError(f"{kind}: the run did not reach step {LOSS_AT}; see {out}/node*.log")
                 time.sleep(0.05)
@@ -159,13 +164,14 @@ def run(kind: str, root: Path, data: Path, lose: bool, timeout: float, launch: L
             result["lost_at"] = time.time()
             if peers:
                 result["peer_step"] = peers.restore(helper)
-            cluster.start(1)
+            cluster.promote(1) if cluster.standbys else cluster.start(1)
             if peers:
                 peers.start(1)
         try:
             result["code"] = cluster.supervise(timeout=timeout)
         except TimeoutError:
             result["code"] = "timeout"
+        logs = [n.log for n in cluster.nodes]    # the survivor's, and the replacement's (a standby's own)
     summary = out / "summary.json"
     result["sha"] = json.loads(summary.read_text())["params_sha256"] if summary.exists() else None
     ev = events(out)
@@ -177,7 +183,54 @@ def run(kind: str, root: Path, data: Path, lose: bool, timeout: float, launch: L
         if loads and steps:
             result.update(recovered_s=steps[0]["t"] - result["lost_at"], redone=before - loads[0]["step"],
                           source=loads[0]["source"] if loads[0]["event"] == "ckpt_loaded" else "nothing (step 0)")
+        if kind != "torchrun":
+            result["timeline"] = timeline(result["lost_at"], ev, *logs)
     return result
+
+
+_STAMP = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]? (.*)")
+
+
+def _log_lines(log: Path, since: float) -> list[tuple[float, str]]:
+    """(wall time, text) of the lines of a node's log stamped after ``since`` (its launcher's and trainer's
+    lines carry the local time to the millisecond)."""
+    lines = []
+    for line in log.read_text(errors="replace").splitlines():
+        if m := _STAMP.match(line):
+            t = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            if t >= since:
+                lines.append((t, m[2]))
+    return lines
+
+
+def timeline(lost_at: float, ev: list[dict], survivor_log: Path, replacement_log: Path) -> list[tuple[str, float]]:
+    """When each stage of the recovery ended, in seconds after the loss: from both nodes' launcher logs and
+    the ranks' events. A stage that left no trace is missing."""
+    survivor, replacement = _log_lines(survivor_log, lost_at), _log_lines(replacement_log, lost_at)
+    after = [e for e in ev if e["t"] > lost_at]
+
+    def first(lines, *needles):
+        return next((t for t, text in lines if any(n in text for n in needles)), None)
+
+    def last_rank(name, key=lambda e: e["t"]):
+        found = [key(e) for e in after if e["event"] == name]
+        return max(found) if len(found) >= 2 else None      # both ranks
+
+    first_step = next((e["t"] for e in after if e["event"] == "step"), None)
+    stages = [
+        ("survivor's rank sees the peer gone", first(survivor, "Connection reset", "Connection closed", "fn_ex")),
+        ("replacement's launcher asks to join", first(replacement, "attempts to join")),
+        ("survivor's agent restarts its workers", first(survivor, "will restart worker group")),
+        ("survivor's agent asks to join", first(survivor, "attempts to join")),
+        ("round complete (both nodes joined)", max(
+            (t for t in (first(survivor, "has joined round"), first(replacement, "has joined round")) if t),
+            default=None)),
+        ("both ranks started (worker_start)", last_rank("worker_start")),
+        ("process groups up, restore begins", last_rank("ckpt_loaded", lambda e: e["t"] - e.get("load_s", 0))),
+        ("both ranks restored (ckpt_loaded)", last_rank("ckpt_loaded")),
+        ("first resumed step", first_step),
+    ]
+    return [(name, round(t - lost_at, 3)) for name, t in stages if t is not None]
 
 
 def main() -> None:

@@ -329,11 +329,13 @@ def _any_rank_started(out: Path, since: float) -> bool:
 
 NODE_ENV = "GOODPUT_LOCAL_NODE"   # carried by every process of a local node's tree: what a node loss kills
 KILL_TIMEOUT_S = 10.0
-# Loopback does not drop packets and a lost node is replaced at once: a lost node is dropped after 3 s without
-# a heartbeat instead of NVRx's 15 s, most of a node loss's recovery, and a waiting node re-reads the rendezvous
-# state every 0.1 s instead of every second (each step of a round is seen that much sooner; with 2-4 nodes the
-# store serves a few dozen reads a second). A waiting node beats when it polls, so 3 s tolerates missed beats.
-LOCAL_KEEP_ALIVE = (1.0, 3)
+# Loopback does not drop packets: a lost node is dropped after 1.5 s without a heartbeat instead of NVRx's 15 s
+# (1-1.5 s after the loss: its last beat came up to an interval before), and a waiting node re-reads the
+# rendezvous state every 0.1 s instead of every second (each step of a round is seen that much sooner; with 2-4
+# nodes the store serves a few dozen reads a second). A node's agent beats from a thread of its own, and a
+# waiting one at each poll: 1.5 s tolerates an agent stalled for two beats. A live node dropped by mistake
+# is only taken for a late one at the next round.
+LOCAL_KEEP_ALIVE = (0.5, 3)
 LOCAL_RDZV_POLL_S = 0.1
 STANDBY_GATE_FLAG = "--standby-gate"
 # A standby's launcher must have imported NVRx (and so torch) before its promotion counts as warm; past this,
