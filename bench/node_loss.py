@@ -13,19 +13,25 @@ The same trainer and workload under:
   the replacement node's snapshot is restored from node 0's copy before its ranks start, at the step node 0's
   own snapshot has. A stand-in for the checkpointer's restore order (own memory, peer, FSx, S3) until that is
   integrated: the trainer then finds the copy as its own memory.
+- ``ft_launcher, warm standby``: a third node tree started with the others (``LocalCluster(standby=1)``:
+  wrapper, zygote with torch imported, launcher with NVRx imported) waits before the rendezvous and is
+  promoted in the lost node's place (``promote(1)``), so the replacement starts no process; FSx checkpoint.
+  What NVRx 0.6+'s hot spares give a cluster (docs/multinode.md).
 
 Overhead: the median step time of the fault-free run with the peer daemons against the one without.
 
 Recovery = node killed -> first training step completed after it; redone = the newest step done before the
 loss minus the step the run resumed from. The weights at the end are compared with a fault-free run's. The
-loss comes past step LOSS_AT once the step-20 checkpoint is committed.
+loss comes past step LOSS_AT once the step-20 checkpoint is committed (and the standby waits at its gate).
+Where the seconds went: when each stage ended, from both nodes' launcher logs and the ranks' events.
 
 The nodes' rendezvous drops the lost node after LocalCluster's keep-alive (``trainer.launch.LOCAL_KEEP_ALIVE``,
-1 s x 3 missed heartbeats) unless ``--keep-alive`` names another; ``--keep-alive 5:3`` is NVRx's own, what
-every node loss waited before the keep-alive was set.
+0.5 s x 3 missed heartbeats) and waiting nodes poll it every ``LOCAL_RDZV_POLL_S`` (0.1 s) unless
+``--keep-alive`` / ``--rdzv-poll-s`` name others; ``--keep-alive 5:3 --rdzv-poll-s 1`` is NVRx's own.
 
-    python bench/node_loss.py                   # ~7 minutes on 2 cores
-    python bench/node_loss.py --keep-alive 5:3  # the same with NVRx's keep-alive
+    python bench/node_loss.py                        # ~8 minutes on 2 cores
+    python bench/node_loss.py --modes standby,fsx    # some of the variants (the fault-free run comes first)
+    python bench/node_loss.py --keep-alive 5:3 --rdzv-poll-s 1   # with NVRx's rendezvous timing
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from pathlib import Path
 
 from _runs import dataset, events, table
 
-from trainer.launch import LOCAL_KEEP_ALIVE, NODE_ENV, LaunchConfig, LocalCluster
+from trainer.launch import LOCAL_KEEP_ALIVE, LOCAL_RDZV_POLL_S, NODE_ENV, LaunchConfig, LocalCluster
 from trainer.layout import replica_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -233,28 +239,41 @@ def timeline(lost_at: float, ev: list[dict], survivor_log: Path, replacement_log
     return [(name, round(t - lost_at, 3)) for name, t in stages if t is not None]
 
 
+def _modes(value: str) -> list[str]:
+    modes = value.split(",")
+    if unknown := [m for m in modes if m not in COLUMNS]:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}: choose from {', '.join(COLUMNS)}")
+    return [m for m in COLUMNS if m in modes]
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--timeout-s", type=float, default=240.0, help="per run")
+    p.add_argument("--modes", type=_modes, default=list(COLUMNS), metavar="MODE,...",
+                   help=f"the variants to run, of {','.join(COLUMNS)} (default: all)")
     p.add_argument("--keep-alive", type=_keep_alive, default="{:g}:{}".format(*LOCAL_KEEP_ALIVE),
                    metavar="INTERVAL_S:ATTEMPTS",
                    help="the rendezvous keep-alive of the ft_launcher runs (default %(default)s; NVRx's is 5:3)")
+    p.add_argument("--rdzv-poll-s", type=float, default=LOCAL_RDZV_POLL_S,
+                   help="how often a waiting node reads the rendezvous state (default %(default)s; NVRx's is 1)")
     a = p.parse_args()
-    launch = dataclasses.replace(LAUNCH, keep_alive_interval_s=a.keep_alive[0], keep_alive_max_attempts=a.keep_alive[1])
+    launch = dataclasses.replace(LAUNCH, keep_alive_interval_s=a.keep_alive[0], keep_alive_max_attempts=a.keep_alive[1],
+                                 rdzv_poll_interval_s=a.rdzv_poll_s)
     root = a.workdir or Path(tempfile.mkdtemp(prefix="bench-node-loss-"))
     data = dataset(root)
     clean = run("fsx", root, data, lose=False, timeout=a.timeout_s, launch=launch)
     print(f"fault-free 2-node run: {clean}", flush=True)
-    clean_peer = run("peer", root, data, lose=False, timeout=a.timeout_s, launch=launch)
-    print(f"fault-free 2-node run with peer copies: {clean_peer}", flush=True)
+    if "peer" in a.modes:
+        clean_peer = run("peer", root, data, lose=False, timeout=a.timeout_s, launch=launch)
+        print(f"fault-free 2-node run with peer copies: {clean_peer}", flush=True)
     measured = {}
-    for kind in COLUMNS:
+    for kind in a.modes:
         measured[kind] = r = run(kind, root, data, lose=True, timeout=a.timeout_s, launch=launch)
         print(f"{COLUMNS[kind]}: {r}", flush=True)
-    base = measured["torchrun"].get("recovered_s")
+    base = measured.get("torchrun", {}).get("recovered_s")
     rows = [["recovery (loss -> first resumed step)"], ["steps redone"], ["resumed from"], ["weights = fault-free"]]
-    for kind in COLUMNS:
+    for kind in a.modes:
         r = measured[kind]
         rec = r.get("recovered_s")
         rows[0].append("failed" if rec is None else
@@ -262,15 +281,41 @@ def main() -> None:
         rows[1].append(str(r.get("redone", "-")))
         rows[2].append(r.get("source", f"exit {r['code']}"))
         rows[3].append(str(r["sha"] == clean["sha"]) if r["sha"] else "no summary")
-    overhead = clean_peer["step_s_p50"] / clean["step_s_p50"]
-    print(f"\nstep time p50, fault-free: {clean['step_s_p50'] * 1e3:.1f} ms without peer copies, "
-          f"{clean_peer['step_s_p50'] * 1e3:.1f} ms with ({overhead:.3f}x; same weights: "
-          f"{clean_peer['sha'] == clean['sha']})")
+    if "peer" in a.modes:
+        overhead = clean_peer["step_s_p50"] / clean["step_s_p50"]
+        print(f"\nstep time p50, fault-free: {clean['step_s_p50'] * 1e3:.1f} ms without peer copies, "
+              f"{clean_peer['step_s_p50'] * 1e3:.1f} ms with ({overhead:.3f}x; same weights: "
+              f"{clean_peer['sha'] == clean['sha']})")
     print(f"\nnode 1 of 2 lost after step {LOSS_AT} and replaced at once; checkpoint every 20 steps, memory "
-          f"snapshot every 0.5 s; ft_launcher's keep-alive {a.keep_alive[0]:g} s x {a.keep_alive[1]} (ratio to "
-          f"torchrun)")
-    print(table(rows, ["", *COLUMNS.values()]))
-    print("\ngoals (with the peer copy): recovery <= 5 s, redone <= the snapshot interval; step time <= 1.02x")
+          f"snapshot every 0.5 s; ft_launcher's keep-alive {a.keep_alive[0]:g} s x {a.keep_alive[1]}, rendezvous "
+          f"poll {a.rdzv_poll_s:g} s" + (" (ratio to torchrun)" if base else ""))
+    print(table(rows, ["", *(COLUMNS[k] for k in a.modes)]))
+    traced = [k for k in a.modes if measured[k].get("timeline")]
+    if traced:
+        print("\nwhere the seconds went: when each stage ended, s after the loss (+ s since the previous stage)")
+        names = list(dict.fromkeys(name for k in traced for name, _ in measured[k]["timeline"]))
+        stages = {k: dict(measured[k]["timeline"]) for k in traced}
+        cells = {k: _deltas(measured[k]["timeline"]) for k in traced}
+        print(table([[name, *(f"{stages[k][name]:.2f} (+{cells[k][name]:.2f})" if name in stages[k] else "-"
+                              for k in traced)] for name in names], ["stage", *(COLUMNS[k] for k in traced)]))
+    standby = measured.get("standby", {}).get("recovered_s")
+    peer = measured.get("peer", {})
+    print("\ngoals: recovery <= 5 s: " + ("not run" if "standby" not in a.modes else
+                                          "failed" if standby is None else
+                                          f"{standby:.2f} s with the warm standby, "
+                                          f"{'met' if standby <= 5 else 'not met'}") +
+          "; redone <= the snapshot interval (0.5 s, ~6 steps) with the peer copy: " +
+          ("not run" if "peer" not in a.modes else f"{peer.get('redone', 'failed')} steps") +
+          ("; step time with peer copies <= 1.02x: " + f"{overhead:.3f}x" if "peer" in a.modes else ""))
+
+
+def _deltas(stages: list[tuple[str, float]]) -> dict[str, float]:
+    """Each stage's time since the latest stage that ended before it (the loss for the first)."""
+    out, done = {}, [0.0]
+    for name, t in sorted(stages, key=lambda s: s[1]):
+        out[name] = t - max(d for d in done if d <= t)
+        done.append(t)
+    return out
 
 
 if __name__ == "__main__":
