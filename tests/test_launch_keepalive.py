@@ -7,6 +7,7 @@ The rendezvous test runs the installed NVRx's real handlers on a real c10d store
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -16,11 +17,12 @@ import sys
 import pytest
 
 from trainer import compat
-from trainer.launch import LOCAL_KEEP_ALIVE, LaunchConfig, LocalCluster, launcher_command
+from trainer.launch import (LOCAL_KEEP_ALIVE, LOCAL_RDZV_POLL_S, STANDBY_GATE_FLAG, LaunchConfig, LocalCluster,
+                            launcher_command)
 
 # One node's rendezvous handler, made as the launcher makes it (the c10d handler of the registry after
-# ``honour_rdzv_conf``; 0.4.1 registers it in its own copy of torch's registry). It joins a round on each
-# line of stdin and prints "rank world" for it.
+# ``honour_rdzv_conf``; 0.4.1 registers it in its own copy of torch's registry). It says how long it serves the
+# rendezvous state from its cache (the poll), joins a round on each line of stdin and prints "rank world" for it.
 NODE = """
 import sys
 from torch.distributed.elastic.rendezvous import RendezvousParameters
@@ -33,7 +35,7 @@ port, is_host, conf = sys.argv[1], sys.argv[2], dict(kv.split("=") for kv in sys
 params = RendezvousParameters("c10d", f"127.0.0.1:{port}", "keepalive", 2, 2, is_host=is_host, join_timeout="10",
                               **conf)
 handler = rendezvous_handler_registry.create_handler(params)
-print("ready", flush=True)
+print("ready", handler._state_holder._cache_duration, flush=True)
 for _ in sys.stdin:
     try:
         info = handler.next_rendezvous()
@@ -50,10 +52,10 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _node(port: int, is_host: bool, conf: str) -> subprocess.Popen:
+def _node(port: int, is_host: bool, conf: str, poll_s: float) -> subprocess.Popen:
     p = subprocess.Popen([sys.executable, "-c", NODE, str(port), str(int(is_host)), conf], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"})
-    assert p.stdout.readline().strip() == "ready"
+    assert p.stdout.readline().split() == ["ready", f"{poll_s:g}"]
     return p
 
 
@@ -69,14 +71,15 @@ def _round(*nodes: subprocess.Popen) -> list[str]:
 def test_a_lost_node_is_dropped_after_the_configured_keep_alive_not_nvrx_15_s():
     """Node 1 is SIGKILLed after the first round; node 0 and a replacement form the next round. That round
     completes only once the rendezvous dropped node 1 as dead: within the 10 s join timeout with a 1 s x 2
-    keep-alive, never with NVRx's 15 s (the round then fails with a timeout, as without the entry point)."""
-    port, conf = _port(), ",".join(f"{k}={v}" for k, v in compat.keep_alive_conf(1, 2, compat.installed_release())
-                                   .items())
-    nodes = [_node(port, True, conf)]
+    keep-alive, never with NVRx's 15 s (the round then fails with a timeout, as without the entry point). The
+    nodes poll the rendezvous every 0.2 s instead of every second."""
+    settings = compat.keep_alive_conf(1, 2, compat.installed_release(), poll_s=0.2)
+    port, conf = _port(), ",".join(f"{k}={v}" for k, v in settings.items())
+    nodes = [_node(port, True, conf, 0.2)]
     try:
-        nodes.append(_node(port, False, conf))
+        nodes.append(_node(port, False, conf, 0.2))
         assert sorted(_round(*nodes)) == ["0 2", "1 2"]
-        nodes.append(_node(port, False, conf))         # the replacement, ready before the loss
+        nodes.append(_node(port, False, conf, 0.2))    # the replacement, ready before the loss
         nodes[1].send_signal(signal.SIGKILL)
         nodes[1].wait()
         assert sorted(_round(nodes[0], nodes[2])) == ["0 2", "1 2"]
@@ -118,6 +121,14 @@ def test_bad_keep_alive_is_an_error_before_anything_starts():
     too_short = LaunchConfig(nnodes=2, rdzv_endpoint="h:1", keep_alive_interval_s=0.25, keep_alive_max_attempts=2)
     with pytest.raises(ValueError, match="at least 2 s"):
         launcher_command(too_short, [], release=compat.release("0.4.1"))
+    # With a faster poll, two polls bound it; one missed beat is never a loss; a poll is at most NVRx's second.
+    polled = dataclasses.replace(too_short, rdzv_poll_interval_s=0.1)
+    assert "keep_alive_interval=0.25" in " ".join(launcher_command(polled, [], release=compat.release("0.4.1")))
+    for bad, match in ((dict(keep_alive_max_attempts=1, keep_alive_interval_s=5), "at least 2 missed beats"),
+                       (dict(rdzv_poll_interval_s=2), r"poll interval must be in \(0, 1\]"),
+                       (dict(rdzv_poll_interval_s=-1), "must not be negative")):
+        with pytest.raises(ValueError, match=match):
+            launcher_command(dataclasses.replace(polled, **bad), [], release=compat.release("0.4.1"))
 
 
 def test_local_nodes_get_the_short_keep_alive_unless_one_is_set(tmp_path, monkeypatch):
@@ -125,14 +136,21 @@ def test_local_nodes_get_the_short_keep_alive_unless_one_is_set(tmp_path, monkey
     if not compat.has_keep_alive(compat.installed_release()):
         pytest.skip("the installed NVRx's rendezvous has no keep-alive")
     args = ["--out", str(tmp_path / "out"), "--memory-snapshot-dir", str(tmp_path / "shm")]
-    for launch, expected in ((LaunchConfig(nnodes=2, nproc_per_node=1), LOCAL_KEEP_ALIVE),
-                             (LaunchConfig(nnodes=2, nproc_per_node=1, keep_alive_interval_s=2), (2, 3))):
-        cluster = LocalCluster(launch, args)
-        cmd = cluster.command(cluster.nodes[1])
-        assert cmd[cmd.index("-m", 3) + 1] == compat.LAUNCHER_ENTRY
-        conf = dict(kv.split("=") for kv in cmd[cmd.index("--rdzv-conf") + 1].split(","))
-        assert (float(conf["keep_alive_interval"]), int(conf["keep_alive_max_attempt"])) == expected
-        assert conf["is_host"] == "0"
+    for launch, expected in ((LaunchConfig(nnodes=2, nproc_per_node=1), (*LOCAL_KEEP_ALIVE, LOCAL_RDZV_POLL_S)),
+                             (LaunchConfig(nnodes=2, nproc_per_node=1, keep_alive_interval_s=2,
+                                           rdzv_poll_interval_s=0.5), (2, 3, 0.5))):
+        cluster = LocalCluster(launch, args, standby=1)
+        for node in (cluster.nodes[1], cluster.standbys[0]):
+            cmd = cluster.command(node)
+            assert cmd[cmd.index("-m", 3) + 1] == compat.LAUNCHER_ENTRY
+            conf = dict(kv.split("=") for kv in cmd[cmd.index("--rdzv-conf") + 1].split(","))
+            assert (float(conf["keep_alive_interval"]), int(conf["keep_alive_max_attempt"]),
+                    float(conf["poll_interval"])) == expected
+            assert conf["is_host"] == "0"
+        # Only the standby's launcher waits at a gate before it joins.
+        assert STANDBY_GATE_FLAG not in cluster.command(cluster.nodes[1])
+        cmd = cluster.command(cluster.standbys[0])
+        assert cmd[cmd.index(compat.LAUNCHER_ENTRY) + 1:][:2] == [STANDBY_GATE_FLAG, str(cluster.standbys[0].gate)]
 
 
 def test_goodput_train_refuses_a_too_short_keep_alive_before_anything_is_written(tmp_path, monkeypatch):
