@@ -58,7 +58,7 @@ class LaunchConfig:
     # next round waits that long. Shorter recovers sooner; too short drops a live node whose beats a network
     # hiccup or a stalled store delayed (its job then restarts), and every beat is a write to the store.
     keep_alive_interval_s: float = field(default=0.0, metadata={
-        "help": "seconds between a node's rendezvous heartbeats (0: NVRx's 5 s; 1 s for local nodes)"})
+        "help": "seconds between a node's rendezvous heartbeats (0: NVRx's 5 s; 0.5 s for local nodes)"})
     keep_alive_max_attempts: int = field(default=0, metadata={
         "help": "heartbeats a node may miss before the rendezvous drops it as lost (0: NVRx's 3, also for "
                 "local nodes)"})
@@ -148,7 +148,8 @@ def launcher_command(launch: LaunchConfig, trainer_args: list[str], *, executabl
                if launch.last_call_timeout_s != TORCH_LAST_CALL_S else {}),
             **keep_alive, **(rdzv_conf or {})}
     rdzv = ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())] if conf and launch.rdzv_endpoint else []
-    # NVRx reads no keep-alive setting: an entry point of ours makes its rendezvous read the --rdzv-conf keys.
+    # NVRx reads neither setting, and has no gate: an entry point of ours makes its rendezvous read the
+    # --rdzv-conf keys and holds a standby back.
     gate = [STANDBY_GATE_FLAG, str(standby_gate)] if standby_gate else []
     head = ([executable or "python", "-m", compat.LAUNCHER_ENTRY, *gate] if keep_alive or gate else
             [executable, "-m", LAUNCHER_MODULE] if executable else ["ft_launcher"])
@@ -333,8 +334,7 @@ KILL_TIMEOUT_S = 10.0
 # (1-1.5 s after the loss: its last beat came up to an interval before), and a waiting node re-reads the
 # rendezvous state every 0.1 s instead of every second (each step of a round is seen that much sooner; with 2-4
 # nodes the store serves a few dozen reads a second). A node's agent beats from a thread of its own, and a
-# waiting one at each poll: 1.5 s tolerates an agent stalled for two beats. A live node dropped by mistake
-# is only taken for a late one at the next round.
+# waiting one at each poll: 1.5 s tolerates an agent stalled for two beats.
 LOCAL_KEEP_ALIVE = (0.5, 3)
 LOCAL_RDZV_POLL_S = 0.1
 STANDBY_GATE_FLAG = "--standby-gate"
@@ -397,8 +397,8 @@ class LocalCluster:
             code = cluster.supervise()
     """
 
-    # The node agent's modules: NVRx's launcher, or the entry point that sets its keep-alive (a benchmark's
-    # baseline may swap them).
+    # The node agent's modules: NVRx's launcher, or our entry point to it (rendezvous settings, a standby's
+    # gate); a benchmark's baseline may swap them.
     launcher_modules = (LAUNCHER_MODULE, compat.LAUNCHER_ENTRY)
 
     def __init__(self, launch: LaunchConfig, trainer_args: list[str], *, min_nodes: int = 0,
