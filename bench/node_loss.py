@@ -13,20 +13,34 @@ The same trainer and workload under:
   the replacement node's snapshot is restored from node 0's copy before its ranks start, at the step node 0's
   own snapshot has. A stand-in for the checkpointer's restore order (own memory, peer, FSx, S3) until that is
   integrated: the trainer then finds the copy as its own memory.
+- ``ft_launcher, warm standby``: a third node tree started with the others (``LocalCluster(standby=1)``:
+  wrapper, zygote with torch imported, launcher with NVRx imported) waits before the rendezvous and is
+  promoted in the lost node's place (``promote(1)``), so the replacement starts no process; FSx checkpoint.
+  What NVRx 0.6+'s hot spares give a cluster (docs/multinode.md).
 
 Overhead: the median step time of the fault-free run with the peer daemons against the one without.
 
 Recovery = node killed -> first training step completed after it; redone = the newest step done before the
 loss minus the step the run resumed from. The weights at the end are compared with a fault-free run's. The
-loss comes past step LOSS_AT once the step-20 checkpoint is committed.
+loss comes past step LOSS_AT once the step-20 checkpoint is committed (and the standby waits at its gate).
+Where the seconds went: when each stage ended, from both nodes' launcher logs and the ranks' events.
 
-    python bench/node_loss.py           # ~5 minutes on 2 cores
+The nodes' rendezvous drops the lost node after LocalCluster's keep-alive (``trainer.launch.LOCAL_KEEP_ALIVE``,
+0.5 s x 3 missed heartbeats) and waiting nodes poll it every ``LOCAL_RDZV_POLL_S`` (0.1 s) unless
+``--keep-alive`` / ``--rdzv-poll-s`` name others; ``--keep-alive 5:3 --rdzv-poll-s 1`` is NVRx's own.
+
+    python bench/node_loss.py                        # ~8 minutes on 2 cores
+    python bench/node_loss.py --modes standby,fsx    # some of the variants (the fault-free run comes first)
+    python bench/node_loss.py --keep-alive 5:3 --rdzv-poll-s 1   # with NVRx's rendezvous timing
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import datetime
 import json
+import re
 import socket
 import statistics
 import subprocess
@@ -37,7 +51,7 @@ from pathlib import Path
 
 from _runs import dataset, events, table
 
-from trainer.launch import NODE_ENV, LaunchConfig, LocalCluster
+from trainer.launch import LOCAL_KEEP_ALIVE, LOCAL_RDZV_POLL_S, NODE_ENV, LaunchConfig, LocalCluster
 from trainer.layout import replica_dir
 
 REPO = Path(__file__).resolve().parent.parent
@@ -62,23 +76,31 @@ LOSS_AT = 30
 LAUNCH = LaunchConfig(nnodes=2, nproc_per_node=1, max_restarts=3, monitor_interval_s=0.1,
                       workload_check_interval_s=0.1, workers_stop_timeout_s=0.3, join_timeout_s=120)
 COLUMNS = {"fsx": "ft_launcher, FSx checkpoint", "torchrun": "torchrun --max-restarts",
-           "peer": "ft_launcher, peer snapshot"}
+           "peer": "ft_launcher, peer snapshot", "standby": "ft_launcher, warm standby"}
 
 
 class TorchrunCluster(LocalCluster):
     """The same node trees with plain ``torchrun`` as each node's agent (no zygote, no rank monitors)."""
 
-    launcher_module = "torch.distributed.run"
+    launcher_modules = ("torch.distributed.run",)
 
-    def command(self, i: int) -> list[str]:
-        launch = self.launch
-        return [sys.executable, "-m", self.launcher_module, "--nnodes", str(launch.nnodes),
+    def command(self, node) -> list[str]:
+        launch, i = self.launch, node.index
+        return [sys.executable, "-m", self.launcher_modules[0], "--nnodes", str(launch.nnodes),
                 "--nproc-per-node", str(launch.nproc_per_node), "--rdzv-backend", "c10d",
                 "--rdzv-endpoint", launch.rdzv_endpoint, "--rdzv-id", launch.rdzv_id,
                 "--rdzv-conf", f"is_host={int(i == 0)},join_timeout={launch.join_timeout_s:g}",
                 "--max-restarts", str(launch.max_restarts), "--monitor-interval", f"{launch.monitor_interval_s:g}",
                 "-m", "trainer", *self.args, "--restart-layers", "injob",
-                "--memory-snapshot-dir", str(self.nodes[i].memory_dir)]
+                "--memory-snapshot-dir", str(node.memory_dir)]
+
+
+def _keep_alive(value: str) -> tuple[float, int]:
+    interval, _, attempts = value.partition(":")
+    try:
+        return float(interval), int(attempts)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{value!r} is not INTERVAL_S:ATTEMPTS, e.g. 5:3") from None
 
 
 def _port() -> int:
@@ -120,10 +142,11 @@ class PeerDaemons:
         return None if out.strip() in ("", "None") else int(out.strip())
 
 
-def run(kind: str, root: Path, data: Path, lose: bool, timeout: float) -> dict:
+def run(kind: str, root: Path, data: Path, lose: bool, timeout: float, launch: LaunchConfig = LAUNCH) -> dict:
     out = root / "runs" / f"{kind}{'' if lose else '-clean'}"
     args = ["--data", str(data), *TINY, "--out", str(out)]
-    cluster = (TorchrunCluster if kind == "torchrun" else LocalCluster)(LAUNCH, args, workdir=out.parent / out.name)
+    cluster = (TorchrunCluster if kind == "torchrun" else LocalCluster)(
+        launch, args, workdir=out.parent / out.name, standby=int(kind == "standby" and lose))
     peers = PeerDaemons(cluster, out) if kind == "peer" else None
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {}
@@ -136,8 +159,10 @@ def run(kind: str, root: Path, data: Path, lose: bool, timeout: float) -> dict:
         if lose:
             # Between checkpoints: past LOSS_AT, with the step-20 checkpoint committed (its write may still
             # run on a writer that boots after each start, so it can commit after LOSS_AT).
+            # A standby is waiting at its gate by then (it was started with the nodes).
             while not (any(e["event"] == "step" and e["step"] >= LOSS_AT for e in events(out)) and
-                       any(e["event"] == "ckpt_committed" and e["step"] == 20 for e in events(out))):
+                       any(e["event"] == "ckpt_committed" and e["step"] == 20 for e in events(out)) and
+                       cluster.standby_ready()):
                 if time.monotonic() - t0 > timeout or all(n.proc.poll() is not None for n in cluster.nodes):
                     raise RuntimeError(f"{kind}: the run did not reach step {LOSS_AT}; see {out}/node*.log")
                 time.sleep(0.05)
@@ -145,13 +170,14 @@ def run(kind: str, root: Path, data: Path, lose: bool, timeout: float) -> dict:
             result["lost_at"] = time.time()
             if peers:
                 result["peer_step"] = peers.restore(helper)
-            cluster.start(1)
+            cluster.promote(1) if cluster.standbys else cluster.start(1)
             if peers:
                 peers.start(1)
         try:
             result["code"] = cluster.supervise(timeout=timeout)
         except TimeoutError:
             result["code"] = "timeout"
+        logs = [n.log for n in cluster.nodes]    # the survivor's, and the replacement's (a standby's own)
     summary = out / "summary.json"
     result["sha"] = json.loads(summary.read_text())["params_sha256"] if summary.exists() else None
     ev = events(out)
@@ -163,27 +189,91 @@ def run(kind: str, root: Path, data: Path, lose: bool, timeout: float) -> dict:
         if loads and steps:
             result.update(recovered_s=steps[0]["t"] - result["lost_at"], redone=before - loads[0]["step"],
                           source=loads[0]["source"] if loads[0]["event"] == "ckpt_loaded" else "nothing (step 0)")
+        if kind != "torchrun":
+            result["timeline"] = timeline(result["lost_at"], ev, *logs)
     return result
+
+
+_STAMP = re.compile(r"^\[?(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})\]? (.*)")
+
+
+def _log_lines(log: Path, since: float) -> list[tuple[float, str]]:
+    """(wall time, text) of the lines of a node's log stamped after ``since`` (its launcher's and trainer's
+    lines carry the local time to the millisecond)."""
+    lines = []
+    for line in log.read_text(errors="replace").splitlines():
+        if m := _STAMP.match(line):
+            t = datetime.datetime.strptime(m[1], "%Y-%m-%d %H:%M:%S,%f").timestamp()
+            if t >= since:
+                lines.append((t, m[2]))
+    return lines
+
+
+def timeline(lost_at: float, ev: list[dict], survivor_log: Path, replacement_log: Path) -> list[tuple[str, float]]:
+    """When each stage of the recovery ended, in seconds after the loss: from both nodes' launcher logs and
+    the ranks' events. A stage that left no trace is missing."""
+    survivor, replacement = _log_lines(survivor_log, lost_at), _log_lines(replacement_log, lost_at)
+    after = [e for e in ev if e["t"] > lost_at]
+
+    def first(lines, *needles):
+        return next((t for t, text in lines if any(n in text for n in needles)), None)
+
+    def last_rank(name, key=lambda e: e["t"]):
+        found = [key(e) for e in after if e["event"] == name]
+        return max(found) if len(found) >= 2 else None      # both ranks
+
+    first_step = next((e["t"] for e in after if e["event"] == "step"), None)
+    stages = [
+        ("survivor's rank sees the peer gone", first(survivor, "Connection reset", "Connection closed", "fn_ex")),
+        ("replacement's launcher asks to join", first(replacement, "attempts to join")),
+        ("survivor's agent restarts its workers", first(survivor, "will restart worker group")),
+        ("survivor's agent asks to join", first(survivor, "attempts to join")),
+        ("round complete (both nodes joined)", max(
+            (t for t in (first(survivor, "has joined round"), first(replacement, "has joined round")) if t),
+            default=None)),
+        ("both ranks started (worker_start)", last_rank("worker_start")),
+        ("process groups up, restore begins", last_rank("ckpt_loaded", lambda e: e["t"] - e.get("load_s", 0))),
+        ("both ranks restored (ckpt_loaded)", last_rank("ckpt_loaded")),
+        ("first resumed step", first_step),
+    ]
+    return [(name, round(t - lost_at, 3)) for name, t in stages if t is not None]
+
+
+def _modes(value: str) -> list[str]:
+    modes = value.split(",")
+    if unknown := [m for m in modes if m not in COLUMNS]:
+        raise argparse.ArgumentTypeError(f"unknown mode(s) {unknown}: choose from {', '.join(COLUMNS)}")
+    return [m for m in COLUMNS if m in modes]
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--timeout-s", type=float, default=240.0, help="per run")
+    p.add_argument("--modes", type=_modes, default=list(COLUMNS), metavar="MODE,...",
+                   help=f"the variants to run, of {','.join(COLUMNS)} (default: all)")
+    p.add_argument("--keep-alive", type=_keep_alive, default="{:g}:{}".format(*LOCAL_KEEP_ALIVE),
+                   metavar="INTERVAL_S:ATTEMPTS",
+                   help="the rendezvous keep-alive of the ft_launcher runs (default %(default)s; NVRx's is 5:3)")
+    p.add_argument("--rdzv-poll-s", type=float, default=LOCAL_RDZV_POLL_S,
+                   help="how often a waiting node reads the rendezvous state (default %(default)s; NVRx's is 1)")
     a = p.parse_args()
+    launch = dataclasses.replace(LAUNCH, keep_alive_interval_s=a.keep_alive[0], keep_alive_max_attempts=a.keep_alive[1],
+                                 rdzv_poll_interval_s=a.rdzv_poll_s)
     root = a.workdir or Path(tempfile.mkdtemp(prefix="bench-node-loss-"))
     data = dataset(root)
-    clean = run("fsx", root, data, lose=False, timeout=a.timeout_s)
+    clean = run("fsx", root, data, lose=False, timeout=a.timeout_s, launch=launch)
     print(f"fault-free 2-node run: {clean}", flush=True)
-    clean_peer = run("peer", root, data, lose=False, timeout=a.timeout_s)
-    print(f"fault-free 2-node run with peer copies: {clean_peer}", flush=True)
+    if "peer" in a.modes:
+        clean_peer = run("peer", root, data, lose=False, timeout=a.timeout_s, launch=launch)
+        print(f"fault-free 2-node run with peer copies: {clean_peer}", flush=True)
     measured = {}
-    for kind in COLUMNS:
-        measured[kind] = r = run(kind, root, data, lose=True, timeout=a.timeout_s)
+    for kind in a.modes:
+        measured[kind] = r = run(kind, root, data, lose=True, timeout=a.timeout_s, launch=launch)
         print(f"{COLUMNS[kind]}: {r}", flush=True)
-    base = measured["torchrun"].get("recovered_s")
+    base = measured.get("torchrun", {}).get("recovered_s")
     rows = [["recovery (loss -> first resumed step)"], ["steps redone"], ["resumed from"], ["weights = fault-free"]]
-    for kind in COLUMNS:
+    for kind in a.modes:
         r = measured[kind]
         rec = r.get("recovered_s")
         rows[0].append("failed" if rec is None else
@@ -191,14 +281,41 @@ def main() -> None:
         rows[1].append(str(r.get("redone", "-")))
         rows[2].append(r.get("source", f"exit {r['code']}"))
         rows[3].append(str(r["sha"] == clean["sha"]) if r["sha"] else "no summary")
-    overhead = clean_peer["step_s_p50"] / clean["step_s_p50"]
-    print(f"\nstep time p50, fault-free: {clean['step_s_p50'] * 1e3:.1f} ms without peer copies, "
-          f"{clean_peer['step_s_p50'] * 1e3:.1f} ms with ({overhead:.3f}x; same weights: "
-          f"{clean_peer['sha'] == clean['sha']})")
+    if "peer" in a.modes:
+        overhead = clean_peer["step_s_p50"] / clean["step_s_p50"]
+        print(f"\nstep time p50, fault-free: {clean['step_s_p50'] * 1e3:.1f} ms without peer copies, "
+              f"{clean_peer['step_s_p50'] * 1e3:.1f} ms with ({overhead:.3f}x; same weights: "
+              f"{clean_peer['sha'] == clean['sha']})")
     print(f"\nnode 1 of 2 lost after step {LOSS_AT} and replaced at once; checkpoint every 20 steps, memory "
-          f"snapshot every 0.5 s (ratio to torchrun)")
-    print(table(rows, ["", *COLUMNS.values()]))
-    print("\ngoals (with the peer copy): recovery <= 5 s, redone <= the snapshot interval; step time <= 1.02x")
+          f"snapshot every 0.5 s; ft_launcher's keep-alive {a.keep_alive[0]:g} s x {a.keep_alive[1]}, rendezvous "
+          f"poll {a.rdzv_poll_s:g} s" + (" (ratio to torchrun)" if base else ""))
+    print(table(rows, ["", *(COLUMNS[k] for k in a.modes)]))
+    traced = [k for k in a.modes if measured[k].get("timeline")]
+    if traced:
+        print("\nwhere the seconds went: when each stage ended, s after the loss (+ s since the previous stage)")
+        names = list(dict.fromkeys(name for k in traced for name, _ in measured[k]["timeline"]))
+        stages = {k: dict(measured[k]["timeline"]) for k in traced}
+        cells = {k: _deltas(measured[k]["timeline"]) for k in traced}
+        print(table([[name, *(f"{stages[k][name]:.2f} (+{cells[k][name]:.2f})" if name in stages[k] else "-"
+                              for k in traced)] for name in names], ["stage", *(COLUMNS[k] for k in traced)]))
+    standby = measured.get("standby", {}).get("recovered_s")
+    peer = measured.get("peer", {})
+    print("\ngoals: recovery <= 5 s: " + ("not run" if "standby" not in a.modes else
+                                          "failed" if standby is None else
+                                          f"{standby:.2f} s with the warm standby, "
+                                          f"{'met' if standby <= 5 else 'not met'}") +
+          "; redone <= the snapshot interval (0.5 s, ~6 steps) with the peer copy: " +
+          ("not run" if "peer" not in a.modes else f"{peer.get('redone', 'failed')} steps") +
+          ("; step time with peer copies <= 1.02x: " + f"{overhead:.3f}x" if "peer" in a.modes else ""))
+
+
+def _deltas(stages: list[tuple[str, float]]) -> dict[str, float]:
+    """Each stage's time since the latest stage that ended before it (the loss for the first)."""
+    out, done = {}, [0.0]
+    for name, t in sorted(stages, key=lambda s: s[1]):
+        out[name] = t - max(d for d in done if d <= t)
+        done.append(t)
+    return out
 
 
 if __name__ == "__main__":

@@ -60,10 +60,13 @@ def release_parser(version: str) -> argparse.ArgumentParser:
 
 
 def launcher_options(argv: list[str]) -> list[str]:
-    """What follows the launcher itself in a launch command (the warm-start wrapper and python come first)."""
+    """What follows the launcher itself in a launch command (the warm-start wrapper and python come first; our
+    entry point's standby gate is its own, not ft_launcher's)."""
+    from trainer.launch import STANDBY_GATE_FLAG
+
     for i, word in enumerate(argv):
-        if word in ("ft_launcher", "nvidia_resiliency_ext.fault_tolerance.launcher"):
-            return argv[i + 1:]
+        if word in ("ft_launcher", "nvidia_resiliency_ext.fault_tolerance.launcher", compat.LAUNCHER_ENTRY):
+            return argv[i + 3:] if argv[i + 1:i + 2] == [STANDBY_GATE_FLAG] else argv[i + 1:]
     raise AssertionError(f"no ft_launcher in {argv}")
 
 
@@ -329,6 +332,32 @@ def test_launch_py_builds_the_command_for_the_release_it_is_given(version, monke
     assert parse(version, launcher_options(argv)).training_script_args == TRAINER_ARGS
     monkeypatch.setenv(compat.VERSION_ENV, version)      # None: the image's pin
     assert launcher_command(CLUSTER, TRAINER_ARGS, extras=LauncherExtras(gpu=True)) == argv
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_a_keep_alive_goes_into_rdzv_conf_on_releases_with_a_keep_alive_rendezvous(version):
+    """0.4.1-0.5 (legacy rendezvous): the release's parser takes the command, the keys reach --rdzv-conf beside
+    the others, the training script's arguments are intact; 0.6+ (barrier: no heartbeats) refuses it."""
+    import dataclasses
+
+    from trainer.launch import launcher_command
+
+    fast = dataclasses.replace(CLUSTER, keep_alive_interval_s=1, keep_alive_max_attempts=3, join_timeout_s=60)
+    polled = dataclasses.replace(CLUSTER, rdzv_poll_interval_s=0.1)
+    if not compat.has_keep_alive(release(version)):
+        for launch in (fast, polled):
+            with pytest.raises(ValueError, match="no keep-alive"):
+                launcher_command(launch, TRAINER_ARGS, release=release(version))
+        return
+    ns = parse(version, launcher_options(launcher_command(fast, TRAINER_ARGS, release=release(version))))
+    assert ns.rdzv_conf == "join_timeout=60,keep_alive_interval=1,keep_alive_max_attempt=3"
+    assert ns.training_script_args == TRAINER_ARGS
+    # A poll of ours, with NVRx's keep-alive; and a standby's gate, which our entry point takes before them.
+    argv = launcher_command(polled, TRAINER_ARGS, release=release(version), standby_gate=Path("/run/gate"))
+    assert argv[argv.index(compat.LAUNCHER_ENTRY) + 1:][:2] == ["--standby-gate", "/run/gate"]
+    ns = parse(version, launcher_options(argv))
+    assert ns.rdzv_conf == "keep_alive_interval=5,keep_alive_max_attempt=3,poll_interval=0.1"
+    assert ns.training_script_args == TRAINER_ARGS
 
 
 def test_counts_the_pods_environment_fills_in_pass_through_unchanged():

@@ -17,6 +17,7 @@ import subprocess
 import time
 import uuid
 
+import psutil
 import pytest
 
 from trainer.events import read_events
@@ -31,14 +32,15 @@ FT = dict(max_restarts=2, step_timeout_s=4.0, workload_check_interval_s=0.5, joi
 
 @pytest.fixture
 def cluster(tmp_path, dataset):
-    """``cluster(*trainer_args, nodes=2, min_nodes=0, **launch)``: a started LocalCluster of 1-rank nodes."""
+    """``cluster(*trainer_args, nodes=2, min_nodes=0, standby=0, **launch)``: a started LocalCluster of 1-rank
+    nodes."""
     started: list[LocalCluster] = []
 
-    def start(*args: str, nodes: int = 2, min_nodes: int = 0, **launch) -> LocalCluster:
+    def start(*args: str, nodes: int = 2, min_nodes: int = 0, standby: int = 0, **launch) -> LocalCluster:
         out = tmp_path / "run"
         c = LocalCluster(LaunchConfig(nnodes=nodes, nproc_per_node=1, **{**FT, **launch}),
                          ["--data", str(dataset), *TINY, "--out", str(out), *args], min_nodes=min_nodes,
-                         workdir=tmp_path)
+                         workdir=tmp_path, standby=standby)
         c.out = out
         started.append(c)
         c.start()
@@ -190,6 +192,43 @@ def test_node_1_lost_and_replaced_resumes_from_the_checkpoint_with_the_fault_fre
     resumed_at = min(e["t"] for e in after if e["event"] == "ckpt_loaded")
     committed = [e["step"] for e in events(c) if e["event"] == "ckpt_committed" and e["t"] <= resumed_at]
     assert {e["step"] for e in after if e["event"] == "ckpt_loaded"} == {max(committed)}
+
+
+def test_node_1_lost_and_replaced_by_a_warm_standby_ends_with_the_fault_free_weights(cluster, two_node_sha):
+    """The standby's tree (wrapper, zygote, launcher with NVRx imported) is up before the loss and waits at its
+    gate without joining the rendezvous; promoted, that same launcher joins, takes group rank 1, and its rank
+    is forked from its zygote: no process of the replacement starts after the loss."""
+    c = cluster(*STEPS, "--memory-snapshot-every-s", "0.001", standby=1)
+    standby = c.standbys[0]
+    wait_for(c, lambda e: e["event"] == "ckpt_committed" and e["step"] == 4)
+    assert until(c.standby_ready, 60), logs(c)
+    launcher = [p for p in c._pids(standby) if psutil.Process(p).cmdline()[1:3] == ["-m", "trainer.launch"]]
+    wait_for(c, lambda e: e["event"] == "step" and e["step"] >= 6)
+    assert "attempts to join" not in standby.log.read_text()        # waiting at the gate, not in the round
+    assert {e["rank"] for e in events(c) if e["event"] == "worker_start"} == {0, 1}
+    c.kill(1)
+    lost_at = time.time()
+    c.promote(1)
+    assert c.nodes[1] is standby and not c.standbys
+    assert c.supervise(timeout=120) == 0, logs(c)
+    assert summary(c)["params_sha256"] == two_node_sha
+    # The launcher that waited joined the round after the loss, as group rank 1...
+    joined = [line for line in standby.log.read_text().splitlines() if "has joined round" in line]
+    assert len(launcher) == 1 and len(joined) == 1 and f"ft_launcher{launcher[0]}@" in joined[0], (launcher, joined)
+    assert "as rank 1 in a world of size 2" in joined[0]
+    # ...and its rank came from its warm zygote.
+    (started,) = [e for e in events(c) if e["event"] == "worker_start" and e["rank"] == 1 and e["t"] > lost_at]
+    assert started["warm"]
+
+
+def test_promote_needs_a_standby_and_a_lost_node(tmp_path):
+    args = ["--out", str(tmp_path / "out"), "--memory-snapshot-dir", str(tmp_path / "shm")]
+    with pytest.raises(RuntimeError, match="no standby"):
+        LocalCluster(LaunchConfig(nnodes=2, nproc_per_node=1), args).promote(1)
+    with pytest.raises(RuntimeError, match="standby0 is not running"):      # never started
+        LocalCluster(LaunchConfig(nnodes=2, nproc_per_node=1), args, standby=1).promote(1)
+    with pytest.raises(ValueError, match="standby must be a number of nodes"):
+        LocalCluster(LaunchConfig(nnodes=2, nproc_per_node=1), args, standby=-1)
 
 
 def test_a_node_lost_without_replacement_under_min_max_finishes_on_fewer_nodes(cluster):

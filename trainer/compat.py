@@ -23,7 +23,7 @@ import importlib.metadata
 import os
 import re
 import signal
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Protocol
 
 from packaging.version import InvalidVersion, Version
@@ -397,6 +397,106 @@ def _health_check_args(rel: Release, extras: LauncherExtras) -> list[str]:
     if extras.progress_file:
         args += ["--ft-checkpoint-iteration-file", extras.progress_file]
     return args
+
+
+# ------------------------------------------------------------------------------ rendezvous keep-alive
+# A lost node leaves the rendezvous only once its agent's keep-alive heartbeats stopped for interval x attempts.
+# The legacy FT rendezvous (the default up to 0.5) hard-codes 5 s x 3 in FtRendezvousHandler.from_backend
+# (0.4.1, 0.5.0): no launcher flag or --rdzv-conf key sets them. torch's own c10d handler (torchrun, 2.13)
+# reads the same two --rdzv-conf keys, whole seconds; NVRx's fork of it does not. The barrier rendezvous
+# (0.6, 0.7) keeps the fields but never reads them: it has no heartbeats.
+# A node waiting in the rendezvous re-reads the shared state once a second (``_delay(seconds=1)`` in the op
+# executor's loop, and the state holder's 1 s cache): every step of a round (the lost node dropped, a node
+# joining, the round complete) is seen by the others up to a second late. ``poll_interval`` sets both.
+NVRX_KEEP_ALIVE = (5.0, 3)            # (interval s, missed beats): NVRx's, kept where nothing is passed
+NVRX_RDZV_POLL_S = 1.0                # a waiting node's re-read of the rendezvous state: NVRx's
+KEEP_ALIVE_KEYS = ("keep_alive_interval", "keep_alive_max_attempt")   # --rdzv-conf keys, RendezvousSettings' names
+POLL_KEY = "poll_interval"            # --rdzv-conf key of ours (no torch or NVRx handler has one)
+# A node waiting in the rendezvous beats only when it polls the store: a node silent for less than two polls may
+# be one that is waiting, not one that is lost; and one missed beat is not a loss.
+MIN_KEEP_ALIVE_POLLS = 2
+LAUNCHER_ENTRY = "trainer.launch"     # the launcher entry point that honours them (``prepare_launcher``)
+_LEGACY_RDZV = "nvidia_resiliency_ext.fault_tolerance._ft_rendezvous"
+
+
+def has_keep_alive(rel: Release) -> bool:
+    """Whether the release's default rendezvous drops a lost node by missed keep-alive heartbeats."""
+    return rel.rendezvous[0] == "legacy"
+
+
+def keep_alive_conf(interval_s: float, max_attempts: int, rel: Release,
+                    poll_s: float = NVRX_RDZV_POLL_S) -> dict[str, str]:
+    """The ``--rdzv-conf`` entries of a keep-alive and a rendezvous poll interval (empty for NVRx's own);
+    ``honour_rdzv_conf`` must run in the launcher. Either for a release whose rendezvous has no heartbeats is
+    a ``ValueError``."""
+    if (interval_s, max_attempts, poll_s) == (*NVRX_KEEP_ALIVE, NVRX_RDZV_POLL_S):
+        return {}
+    if not has_keep_alive(rel):
+        raise ValueError(f"NVRx {rel.version}'s {rel.rendezvous[0]} rendezvous has no keep-alive heartbeats "
+                         f"(a lost node is found by the barrier's join counts): leave the keep-alive at NVRx's "
+                         f"{NVRX_KEEP_ALIVE[0]:g} s x {NVRX_KEEP_ALIVE[1]} and the poll at {NVRX_RDZV_POLL_S:g} s")
+    if poll_s <= 0 or poll_s > NVRX_RDZV_POLL_S:
+        raise ValueError(f"the rendezvous poll interval must be in (0, {NVRX_RDZV_POLL_S:g}] s, got {poll_s:g}")
+    if max_attempts < MIN_KEEP_ALIVE_POLLS or interval_s * max_attempts < MIN_KEEP_ALIVE_POLLS * poll_s:
+        raise ValueError(f"a keep-alive of {interval_s:g} s x {max_attempts} drops a node after "
+                         f"{interval_s * max_attempts:g} s without a heartbeat, but nodes waiting in the rendezvous "
+                         f"beat only when they poll, every {poll_s:g} s: allow at least {MIN_KEEP_ALIVE_POLLS} missed "
+                         f"beats and make interval x attempts at least {MIN_KEEP_ALIVE_POLLS * poll_s:g} s")
+    return {**dict(zip(KEEP_ALIVE_KEYS, (f"{interval_s:g}", str(max_attempts)))),
+            **({POLL_KEY: f"{poll_s:g}"} if poll_s != NVRX_RDZV_POLL_S else {})}
+
+
+def honour_rdzv_conf() -> None:
+    """Make the installed legacy FT rendezvous read ``KEEP_ALIVE_KEYS`` and ``POLL_KEY`` from ``--rdzv-conf``;
+    run in the launcher process before it builds its rendezvous handler (it imports ``create_handler`` then).
+
+    The handler, its state holder and its op executor each keep the settings (0.4.1, 0.5.0): all three get
+    the new ones before the first heartbeat. The poll is the module's ``_delay(seconds=1)`` (its only 1 s
+    delay: the other is round 0's random skew) and the state holder's ``_cache_duration``; one handler per
+    launcher process, so the module-wide delay is that handler's. Without the keys a handler is left as NVRx
+    made it.
+    """
+    if not has_keep_alive(installed_release()):
+        return
+    from datetime import timedelta
+
+    rdzv = importlib.import_module(_LEGACY_RDZV)
+    original = _attr(rdzv, "create_handler")
+    if getattr(original, "honours_rdzv_conf", False):
+        return
+    delay = _attr(rdzv, "_delay")
+
+    def create_handler(store, backend, params):
+        handler = original(store, backend, params)
+        interval, attempts, poll = (params.config.get(k) for k in (*KEEP_ALIVE_KEYS, POLL_KEY))
+        if poll is not None:
+            poll_s = float(poll)
+            rdzv._delay = lambda seconds: delay(poll_s if seconds == NVRX_RDZV_POLL_S else seconds)
+            holder = _attr(handler, "_state_holder")
+            _attr(holder, "_cache_duration")
+            holder._cache_duration = poll_s
+        if interval is None and attempts is None:
+            return handler
+        settings = replace(
+            _attr(handler, "_settings"),
+            keep_alive_interval=timedelta(seconds=float(interval if interval is not None else NVRX_KEEP_ALIVE[0])),
+            keep_alive_max_attempt=int(attempts if attempts is not None else NVRX_KEEP_ALIVE[1]))
+        for holder in (handler, _attr(handler, "_state_holder"), _attr(handler, "_op_executor")):
+            _attr(holder, "_settings")
+            holder._settings = settings
+        return handler
+
+    create_handler.honours_rdzv_conf = True
+    rdzv.create_handler = create_handler
+
+
+def prepare_launcher() -> Callable[[list[str]], None]:
+    """NVRx's launcher ``main`` (``ft_launcher argv``; it exits), imported, with ``honour_rdzv_conf`` applied:
+    what a standby node does before it waits."""
+    honour_rdzv_conf()
+    from nvidia_resiliency_ext.fault_tolerance.launcher import main
+
+    return main
 
 
 # ------------------------------------------------------------------------------ async checkpoint queue

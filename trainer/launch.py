@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import errno
 import hashlib
 import json
 import os
@@ -53,6 +54,19 @@ class LaunchConfig:
                 "the job after this)"})
     last_call_timeout_s: float = field(default=TORCH_LAST_CALL_S, metadata={
         "help": "elastic jobs: once the fewest nodes have joined, seconds the rendezvous waits for more"})
+    # A lost node is dropped from the rendezvous after interval x attempts without a heartbeat: the survivors'
+    # next round waits that long. Shorter recovers sooner; too short drops a live node whose beats a network
+    # hiccup or a stalled store delayed (its job then restarts), and every beat is a write to the store.
+    keep_alive_interval_s: float = field(default=0.0, metadata={
+        "help": "seconds between a node's rendezvous heartbeats (0: NVRx's 5 s; 0.5 s for local nodes)"})
+    keep_alive_max_attempts: int = field(default=0, metadata={
+        "help": "heartbeats a node may miss before the rendezvous drops it as lost (0: NVRx's 3, also for "
+                "local nodes)"})
+    # Every step of a rendezvous round is seen by the other nodes at their next poll; each poll is a read of
+    # the rendezvous store by every waiting node.
+    rdzv_poll_interval_s: float = field(default=0.0, metadata={
+        "help": "seconds between a waiting node's reads of the rendezvous state (0: NVRx's 1 s; 0.1 s for local "
+                "nodes)"})
     # Rank-monitor timeouts (seconds). Sections are opened by the trainer; each timeout is a safe upper
     # bound for its phase, and the trainer tightens ``step`` from measured step times at run time.
     setup_timeout_s: float = field(default=600.0, metadata={"help": "init, data, resume (section 'setup')"})
@@ -82,15 +96,29 @@ class LaunchConfig:
         if self.join_timeout_s <= 0 or self.last_call_timeout_s < 0:
             raise ValueError(f"join_timeout_s must be positive and last_call_timeout_s not negative, got "
                              f"{self.join_timeout_s} and {self.last_call_timeout_s}")
+        if min(self.keep_alive_interval_s, self.keep_alive_max_attempts, self.rdzv_poll_interval_s) < 0:
+            raise ValueError(f"keep_alive_interval_s, keep_alive_max_attempts and rdzv_poll_interval_s must not be "
+                             f"negative (0: NVRx's default), got {self.keep_alive_interval_s}, "
+                             f"{self.keep_alive_max_attempts} and {self.rdzv_poll_interval_s}")
         if known.get("nnodes", 2) > 1 and not self.rdzv_endpoint:   # a placeholder may be many nodes
             raise ValueError("a multi-node job needs rdzv_endpoint (host:port of the rendezvous)")
         return self
+
+    def keep_alive(self) -> tuple[float, int]:
+        """(heartbeat interval s, missed beats) with NVRx's for what is 0."""
+        return (self.keep_alive_interval_s or compat.NVRX_KEEP_ALIVE[0],
+                self.keep_alive_max_attempts or compat.NVRX_KEEP_ALIVE[1])
+
+    def rdzv_timing_conf(self, release: compat.Release) -> dict[str, str]:
+        """The ``--rdzv-conf`` entries of the keep-alive and the poll (none for NVRx's); ``ValueError`` where
+        the release's rendezvous cannot honour them."""
+        return compat.keep_alive_conf(*self.keep_alive(), release, self.rdzv_poll_interval_s or compat.NVRX_RDZV_POLL_S)
 
 
 def launcher_command(launch: LaunchConfig, trainer_args: list[str], *, executable: str | None = None,
                      release: compat.Release | None = None,
                      extras: compat.LauncherExtras = compat.LauncherExtras(),
-                     rdzv_conf: dict[str, str] | None = None) -> list[str]:
+                     rdzv_conf: dict[str, str] | None = None, standby_gate: Path | None = None) -> list[str]:
     """ft_launcher argv that runs ``python -m trainer <trainer_args>`` on one node (behind
     ``python -m trainer.warmstart`` unless ``launch.warm_start`` is off).
 
@@ -104,20 +132,32 @@ def launcher_command(launch: LaunchConfig, trainer_args: list[str], *, executabl
         extras: launcher features only some releases have (hot spares, health checks); one the release
             lacks is a ``ValueError``.
         rdzv_conf: more c10d rendezvous settings (``--rdzv-conf``) of a multi-node job.
+        standby_gate: a FIFO: the launcher imports NVRx, then waits for a line on it before it joins the
+            rendezvous (a standby node, ``LocalCluster.promote``).
+
+    A keep-alive or poll other than NVRx's (``launch.keep_alive_*``, ``launch.rdzv_poll_interval_s``) goes into
+    ``--rdzv-conf`` and the launcher runs as ``python -m trainer.launch`` (``compat.prepare_launcher``), which
+    makes NVRx's rendezvous read them.
     """
     launch.validate()
+    release = compat.target_release() if release is None else release
+    keep_alive = launch.rdzv_timing_conf(release) if launch.rdzv_endpoint else {}
     conf = {**({"join_timeout": f"{launch.join_timeout_s:g}"} if launch.join_timeout_s != NVRX_JOIN_TIMEOUT_S
                else {}),
             **({"last_call_timeout": f"{launch.last_call_timeout_s:g}"}
                if launch.last_call_timeout_s != TORCH_LAST_CALL_S else {}),
-            **(rdzv_conf or {})}
+            **keep_alive, **(rdzv_conf or {})}
     rdzv = ["--rdzv-conf", ",".join(f"{k}={v}" for k, v in conf.items())] if conf and launch.rdzv_endpoint else []
-    head = [executable, "-m", LAUNCHER_MODULE] if executable else ["ft_launcher"]
+    # NVRx reads neither setting, and has no gate: an entry point of ours makes its rendezvous read the
+    # --rdzv-conf keys and holds a standby back.
+    gate = [STANDBY_GATE_FLAG, str(standby_gate)] if standby_gate else []
+    head = ([executable or "python", "-m", compat.LAUNCHER_ENTRY, *gate] if keep_alive or gate else
+            [executable, "-m", LAUNCHER_MODULE] if executable else ["ft_launcher"])
     # Cold too, the wrapper's zygote is the node's janitor: it ends what a killed launcher leaves behind.
     head = [executable or "python", "-m", "trainer.warmstart", *([] if launch.warm_start else ["--cold"]), *head]
     return [
         *head,
-        *compat.launcher_args(launch, compat.target_release() if release is None else release, extras),
+        *compat.launcher_args(launch, release, extras),
         *rdzv,
         "-m", "trainer",
         *trainer_args,
@@ -226,6 +266,8 @@ def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: 
     args, cfg = validate_launch(trainer_args, checked, fsx_root)
     try:
         compat.nnodes_arg(nodes, compat.target_release(), min_nodes=min_nodes)
+        if nodes > 1:
+            launch.rdzv_timing_conf(compat.target_release())
     except ValueError as e:
         raise LaunchError(str(e)) from None
     if "--data" not in trainer_args:
@@ -288,6 +330,17 @@ def _any_rank_started(out: Path, since: float) -> bool:
 
 NODE_ENV = "GOODPUT_LOCAL_NODE"   # carried by every process of a local node's tree: what a node loss kills
 KILL_TIMEOUT_S = 10.0
+# Loopback does not drop packets: a lost node is dropped after 1.5 s without a heartbeat instead of NVRx's 15 s
+# (1-1.5 s after the loss: its last beat came up to an interval before), and a waiting node re-reads the
+# rendezvous state every 0.1 s instead of every second (each step of a round is seen that much sooner; with 2-4
+# nodes the store serves a few dozen reads a second). A node's agent beats from a thread of its own, and a
+# waiting one at each poll: 1.5 s tolerates an agent stalled for two beats.
+LOCAL_KEEP_ALIVE = (0.5, 3)
+LOCAL_RDZV_POLL_S = 0.1
+STANDBY_GATE_FLAG = "--standby-gate"
+# A standby's launcher must have imported NVRx (and so torch) before its promotion counts as warm; past this,
+# ``promote`` gives up on it.
+STANDBY_READY_TIMEOUT_S = 120.0
 
 
 def _free_port() -> int:
@@ -307,10 +360,19 @@ class LocalNode:
     proc: subprocess.Popen | None = None
     generation: int = 0      # how many times it was started (a replacement is the next generation)
     lost: bool = False       # killed by ``LocalCluster.kill``: a node loss, not a failure of the job
+    gate: Path | None = None  # a standby's: the FIFO its launcher waits on before it joins the rendezvous
 
     @property
     def marker(self) -> str:
         return f"{self.memory_dir}:{self.generation}"
+
+
+def await_promotion(gate: Path) -> None:
+    """A standby launcher's wait: say it is ready (``<gate>.ready``), then block until a line comes on the FIFO
+    ``gate`` (``LocalCluster.promote``). It ends with the node: the launch wrapper's SIGTERM, or its death."""
+    Path(f"{gate}.ready").touch()
+    with open(gate, "rb") as fifo:    # blocks until the writer opens it
+        fifo.readline()
 
 
 class LocalCluster:
@@ -324,21 +386,35 @@ class LocalCluster:
     loss (every process of the node at once, its memory snapshots wiped), ``start(i)`` of a lost node is its
     replacement, as the PyTorchJob's restart policy makes one.
 
-        with LocalCluster(LaunchConfig(nnodes=2, nproc_per_node=1), args, workdir=tmp) as cluster:
+    ``standby``: that many more node trees, started with the others and warm (launch wrapper, zygote with torch
+    imported, launcher with NVRx imported) but waiting before the rendezvous (``--standby-gate``);
+    ``promote(i)`` makes one take lost node ``i``'s place, so a replacement costs no process start. What NVRx
+    0.6+ calls hot spares (``--nnodes N:N+S``); on 0.4.1-0.5 a PyTorchJob cannot pre-start a pod this way.
+
+        with LocalCluster(LaunchConfig(nnodes=2, nproc_per_node=1), args, workdir=tmp, standby=1) as cluster:
             cluster.start()
-            cluster.kill(1); cluster.start(1)
+            cluster.kill(1); cluster.promote(1)      # or cluster.start(1): a cold replacement
             code = cluster.supervise()
     """
 
-    launcher_module = LAUNCHER_MODULE     # the node agent's module (a benchmark's baseline may swap it)
+    # The node agent's modules: NVRx's launcher, or our entry point to it (rendezvous settings, a standby's
+    # gate); a benchmark's baseline may swap them.
+    launcher_modules = (LAUNCHER_MODULE, compat.LAUNCHER_ENTRY)
 
     def __init__(self, launch: LaunchConfig, trainer_args: list[str], *, min_nodes: int = 0,
-                 workdir: Path | None = None, env: dict[str, str] | None = None):
-        """``workdir``: node logs go to ``<workdir>/node<i>.log`` (else this process's stdout and stderr).
-        Memory snapshots go under ``--memory-snapshot-dir`` of ``trainer_args`` (``/dev/shm``), one
-        directory per node, ``goodput-nodes-<hash of --out>/node<i>``."""
+                 workdir: Path | None = None, env: dict[str, str] | None = None, standby: int = 0):
+        """``workdir``: node logs go to ``<workdir>/node<i>.log`` and ``standby<k>.log`` (else this process's
+        stdout and stderr). Memory snapshots go under ``--memory-snapshot-dir`` of ``trainer_args``
+        (``/dev/shm``), one directory per node, ``goodput-nodes-<hash of --out>/node<i>`` (``standby<k>``)."""
         n = compat.count(launch.nnodes, "nnodes")
+        if standby < 0:
+            raise ValueError(f"standby must be a number of nodes, got {standby}")
         self.launch = dataclasses.replace(launch, rdzv_endpoint=f"127.0.0.1:{_free_port()}")
+        if compat.has_keep_alive(compat.target_release()):
+            self.launch = dataclasses.replace(
+                self.launch, keep_alive_interval_s=launch.keep_alive_interval_s or LOCAL_KEEP_ALIVE[0],
+                keep_alive_max_attempts=launch.keep_alive_max_attempts or LOCAL_KEEP_ALIVE[1],
+                rdzv_poll_interval_s=launch.rdzv_poll_interval_s or LOCAL_RDZV_POLL_S)
         self.min_nodes, self.args, self.env = min_nodes, list(trainer_args), {**os.environ, **(env or {})}
         # Every node's ranks share this machine's cores: each gets its share of them (the launcher sets 1 only
         # where a node has several ranks), so that CPU ranks neither oversubscribe nor compute differently
@@ -354,26 +430,31 @@ class LocalCluster:
         self.stopping = False
         self.nodes = [LocalNode(i, self.root / f"node{i}", workdir / f"node{i}.log" if workdir else None)
                       for i in range(n)]
+        # Indices after the nodes' (never 0: a standby does not host the store) until promoted.
+        self.standbys = [LocalNode(n + k, self.root / f"standby{k}", workdir / f"standby{k}.log" if workdir else None,
+                                   gate=self.root / f"standby{k}.gate") for k in range(standby)]
 
     def _flag(self, flag: str, default: Path) -> Path:
         """The last value of ``flag`` among the trainer's arguments (argparse keeps the last)."""
         i = max((k for k, a in enumerate(self.args) if a == flag), default=None)
         return Path(self.args[i + 1]) if i is not None and i + 1 < len(self.args) else default
 
-    def command(self, i: int) -> list[str]:
+    def command(self, node: LocalNode) -> list[str]:
         extras = compat.LauncherExtras(min_nodes=self.min_nodes)
-        return launcher_command(self.launch, [*self.args, "--memory-snapshot-dir", str(self.nodes[i].memory_dir)],
-                                executable=sys.executable, extras=extras, rdzv_conf={"is_host": int(i == 0)})
+        return launcher_command(self.launch, [*self.args, "--memory-snapshot-dir", str(node.memory_dir)],
+                                executable=sys.executable, extras=extras, rdzv_conf={"is_host": int(node.index == 0)},
+                                standby_gate=node.gate)
 
     def start(self, i: int | None = None) -> None:
-        """Start every node, or node ``i`` (again: a replacement, with an empty memory-snapshot directory).
+        """Start every node and standby, or node ``i`` (again: a replacement, with an empty memory-snapshot
+        directory).
 
         One after the other, each once its launcher runs: the first rendezvous orders the nodes by
         (address, launcher pid), and here every node has the same address, so node i gets group rank i
         only if the launchers' pids rise with i (on a cluster the pods' host names order them; later rounds
         keep each surviving node's rank, and a replacement takes the rank it left free).
         """
-        for node in self.nodes if i is None else [self.nodes[i]]:
+        for node in [*self.nodes, *self.standbys] if i is None else [self.nodes[i]]:
             if self.stopping:     # stopped (a signal) while the nodes were being started: start no more
                 return
             if node.proc is not None and node.proc.poll() is None:
@@ -381,12 +462,16 @@ class LocalCluster:
             node.generation += 1
             node.lost = False
             node.memory_dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+            if node.gate:
+                node.gate.unlink(missing_ok=True)
+                Path(f"{node.gate}.ready").unlink(missing_ok=True)
+                os.mkfifo(node.gate, 0o600)
             log = open(node.log, "ab") if node.log else None
             try:
                 # A session of its own (a terminal's Ctrl-C reaches this process only, which stops the nodes
                 # with SIGTERM); the node dies with this process, by SIGTERM so that its ranks checkpoint.
                 node.proc = subprocess.Popen(
-                    self.command(node.index), stdout=log, stderr=subprocess.STDOUT if log else None,
+                    self.command(node), stdout=log, stderr=subprocess.STDOUT if log else None,
                     start_new_session=True, env={**self.env, NODE_ENV: node.marker},
                     preexec_fn=parent_death_preexec(signal.SIGTERM))
             finally:
@@ -399,18 +484,53 @@ class LocalCluster:
 
         deadline = time.monotonic() + KILL_TIMEOUT_S
         while node.proc.poll() is None and time.monotonic() < deadline:
-            for pid in self.pids(node.index):
+            for pid in self._pids(node):
                 with contextlib.suppress(psutil.Error):
                     # The launcher itself, not the wrapper whose arguments name it.
-                    if psutil.Process(pid).cmdline()[1:3] == ["-m", self.launcher_module]:
+                    if psutil.Process(pid).cmdline()[1:3] in [["-m", m] for m in self.launcher_modules]:
                         return
             time.sleep(0.05)
 
+    def standby_ready(self) -> bool:
+        """Whether every standby's launcher has imported NVRx and waits at its gate."""
+        return all(Path(f"{s.gate}.ready").exists() and s.proc.poll() is None for s in self.standbys)
+
+    def promote(self, i: int) -> None:
+        """Make the first standby lost node ``i``'s replacement: it joins the rendezvous now and takes the
+        group rank ``i`` left free. Its memory-snapshot directory is its own (empty). ``RuntimeError`` if there
+        is no standby, node ``i`` still runs, or the standby is not (or no longer) waiting."""
+        if not self.standbys:
+            raise RuntimeError("no standby node left to promote")
+        if self.nodes[i].proc is not None and self.nodes[i].proc.poll() is None:
+            raise RuntimeError(f"node {i} is running: only a lost node is replaced")
+        node, deadline = self.standbys[0], time.monotonic() + STANDBY_READY_TIMEOUT_S
+        while True:
+            if node.proc is None or node.proc.poll() is not None:
+                raise RuntimeError(f"standby {node.memory_dir.name} is not running")
+            try:     # a writer's non-blocking open fails (ENXIO) until the launcher waits on the gate
+                fd = os.open(node.gate, os.O_WRONLY | os.O_NONBLOCK)
+                break
+            except OSError as e:
+                if e.errno != errno.ENXIO or time.monotonic() > deadline:
+                    raise RuntimeError(f"standby {node.memory_dir.name} did not reach its gate within "
+                                       f"{STANDBY_READY_TIMEOUT_S:g}s ({e.strerror})") from None
+            time.sleep(0.01)
+        try:
+            os.write(fd, b"promoted\n")
+        finally:
+            os.close(fd)
+        self.standbys.pop(0)
+        node.index, node.gate = i, None     # a node now: started again, it joins at once
+        self.nodes[i] = node
+
     def pids(self, i: int) -> list[int]:
         """Live processes of node ``i``'s tree (every one carries its marker in its environment)."""
+        return self._pids(self.nodes[i])
+
+    def _pids(self, node: LocalNode) -> list[int]:
         import psutil
 
-        needle = f"{NODE_ENV}={self.nodes[i].marker}"
+        needle = f"{NODE_ENV}={node.marker}"
         found = []
         for p in psutil.process_iter():
             try:
@@ -422,12 +542,14 @@ class LocalCluster:
 
     def kill(self, i: int) -> None:
         """Node loss: SIGKILL every process of node ``i`` at once and wipe its memory snapshots."""
-        node = self.nodes[i]
+        self._kill(self.nodes[i])
+
+    def _kill(self, node: LocalNode) -> None:
         node.lost = True
         deadline = time.monotonic() + KILL_TIMEOUT_S
-        while pids := self.pids(i):     # again: a launcher may have started a worker meanwhile
+        while pids := self._pids(node):     # again: a launcher may have started a worker meanwhile
             if time.monotonic() > deadline:
-                raise RuntimeError(f"node {i}: processes {pids} survived SIGKILL for {KILL_TIMEOUT_S:g}s")
+                raise RuntimeError(f"node {node.index}: processes {pids} survived SIGKILL for {KILL_TIMEOUT_S:g}s")
             for pid in pids:
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(pid, signal.SIGKILL)
@@ -439,13 +561,13 @@ class LocalCluster:
     def terminate(self) -> None:
         """SIGTERM every running node: its ranks agree at the end of the step, commit and exit."""
         self.stopping = True
-        for node in self.nodes:
+        for node in [*self.nodes, *self.standbys]:
             if node.proc is not None and node.proc.poll() is None:
                 node.proc.send_signal(signal.SIGTERM)
 
     def supervise(self, timeout: float | None = None) -> int:
         """Wait for the job; return 0 once every node that was not lost exited 0, else a failed node's exit
-        code (negative: the signal it died of).
+        code (negative: the signal it died of). Standbys not promoted are not waited for.
 
         A node that fails (or is stopped for ``STOPPED_S``: killed) while fewer than the job's minimum of
         nodes remain ends the others (SIGTERM, then SIGKILL after ``term_timeout_s``): they could only wait
@@ -486,13 +608,13 @@ class LocalCluster:
             try:
                 n.proc.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                self.kill(n.index)
+                self._kill(n)
 
     def close(self) -> None:
-        """Kill whatever is left of every node and remove the memory-snapshot directories."""
-        for node in self.nodes:
+        """Kill whatever is left of every node and standby and remove the memory-snapshot directories."""
+        for node in [*self.nodes, *self.standbys]:
             if node.proc is not None:
-                self.kill(node.index)
+                self._kill(node)
         shutil.rmtree(self.root, ignore_errors=True)
 
     def __enter__(self) -> "LocalCluster":
@@ -513,3 +635,17 @@ def last_stop(trainer_args: list[str], since: float) -> int | None:
         return None
     exits = [e for e in read_events(out / "events.jsonl") if e["event"] == "exit" and e["t"] >= since]
     return exits[-1]["step"] if exits else None
+
+
+def launcher_main(argv: list[str]) -> None:
+    """``python -m trainer.launch [--standby-gate FIFO] FT_LAUNCHER_ARGS...``: ft_launcher with the rendezvous
+    settings of ours honoured; a standby's waits at its gate once NVRx is imported (it exits)."""
+    main = compat.prepare_launcher()
+    if argv[:1] == [STANDBY_GATE_FLAG]:
+        await_promotion(Path(argv[1]))
+        argv = argv[2:]
+    main(argv)
+
+
+if __name__ == "__main__":   # the launcher with rendezvous settings of ours (launcher_command's head)
+    launcher_main(sys.argv[1:])
