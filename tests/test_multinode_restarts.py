@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import time
+from datetime import timedelta
 
 import pytest
 
@@ -107,3 +108,28 @@ def test_a_peer_lost_for_good_under_both_layers_is_an_in_job_restart_and_the_job
     assert (resharded["from_world_size"], resharded["to_world_size"]) == (2, 1)
     s = json.loads((c.out / "summary.json").read_text())
     assert s["steps"] == 20 and s["restarts_job"] == 0
+
+
+def test_a_rank_found_dead_does_not_break_the_wrappers_exit(monkeypatch):
+    """NVRx 0.4.1's sibling monitor enters a rank it found dead into the termination barrier with the ranks its
+    store returns (bytes); every later exit through that barrier (the survivor's) must still parse it. The
+    Wrapper's own store class, as ``build_wrapper`` configures it, on a store of one rank hosted here."""
+    from trainer import restart
+    from trainer.config import RestartConfig
+    from trainer.parallel import free_port
+
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", str(free_port()))
+    restart._launcher_store.cache_clear()
+    try:
+        wrapper = restart.build_wrapper(RestartConfig(), cuda=False)
+        store = wrapper.store_factory(**wrapper.store_kwargs)
+        store.set_initial_rank(1, 1)
+        dead = store.get_initial_ranks([1])                       # what the sibling monitor enters
+        store.termination_barrier(ranks=dead, rendezvous_count=2, timeout=timedelta(0))
+        store.termination_barrier(ranks=[0], rendezvous_count=2, timeout=timedelta(0))   # the survivor's exit
+        assert store.get(f"{store.BARRIER_PREFIX}:reentrant_barrier:{store.TERMINATION_BARRIER}:arrived") == b"1,0,"
+    finally:
+        restart._launcher_store.cache_clear()
