@@ -57,18 +57,22 @@ class Session:
         self.split_val = Split.open(Path(cfg.data.data), "val")
         self.ckpt: CheckpointManager | None = None
 
-    def _record_start(self, agents: dict[int, tuple[int, str | None]]) -> None:
-        """``run_start``, and which layer restarted: decided job-wide from every node's agent (``agents``).
+    def _record_start(self, agents: dict[int, tuple[int, str | None]] | None = None) -> None:
+        """``run_start``, and which layer restarted: decided job-wide from every node's agent (``agents``, by
+        group rank: ``launch_agents``; None: this process's agent only).
 
         An in-job restart if any agent counted a restart, or any agent's attempt (its per-process log directory
         and attempt) was seen before: an agent that restarts its workers for a membership change (a node joined
         or left) keeps both; a replacement node's agent is new. A start where every agent is new is a new job's.
         """
         restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if agents is None:
+            agents = {int(os.environ.get("GROUP_RANK", "0")):
+                      (restart_count, os.environ.get("TORCHELASTIC_ERROR_FILE"))}
         starts = [e for e in read_events(self.events_path) if e["event"] == "run_start"]
         attempts = {str(node): attempt for node, (_, attempt) in agents.items() if attempt}
         seen = {a for e in starts for a in (e.get("agent_attempts") or {}).values()}
-        most = max((count for count, _ in agents.values()), default=restart_count)
+        most = max(count for count, _ in agents.values())
         # Names the run across its restarts; memory snapshots left on a node are trusted only by their run.
         self.run_id = (starts[0].get("run_id") if starts else None) or uuid.uuid4().hex
         self.cfg.save(self.out / "config.json", model=self.spec.describe())
