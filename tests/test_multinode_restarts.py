@@ -133,3 +133,28 @@ def test_a_rank_found_dead_does_not_break_the_wrappers_exit(monkeypatch):
         assert store.get(f"{store.BARRIER_PREFIX}:reentrant_barrier:{store.TERMINATION_BARRIER}:arrived") == b"1,0,"
     finally:
         restart._launcher_store.cache_clear()
+
+
+def test_the_layer_is_decided_from_every_nodes_agent(tmp_path, dataset):
+    """Rank 0's own agent is new (its node replaced) in every start after the first: the other node's agent
+    decides. It counted a restart (its rank failed on the lost peer), or kept its attempt (a membership change),
+    or is new too (a new job)."""
+    from trainer.config import parse_config
+    from trainer.events import EventLog
+    from trainer.session import Session
+
+    def start(agents: dict[int, tuple[int, str]]) -> list[dict]:
+        s = Session.__new__(Session)
+        s.cfg, s.out = parse_config(["--data", str(dataset), "--out", str(tmp_path / "run")]), tmp_path / "run"
+        s.out.mkdir(exist_ok=True)
+        s.spec, s.events_path = s.cfg.model.spec(s.cfg.data.data), s.out / "events.jsonl"
+        s.world_size, s.events = 2, EventLog(s.events_path, 0)
+        s._record_start(agents)
+        s.events.close()
+        return [e for e in read_events(s.events_path) if e["event"] == "restart"][-1:]
+
+    assert start({0: (0, "a0"), 1: (0, "b0")}) == []
+    assert [(e["layer"], e["restart_count"]) for e in start({0: (0, "a1"), 1: (1, "b1")})] == [("injob", 1)]
+    (change,) = start({0: (0, "a2"), 1: (0, "b1")})
+    assert (change["layer"], change["membership_change"]) == ("injob", True)
+    assert [e["layer"] for e in start({0: (0, "a3"), 1: (0, "b3")})] == ["job"]
