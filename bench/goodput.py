@@ -16,6 +16,11 @@ restart (most likely its checkpoint writers starting up) count. The same measure
 runs, where nothing happened, shows its noise. Goodput (local) = 1 - the faults' summed cost / the
 faulted run's wall time.
 
+The projection splits the failures: Llama 3's share of hardware interruptions (``--node-loss-share``) lose
+a node, recovered in ``--node-recovery-s`` (a replacement joining: ``bench/node_loss.py`` measures it) from the
+peer's copy of its memory snapshot (half the snapshot interval redone on average), and side by side from the
+checkpoint (half a checkpoint interval) as without peer copies; the rest at the recovery measured here.
+
 The model is small (0.1M parameters), so it runs under DDP, as the trainer advises for small models
 (``--parallel fsdp`` measures FSDP2, whose DTensor bookkeeping is most of a step this small on CPU and
 whose caches are cold in every process an in-job restart starts). Memory snapshots every 0.25 s: about 7
@@ -38,7 +43,7 @@ from pathlib import Path
 
 from _runs import dataset, events, summary, table, train
 
-from trainer.goodput import LLAMA3_FAILURES_PER_GPU_HOUR, project
+from trainer.goodput import LLAMA3_FAILURES_PER_GPU_HOUR, LLAMA3_NODE_LOSS_SHARE, project
 from trainer.launch import LaunchConfig
 
 TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8",
@@ -103,6 +108,10 @@ def main() -> None:
     p.add_argument("--fault-every", default="300,60", help="comma-separated seconds between faults")
     p.add_argument("--parallel", default="ddp", choices=("ddp", "fsdp"))
     p.add_argument("--memory-snapshot-every-s", default="0.25")
+    p.add_argument("--node-loss-share", type=float, default=LLAMA3_NODE_LOSS_SHARE,
+                   help="projection: share of failures that lose a node (default: Llama 3's hardware share)")
+    p.add_argument("--node-recovery-s", type=float, default=20.0,
+                   help="projection: node loss to first resumed step (bench/node_loss.py: 17.6 s here, peer copy)")
     p.add_argument("--workdir", type=Path, default=None, help="a new directory (an old one would resume runs)")
     a = p.parse_args()
     root = a.workdir or Path(tempfile.mkdtemp(prefix="bench-goodput-"))
@@ -168,9 +177,13 @@ def main() -> None:
     print(table(rows, header))
     recovery = statistics.median(recoveries) if recoveries else 10.0
     proj = project(16384, LLAMA3_FAILURES_PER_GPU_HOUR, ckpt_block_s=statistics.median(blocks),
-                   recovery_s=recovery, job_ckpt_block_s=60.0, job_recovery_s=600.0, job_hours=24.0)
+                   recovery_s=recovery, job_ckpt_block_s=60.0, job_recovery_s=600.0, job_hours=24.0,
+                   node_loss_share=a.node_loss_share, snapshot_every_s=float(a.memory_snapshot_every_s),
+                   node_recovery_s=a.node_recovery_s)
     print("\nprojection, 16,384 GPUs at Llama 3's rate (419 interruptions / 54 days), measured costs here "
-          f"(block {statistics.median(blocks):.3f} s, recovery {recovery:.1f} s); baselines: job-level restart "
+          f"(block {statistics.median(blocks):.3f} s, recovery {recovery:.1f} s); {100 * a.node_loss_share:.0f}% of "
+          f"the failures lose a node ({a.node_recovery_s:g} s to recover; from the peer copy, snapshots every "
+          f"{a.memory_snapshot_every_s} s, or from the checkpoint: ours_without_peer); baselines: job-level restart "
           "(60 s sync checkpoints, 600 s to reschedule and reload) and restart from scratch (24 h job):")
     print(json.dumps(proj, indent=1))
 

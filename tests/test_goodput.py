@@ -1,9 +1,13 @@
-"""Goodput arithmetic, the checkpoint-interval policy and the fault schedule, against hand-computed cases."""
+"""Goodput arithmetic, the checkpoint-interval policy and the fault schedule, against hand-computed cases and the
+event logs of real runs."""
 
 from __future__ import annotations
 
 import json
 import math
+import os
+import shutil
+import signal
 
 import pytest
 
@@ -11,6 +15,8 @@ from trainer.config import CheckpointConfig
 from trainer.events import EventLog, read_events
 from trainer.faults import Fault, chaos_schedule
 from trainer.goodput import DEFAULT_MTBF_S, IntervalPolicy, account, project, young_daly_interval_s
+
+from tests.conftest import until
 
 
 def test_young_daly():
@@ -32,6 +38,31 @@ def test_projection_against_hand_computed_values():
     # scratch: W = 3600 s, l = 1/36000: T = (e^0.1 - 1) * (36000 + 600) = 3849.3 s; goodput = 3600 / 3849.3
     assert p["restart_from_scratch"]["goodput"] == pytest.approx(3600 / (math.expm1(0.1) * 36600), abs=1e-5)
     assert p["ours"]["goodput"] > p["job_restart"]["goodput"] > p["restart_from_scratch"]["goodput"]
+
+
+def test_projection_node_losses_recovered_from_a_peer_copy():
+    """Half of the failures (rate 1/36,000 s) lose a node: 30 s to recover and, from the peer's copy of its
+    2 s memory snapshots, 1 s redone on average; the other half need the checkpoint, whose Young-Daly interval
+    is for their rate only."""
+    kw = dict(ckpt_block_s=0.02, recovery_s=10.0, job_ckpt_block_s=20.0, job_recovery_s=600.0, job_hours=1.0,
+              node_loss_share=0.5, node_recovery_s=30.0)
+    p = project(1000, 1e-4, snapshot_every_s=2.0, **kw)
+    tau = math.sqrt(2 * 0.02 * 72000)                                  # 53.67 s: MTBF 72,000 s of those needing it
+    lost = 0.5 / 36000 * (10 + tau / 2) + 0.5 / 36000 * (30 + 1)
+    assert p["ours"] == {"goodput": pytest.approx((1 - lost) / (1 + 0.02 / tau), abs=1e-5),
+                         "interval_s": pytest.approx(tau, abs=0.05), "node_losses_from": "peer"}
+    # Without peer copies a node loss goes back to the checkpoint, and the interval is for every failure.
+    tau_all = math.sqrt(2 * 0.02 * 36000)
+    lost_all = 0.5 / 36000 * (10 + tau_all / 2) + 0.5 / 36000 * (30 + tau_all / 2)
+    assert p["ours_without_peer"]["goodput"] == pytest.approx((1 - lost_all) / (1 + 0.02 / tau_all), abs=1e-5)
+    assert project(1000, 1e-4, snapshot_every_s=None, **kw)["ours"] == p["ours_without_peer"]
+    assert p["ours"]["goodput"] > p["ours_without_peer"]["goodput"]
+    # Every failure a node loss with peer copies: none needs a checkpoint.
+    only = project(1000, 1e-4, snapshot_every_s=2.0, **{**kw, "node_loss_share": 1.0})["ours"]
+    assert only["interval_s"] is None and only["goodput"] == pytest.approx(1 - 31 / 36000, abs=1e-5)
+    for bad in (dict(node_loss_share=1.5), dict(snapshot_every_s=0.0)):
+        with pytest.raises(ValueError):
+            project(1000, 1e-4, **{**kw, "snapshot_every_s": 2.0, **bad})
 
 
 def _ev(t, event, **kw):
@@ -127,7 +158,8 @@ def test_write_interference_is_the_mean_extra_time_so_a_few_slow_steps_count(tmp
 
 def test_the_interval_is_for_the_failures_that_need_a_checkpoint(tmp_path):
     """Observed MTBF: only restarts that loaded a committed checkpoint count; one that resumed from a copy
-    in memory lost at most the memory-snapshot interval, whatever the checkpoint interval."""
+    in memory (its own node's, or a replacement node's from the peer's copy) lost at most the memory-snapshot
+    interval, whatever the checkpoint interval. (Real runs: the test below.)"""
     path = tmp_path / "events.jsonl"
 
     def policy_after(*events):
@@ -136,12 +168,40 @@ def test_the_interval_is_for_the_failures_that_need_a_checkpoint(tmp_path):
 
     start = [_ev(0.0, "run_start"), _ev(1.0, "fresh_start", step=0, source="checkpoint")]
     from_memory = [_ev(100.0, "restart", layer="injob"), _ev(101.0, "resumed", step=900, source="memory"),
-                   _ev(200.0, "restart", layer="inprocess"), _ev(200.5, "resumed", step=1900, source="memory")]
+                   _ev(200.0, "restart", layer="inprocess"), _ev(200.5, "resumed", step=1900, source="memory"),
+                   _ev(250.0, "run_start"), _ev(250.0, "restart", layer="injob"),     # a node lost and replaced
+                   _ev(251.0, "resumed", step=2400, source="peer")]
     assert policy_after(*start, *from_memory, _ev(300.0, "step", step=2900)) == DEFAULT_MTBF_S
     from_disk = [_ev(400.0, "run_start"), _ev(401.0, "restart", layer="job"),
                  _ev(402.0, "resumed", step=2500, source="checkpoint")]
     assert policy_after(*start, *from_memory, *from_disk, _ev(600.0, "step", step=4500)) == 600.0
     assert IntervalPolicy(CheckpointConfig(ckpt_every="auto", mtbf_s=50.0), path).mtbf_s() == 50.0
+
+
+@pytest.mark.parametrize("lost", ["rank", "node"])
+def test_the_interval_learns_from_a_real_runs_restarts(tmp_path, start_run, lost):
+    """Once a checkpoint is committed, a rank is killed (its launcher restarts it from the node's memory: no
+    failure a checkpoint is for, the default MTBF stays) or the node is lost (every process and its memory
+    snapshots; the job started again resumes from the checkpoint: one failure in the run so far)."""
+    shm = tmp_path / "shm"
+    args = ["--max-steps", "100000", "--ckpt-every", "4", "--restart-layers", "injob", "--memory-snapshot-dir",
+            str(shm), "--memory-snapshot-every-s", "0.001"]
+    launch = dict(max_restarts=1, step_timeout_s=4.0, workload_check_interval_s=0.5)
+    run = start_run(tmp_path / "run", *args, **launch)
+    run.wait_for(lambda e: e["event"] == "ckpt_committed", timeout=180, what="a committed checkpoint")
+    if lost == "rank":
+        os.kill(run.worker_pid(1), signal.SIGKILL)
+    else:
+        run.kill()
+        # The node's memory goes with it (its janitor may still be removing the snapshots it knew of).
+        assert until(lambda: shutil.rmtree(shm, ignore_errors=True) or not shm.exists(), 30)
+        run = start_run(tmp_path / "run", *args, **launch)
+    resumed = run.wait_for(lambda e: e["event"] == "resumed", timeout=180, what="the restart")
+    assert resumed["source"] == ("memory" if lost == "rank" else "checkpoint")
+    events = run.events()
+    mtbf = IntervalPolicy(CheckpointConfig(ckpt_every="auto"), run.out / "events.jsonl").mtbf_s()
+    t0 = next(e["t"] for e in events if e["event"] == "run_start")
+    assert mtbf == (DEFAULT_MTBF_S if lost == "rank" else pytest.approx(events[-1]["t"] - t0))
 
 
 def test_after_a_restart_auto_goes_on_with_the_interval_it_chose(tmp_path):

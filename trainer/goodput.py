@@ -3,8 +3,9 @@
 - ``IntervalPolicy``: the checkpoint interval (steps, seconds, or ``auto`` = Young-Daly).
 - ``account``: from ``events.jsonl``, the faults, restarts by layer, redone steps and where the wall
   time went; ``goodput`` = time of the steps that were kept / wall time.
-- ``project``: goodput for G GPUs at a per-GPU failure rate, ours vs. job-level restart vs. restart
-  from scratch (``python -m trainer.goodput --gpus 16384`` prints the table).
+- ``project``: goodput for G GPUs at a per-GPU failure rate, ours (node losses recovered from a peer's
+  memory copy, or from the checkpoint) vs. job-level restart vs. restart from scratch
+  (``python -m trainer.goodput --gpus 16384`` prints the table).
 """
 
 from __future__ import annotations
@@ -25,6 +26,9 @@ from .events import EventLog, read_events
 DEFAULT_MTBF_S = 24 * 3600.0
 # Meta, "The Llama 3 Herd of Models" (2024): 419 unexpected interruptions in 54 days on 16,384 H100s.
 LLAMA3_FAILURES_PER_GPU_HOUR = 419 / (54 * 24 * 16384)
+# The same report: about 78% of them were confirmed or suspected hardware issues (GPUs, their memory, host
+# components), after which the host is taken out of the job: a node loss.
+LLAMA3_NODE_LOSS_SHARE = 0.78
 
 
 def young_daly_interval_s(ckpt_cost_s: float, mtbf_s: float) -> float:
@@ -38,8 +42,9 @@ class IntervalPolicy:
     ``auto`` starts with a checkpoint after ``first_auto_step`` steps to measure its cost, then uses the
     Young-Daly interval from that cost, the median step time and the MTBF of the failures a checkpoint is
     for: ``--mtbf-s``, else the restarts in this run's event log that had to load a committed checkpoint,
-    else 24 h. A restart that resumed from a copy in memory (in-process, or in-job on the same nodes) lost
-    at most ``--memory-snapshot-every-s`` of work whatever the checkpoint interval, so it does not count.
+    else 24 h. A restart that resumed from a copy in memory (``resumed`` with source ``memory``: in-process, or
+    in-job on the same nodes; or ``peer``: a replacement node from the copy another node kept of its snapshot)
+    lost at most ``--memory-snapshot-every-s`` of work whatever the checkpoint interval, so it does not count.
     A checkpoint's cost is the loop's median blocking time plus what its background write took from
     training: the mean extra time of the steps that ran alongside a write (next to nothing where the
     writers have host cores of their own, as on GPU nodes; on a host whose cores all train, it can be most
@@ -219,15 +224,22 @@ def account(events: list[dict]) -> dict:
     }
 
 
-def _periodic_goodput(ckpt_block_s: float, recovery_s: float, mtbf_s: float) -> tuple[float, float]:
-    """(goodput, interval) with Young-Daly checkpoints: each failure costs the recovery and, on average,
-    half an interval of redone work; each interval costs one checkpoint's blocking time."""
-    tau = young_daly_interval_s(ckpt_block_s, mtbf_s)
-    return max(0.0, (1 - (recovery_s + tau / 2) / mtbf_s) / (1 + ckpt_block_s / tau)), tau
+def _goodput(ckpt_block_s: float, failures: list[tuple[float, float, float | None]]) -> tuple[float, float | None]:
+    """(goodput, checkpoint interval) with Young-Daly checkpoints, for failures given as (rate per second,
+    recovery s, redone work s): each costs its recovery and the work redone; ``None`` is redone from the last
+    checkpoint, on average half an interval, the interval being Young-Daly's for the failures of that kind
+    (the others do not need it: no interval, and no checkpoint cost, where none does). Each interval costs
+    one checkpoint's blocking time."""
+    failures = [f for f in failures if f[0] > 0]
+    ckpt_rate = sum(rate for rate, _, redone in failures if redone is None)
+    tau = young_daly_interval_s(ckpt_block_s, 1.0 / ckpt_rate) if ckpt_rate > 0 else None
+    lost = sum(rate * (recovery + (tau / 2 if redone is None else redone)) for rate, recovery, redone in failures)
+    return max(0.0, (1 - lost) / (1 + (ckpt_block_s / tau if tau else 0.0))), tau
 
 
 def project(gpus: int, failures_per_gpu_hour: float, *, ckpt_block_s: float, recovery_s: float,
-            job_ckpt_block_s: float, job_recovery_s: float, job_hours: float) -> dict:
+            job_ckpt_block_s: float, job_recovery_s: float, job_hours: float, node_loss_share: float = 0.0,
+            snapshot_every_s: float | None = None, node_recovery_s: float | None = None) -> dict:
     """Expected goodput at ``gpus`` GPUs for three strategies.
 
     Args:
@@ -236,16 +248,37 @@ def project(gpus: int, failures_per_gpu_hour: float, *, ckpt_block_s: float, rec
         job_ckpt_block_s, job_recovery_s: a job-level-restart baseline (synchronous checkpoints; new pods,
             image pull, init and load after every failure).
         job_hours: work in the job, for the restart-from-scratch baseline.
+        node_loss_share: the share of failures that lose a node (its memory snapshots with it); ours recovers
+            them in ``node_recovery_s`` (default ``recovery_s``: a replacement node) and redoes, with peer copies
+            (``snapshot_every_s``: the memory-snapshot interval), half that interval on average (at most all of
+            it); without (``None``), half a checkpoint interval, as every other failure here.
+
+    The other failures are charged the checkpoint's half interval too: an upper bound (a rank's crash or hang
+    is recovered from its node's own memory). With peer copies ``ours_without_peer`` is the same job without them.
     """
-    mtbf_s = 3600.0 / (gpus * failures_per_gpu_hour)
-    ours, tau = _periodic_goodput(ckpt_block_s, recovery_s, mtbf_s)
-    job, job_tau = _periodic_goodput(job_ckpt_block_s, job_recovery_s, mtbf_s)
+    if not 0.0 <= node_loss_share <= 1.0:
+        raise ValueError(f"node_loss_share must be between 0 and 1, got {node_loss_share}")
+    if snapshot_every_s is not None and snapshot_every_s <= 0:
+        raise ValueError(f"snapshot_every_s must be positive (None: no peer copies), got {snapshot_every_s}")
+    rate = gpus * failures_per_gpu_hour / 3600.0
+    mtbf_s = 1.0 / rate
+    node_recovery_s = recovery_s if node_recovery_s is None else node_recovery_s
+
+    def ours(peer: bool) -> dict:
+        node_redone = snapshot_every_s / 2 if peer else None
+        g, tau = _goodput(ckpt_block_s, [(rate * (1 - node_loss_share), recovery_s, None),
+                                         (rate * node_loss_share, node_recovery_s, node_redone)])
+        return {"goodput": round(g, 5), "interval_s": round(tau, 1) if tau else None,
+                "node_losses_from": "peer" if peer else "checkpoint"}
+
+    job, job_tau = _goodput(job_ckpt_block_s, [(rate, job_recovery_s, None)])
     # No checkpoints: every failure restarts the whole job; expected time to finish W of work with
     # failure rate l and restart cost R is (exp(l*W) - 1) * (1/l + R).
-    lam, work = 1.0 / mtbf_s, job_hours * 3600.0
+    lam, work = rate, job_hours * 3600.0
     scratch = work / ((math.expm1(min(lam * work, 700.0))) * (1 / lam + job_recovery_s))
-    return {"gpus": gpus, "mtbf_s": round(mtbf_s, 1),
-            "ours": {"goodput": round(ours, 5), "interval_s": round(tau, 1)},
+    peer = snapshot_every_s is not None
+    return {"gpus": gpus, "mtbf_s": round(mtbf_s, 1), "node_loss_share": node_loss_share,
+            "ours": ours(peer), **({"ours_without_peer": ours(False)} if peer else {}),
             "job_restart": {"goodput": round(job, 5), "interval_s": round(job_tau, 1)},
             "restart_from_scratch": {"goodput": round(min(1.0, scratch), 5)}}
 
@@ -261,7 +294,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--job-ckpt-block-s", type=float, default=60.0)
     p.add_argument("--job-recovery-s", type=float, default=600.0)
     p.add_argument("--job-hours", type=float, default=24.0)
+    p.add_argument("--node-loss-share", type=float, default=LLAMA3_NODE_LOSS_SHARE,
+                   help="share of failures that lose a node (default: Llama 3's 78%% hardware interruptions)")
+    p.add_argument("--memory-snapshot-every-s", type=float, default=1.0,
+                   help="memory-snapshot interval: a node loss redoes half of it on average with peer copies "
+                        "(the trainer's default); 0: no peer copies, node losses go back to the checkpoint")
+    p.add_argument("--node-recovery-s", type=float, default=None,
+                   help="node loss to first step: a replacement node joining (bench/node_loss.py measures it); "
+                        "default: --recovery-s")
     a = p.parse_args(argv)
+    if not 0.0 <= a.node_loss_share <= 1.0 or a.memory_snapshot_every_s < 0:
+        p.error("--node-loss-share must be between 0 and 1 and --memory-snapshot-every-s not negative")
     block, recovery = a.ckpt_block_s, a.recovery_s
     if a.summary:
         s = json.loads(a.summary.read_text())
@@ -270,7 +313,9 @@ def main(argv: list[str] | None = None) -> None:
         recovery = statistics.median(rec) if rec else recovery
     print(json.dumps(project(a.gpus, a.failures_per_gpu_hour, ckpt_block_s=block, recovery_s=recovery,
                              job_ckpt_block_s=a.job_ckpt_block_s, job_recovery_s=a.job_recovery_s,
-                             job_hours=a.job_hours), indent=1))
+                             job_hours=a.job_hours, node_loss_share=a.node_loss_share,
+                             snapshot_every_s=a.memory_snapshot_every_s or None, node_recovery_s=a.node_recovery_s),
+                     indent=1))
 
 
 if __name__ == "__main__":

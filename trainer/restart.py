@@ -16,6 +16,8 @@ the Wrapper's monitor notices a restart requested by another rank.
 # No ``from __future__ import annotations`` here: the Wrapper finds the parameter that receives its
 # CallWrapper by the parameter's annotation, which must be the class itself, not a string.
 import functools
+import json
+import logging
 import os
 from datetime import timedelta
 from typing import Callable, Optional
@@ -45,12 +47,30 @@ def build_wrapper(cfg: RestartConfig, cuda: bool):
                 wait_until_listening(os.environ["MASTER_ADDR"], kwargs["port"], cfg.barrier_timeout_s)
             super().__init__(**kwargs)
 
+        def termination_barrier(self, *, ranks, **kwargs):
+            # NVRx 0.4.1's sibling monitor enters a peer it found dead with the store's bytes (b'1'), and every
+            # later termination barrier then fails on int("b'1'"): a ValueError that replaced the error the
+            # Wrapper was exiting on. Checked on 0.4.1.
+            return super().termination_barrier(ranks=[int(r) for r in ranks], **kwargs)
+
     class KeepGlooGroups(inprocess.abort.Abort):
         """Before NVRx's abort destroys the failed attempt's process groups: see ``_abandon_gloo_groups``."""
 
         def __call__(self, state):
             _abandon_gloo_groups()
             return state
+
+    class KeepWorldSize(inprocess.rank_assignment.RankAssignment):
+        """A rank lost for good (its process ended, or it stopped sending heartbeats: its node is gone) ends the
+        in-process layer's attempt instead of shrinking the world in these processes: the session, the data
+        and the snapshots are built for the launch's world size. The rank exits with the error, its launcher
+        agent restarts the workers (in-job), and an elastic job's rendezvous goes on with the nodes left."""
+
+        def __call__(self, ctx):
+            if ctx.terminated_ranks:
+                raise inprocess.exception.RestartAbort(
+                    f"ranks {sorted(ctx.terminated_ranks)} are gone: left to the in-job layer")
+            return ctx
 
     wrapper = inprocess.Wrapper(
         # Composed right to left: the gloo groups are kept before AbortTorchDistributed destroys them.
@@ -59,6 +79,7 @@ def build_wrapper(cfg: RestartConfig, cuda: bool):
         store_factory=Store,
         store_kwargs={"port": _wrapper_store_port()},
         health_check=inprocess.Compose(*checks),
+        rank_assignment=inprocess.Compose(inprocess.rank_assignment.ActivateAllRanks(), KeepWorldSize()),
         monitor_thread_interval=interval,
         monitor_process_interval=interval,
         heartbeat_interval=interval,
@@ -149,6 +170,33 @@ def iteration_store(iteration: int) -> "dist.Store":
     rank 0 hosts it.
     """
     return dist.PrefixStore(f"goodput/attempt/{_launch_round()}/{iteration}", _launcher_store())
+
+
+def launch_agents(timeout_s: float) -> dict[int, tuple[int, str | None]]:
+    """Every node's launcher agent in this round, as rank 0 learns it: ``{group rank: (restart count, attempt)}``
+    (``{}`` on the other ranks). Collective over the nodes: each node's local rank 0 posts its agent's in the
+    launcher's store.
+
+    ``TORCHELASTIC_RESTART_COUNT`` is each agent's own count (docs/multinode.md): a replacement node's agent
+    starts at 0 while the others count their restart, so which layer restarted is the job's answer, not one
+    node's. ``attempt`` is the agent's error file (its own log directory and attempt): an agent that restarts
+    its workers for a membership change keeps it. A node that does not post within ``timeout_s`` is left out
+    (its ranks would fail the round anyway; rank 0 then decides from the nodes it heard).
+    """
+    store, key = _launcher_store(), f"goodput/agents/{_launch_round()}/"
+    if int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        store.set(key + os.environ.get("GROUP_RANK", "0"), json.dumps(
+            [int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), os.environ.get("TORCHELASTIC_ERROR_FILE")]))
+    if int(os.environ["RANK"]) != 0:
+        return {}
+    keys = [key + str(node) for node in range(int(os.environ.get("GROUP_WORLD_SIZE", "1")))]
+    try:
+        store.wait(keys, timedelta(seconds=timeout_s))
+    except RuntimeError:   # torch's DistStoreError (a timeout) is one
+        logging.getLogger("trainer").warning("not every node's agent reported within %.0fs: deciding which layer "
+                                             "restarted from the nodes that did", timeout_s)
+        keys = [k for k in keys if store.check([k])]
+    return {int(k.rsplit("/", 1)[1]): tuple(json.loads(v)) for k, v in zip(keys, store.multi_get(keys))}
 
 
 def _launch_round() -> str:

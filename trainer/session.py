@@ -21,6 +21,7 @@ from .faults import FaultInjector
 from .ft import FTManager
 from .metrics import build_metrics
 from .parallel import Dist, ensure_launcher_env
+from .restart import launch_agents
 from .signals import SigtermFlag
 from .spot import build_spot_watcher
 
@@ -37,8 +38,10 @@ class Session:
         self.events = EventLog(self.events_path, self.rank)
         self.run_id: str | None = None    # rank 0's, from _record_start; the others learn it in restore
         self.sigterm = SigtermFlag.install()
+        # Every node's agent (collective, before the process group: on the launcher's store it is built on).
+        agents = launch_agents(cfg.restart.collective_timeout_s)
         if self.rank == 0:
-            self._record_start()
+            self._record_start(agents)
         self.events.emit("worker_start", pid=os.getpid(), warm=warmstart.forked)
         self.faults = FaultInjector(cfg.faults.inject_fault, self.rank, self.world_size, self.events,
                                     self.events_path,
@@ -54,21 +57,31 @@ class Session:
         self.split_val = Split.open(Path(cfg.data.data), "val")
         self.ckpt: CheckpointManager | None = None
 
-    def _record_start(self) -> None:
+    def _record_start(self, agents: dict[int, tuple[int, str | None]] | None = None) -> None:
+        """``run_start``, and which layer restarted: decided job-wide from every node's agent (``agents``, by
+        group rank: ``launch_agents``; None: this process's agent only).
+
+        An in-job restart if any agent counted a restart, or any agent's attempt (its per-process log directory
+        and attempt) was seen before: an agent that restarts its workers for a membership change (a node joined
+        or left) keeps both; a replacement node's agent is new. A start where every agent is new is a new job's.
+        """
         restart_count = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+        if agents is None:
+            agents = {int(os.environ.get("GROUP_RANK", "0")):
+                      (restart_count, os.environ.get("TORCHELASTIC_ERROR_FILE"))}
         starts = [e for e in read_events(self.events_path) if e["event"] == "run_start"]
-        # The agent's per-process log directory and its attempt: an agent that restarts its workers for a
-        # membership change (a node joined or left) keeps its restart count, so the same agent's restart
-        # shows as the same path; a new job's agents have new directories.
-        agent_attempt = os.environ.get("TORCHELASTIC_ERROR_FILE")
+        attempts = {str(node): attempt for node, (_, attempt) in agents.items() if attempt}
+        seen = {a for e in starts for a in (e.get("agent_attempts") or {}).values()}
+        most = max(count for count, _ in agents.values())
         # Names the run across its restarts; memory snapshots left on a node are trusted only by their run.
         self.run_id = (starts[0].get("run_id") if starts else None) or uuid.uuid4().hex
         self.cfg.save(self.out / "config.json", model=self.spec.describe())
         self.events.emit("run_start", world_size=self.world_size, restart_count=restart_count, run_id=self.run_id,
-                         agent_attempt=agent_attempt)
-        if restart_count > 0:
-            self.events.emit("restart", layer="injob", restart_count=restart_count)
-        elif agent_attempt and any(e.get("agent_attempt") == agent_attempt for e in starts):
+                         agent_attempts=attempts,
+                         agent_restart_counts={str(node): count for node, (count, _) in agents.items()})
+        if most > 0:
+            self.events.emit("restart", layer="injob", restart_count=most)
+        elif seen & set(attempts.values()):
             self.events.emit("restart", layer="injob", restart_count=0, membership_change=True)
         elif starts:
             self.events.emit("restart", layer="job")
