@@ -619,6 +619,14 @@ def wrapper_store_host_rank(store_cls) -> int:
     return _attr(store_cls, "TCP_STORE_HOST_RANK")
 
 
+def termination_barrier_ranks(ranks) -> list[int]:
+    """The ranks an ``inprocess.store.TCPStore.termination_barrier`` is given, as ints. NVRx 0.4.1's sibling
+    monitor enters a peer it found dead with the store's bytes (b'1'), and every later termination barrier
+    then fails on ``int("b'1'")``: a ValueError that replaces the error the Wrapper was exiting on. Checked
+    on 0.4.1; the conversion is a no-op where the ranks are ints already."""
+    return [int(r.decode() if isinstance(r, bytes) else r) for r in ranks]
+
+
 # ----------------------------------------------------------------------------------- private torch APIs
 
 def process_group_names() -> list:

@@ -48,10 +48,7 @@ def build_wrapper(cfg: RestartConfig, cuda: bool):
             super().__init__(**kwargs)
 
         def termination_barrier(self, *, ranks, **kwargs):
-            # NVRx 0.4.1's sibling monitor enters a peer it found dead with the store's bytes (b'1'), and every
-            # later termination barrier then fails on int("b'1'"): a ValueError that replaced the error the
-            # Wrapper was exiting on. Checked on 0.4.1.
-            return super().termination_barrier(ranks=[int(r) for r in ranks], **kwargs)
+            return super().termination_barrier(ranks=compat.termination_barrier_ranks(ranks), **kwargs)
 
     class KeepGlooGroups(inprocess.abort.Abort):
         """Before NVRx's abort destroys the failed attempt's process groups: see ``_abandon_gloo_groups``."""
