@@ -232,8 +232,8 @@ def test_promote_needs_a_standby_and_a_lost_node(tmp_path):
 
 
 def test_a_node_lost_without_replacement_under_min_max_finishes_on_fewer_nodes(cluster):
-    """In-job layer only: under the in-process one, a peer lost for good costs the Wrapper's 30 s barrier and
-    then a ValueError the trainer takes for fatal (docs/multinode.md, "What the trainer needs")."""
+    """In-job layer only (with the in-process layer too, a peer lost for good first costs its heartbeat timeout:
+    tests/test_multinode_restarts.py)."""
     c = cluster("--max-steps", "20", "--ckpt-every", "4", "--restart-layers", "injob", min_nodes=1,
                 last_call_timeout_s=1.0)
     wait_for(c, lambda e: e["event"] == "ckpt_committed" and e["step"] == 4)
