@@ -300,6 +300,7 @@ class PeerSender:
         self.dir, self.node, self.peer = Path(replica_dir), node, peer
         self.interval_s, self.timeout_s = interval_s, timeout_s
         self.sent: dict[int, int] = {}       # rank -> newest step the holder confirmed
+        self._failing: set[int] = set()      # ranks whose last copy failed
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -312,15 +313,19 @@ class PeerSender:
             self.node, self.peer, self.sent = node, peer, {}
 
     def send_once(self) -> list[tuple[int, int]]:
-        """Send what is new; return the (rank, step) pairs the holder kept. A failed copy is logged and tried
-        again at the next call (a newer snapshot by then, most likely)."""
+        """Send what is new; return the (rank, step) pairs the holder kept. A failed copy is tried again at the
+        next call (a newer snapshot by then, most likely); it is logged once until a copy gets through (a
+        holder being replaced refuses every one)."""
         kept = []
         for rank in self.ranks():
             try:
                 step = self._send(rank)
             except (OSError, ValueError) as e:
-                log.warning("peer snapshot of rank %d to %s:%d failed: %s", rank, *self.peer, e)
+                if rank not in self._failing:
+                    log.warning("peer snapshot of rank %d to %s:%d failed (retrying quietly): %s", rank, *self.peer, e)
+                self._failing.add(rank)
                 continue
+            self._failing.discard(rank)
             if step is not None:
                 self.sent[rank] = step
                 kept.append((rank, step))
