@@ -72,11 +72,18 @@ def peer_daemons(c, i: int) -> list[int]:
     return found
 
 
+def newest_snapshot(c, i: int, rank: int) -> int | None:
+    """The step of ``rank``'s newest memory snapshot on node ``i``."""
+    markers = [NodeReplica(d, rank).marked() for d in c.nodes[i].memory_dir.glob("goodput-*")]
+    return next((m["step"] for m in markers if m), None)
+
+
 def lose_node_1(c) -> tuple[float, list[int], int]:
-    """Node 1 lost between checkpoints (once one is committed, before the end): its tree killed, its memory
+    """Node 1 lost between checkpoints (node 0's memory well past the newest commit, before the end, so a
+    copy of node 1's snapshot would be worth having): its tree killed, its memory
     wiped, and its replacement started at once (what the PyTorchJob's restart policy does: a new pod, empty
     /dev/shm). Returns when it was lost, the steps of node 1's copies node 0 kept, and the newest commit."""
-    assert until(lambda: committed(c), 120), logs(c)
+    assert until(lambda: (newest_snapshot(c, 0, 0) or 0) >= committed(c) + 12 > 12, 120), logs(c)
     c.kill(1)
     lost = time.time(), held(c, 1, 1), committed(c)
     c.start(1)
@@ -86,12 +93,6 @@ def lose_node_1(c) -> tuple[float, list[int], int]:
 
 def loaded_after(c, t: float) -> dict[int, dict]:
     return {e["rank"]: e for e in events(c) if e["event"] == "ckpt_loaded" and e["t"] > t}
-
-
-def newest_snapshot(c, i: int, rank: int) -> int | None:
-    """The step of ``rank``'s newest memory snapshot on node ``i``."""
-    markers = [NodeReplica(d, rank).marked() for d in c.nodes[i].memory_dir.glob("goodput-*")]
-    return next((m["step"] for m in markers if m), None)
 
 
 def test_a_lost_node_resumes_from_its_peer_copy_and_redoes_at_most_the_snapshot_interval(cluster, fault_free_sha):
@@ -133,6 +134,8 @@ def test_with_the_holder_gone_before_the_restore_the_run_falls_back_to_the_check
     loaded = loaded_after(c, lost_at)
     assert {r: e["source"] for r, e in loaded.items()} == {0: "checkpoint", 1: "checkpoint"}
     assert {e["step"] for e in loaded.values()} == {committed(c, before=min(e["t"] for e in loaded.values()))}
+    # The replacement's rank did ask: node 0's rank had newer steps in memory than the checkpoint.
+    assert "the holder of node 1's memory snapshots" in c.nodes[1].log.read_text(errors="replace"), logs(c)
 
 
 def test_without_peer_snapshots_a_lost_node_resumes_from_the_checkpoint(cluster, fault_free_sha):

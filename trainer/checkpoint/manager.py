@@ -168,7 +168,8 @@ class CheckpointManager:
         if self.d.is_main:
             log.info("restore: in every rank's memory %s; with peer copies %s; newest committed checkpoint %s "
                      "-> %s", sorted(set.intersection(*own)), offered, committed,
-                     f"{source} step {step}" if source != "checkpoint" else "the newest committed checkpoint")
+                     f"{source} step {step}" if source != "checkpoint" else
+                     "the newest committed checkpoint, if any (FSx, else the S3 mirror)")
         if step is not None:
             copy_state_dict, _ = compat.cpu_state_dict_helpers()
             restored = copy_state_dict(self._memory_snapshot(step, state), state)
