@@ -85,8 +85,11 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
     # node's; a child of this process, so it outlives in-job restarts and dies with the node.
     peer = peer_env = None
     if cfg is not None and cfg.checkpoint.peer_snapshots and cfg.checkpoint.memory_every_s > 0 and _multinode(command):
-        peer, address = peer_daemon(Path(replicas[0]), _peer_host(command))
-        peer_env = {PEER_ENV: address}
+        try:
+            peer, address = peer_daemon(Path(replicas[0]), _peer_host(command))
+            peer_env = {PEER_ENV: address}
+        except OSError as e:     # no address to listen on or to give: a node loss then resumes from FSx
+            print(f"warm start: no peer memory snapshots on this node: {e}", file=sys.stderr)
     # Bound and listening before the zygote has finished importing: workers that connect early queue in
     # the backlog. Once the zygote holds the only copy, its death makes connects fail, i.e. a cold start.
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
