@@ -460,14 +460,14 @@ def start_daemon(replica_dir: Path, host: str) -> tuple[subprocess.Popen, str]:
     it and the ``host:port`` its store listens on (bound here, so it is known at once: connections queue
     until the daemon serves them; once it is gone they are refused)."""
     listener = socket.create_server((host, 0), backlog=64)
-    port = listener.getsockname()[1]
     try:
+        address = f"{advertised(host)}:{listener.getsockname()[1]}"
         proc = subprocess.Popen([sys.executable, "-m", "trainer.peer", "--listen-fd", str(listener.fileno()),
                                  "--replica-dir", str(replica_dir)],
                                 pass_fds=(listener.fileno(),), preexec_fn=parent_death_preexec(signal.SIGKILL))
     finally:
         listener.close()
-    return proc, f"{advertised(host)}:{port}"
+    return proc, address
 
 
 def advertised(host: str) -> str:
