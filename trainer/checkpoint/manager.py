@@ -227,9 +227,12 @@ class CheckpointManager:
         if self.d.local_rank == 0:
             node = _node_index()
             path = peer_file(self.replica.node.dir)
-            path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            write_atomic(path, json.dumps({"node": node,
-                                           "holder": parse_address(ring[holder_of(node, len(ring))])}).encode())
+            try:
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                write_atomic(path, json.dumps({"node": node,
+                                               "holder": parse_address(ring[holder_of(node, len(ring))])}).encode())
+            except OSError as e:    # no snapshot directory on the node: nothing to ship, copies still usable
+                log.warning("node %d's peer daemon is not told where to send (%s): %s", node, path, e)
         return ring
 
     def _fetch_from_peer(self, step: int, mine: set[int], ring: dict[int, str], tag: str, state: dict) -> bool:
