@@ -175,7 +175,54 @@ def test_the_peer_daemon_reads_markers_without_torch(tmp_path):
 
     snapshot(NodeReplica(tmp_path, 0), 9)
     code = ("import sys; sys.modules['torch'] = None\n"      # any import of torch fails
-            "from pathlib import Path; from trainer import peer\n"
-            f"print(peer._read_marker(peer._marker_path(Path({str(tmp_path)!r}), 0))[1])")
+            "from pathlib import Path; from trainer import peer, layout\n"
+            f"print(peer._read_marker(layout.replica_marker(Path({str(tmp_path)!r}), 0))[1])")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
-    assert out.returncode == 0 and out.stdout.strip() == "{'step': 9, 'slot': 0}", out.stderr
+    assert out.returncode == 0 and out.stdout.strip() == "{'step': 9, 'slot': 0, 'run': 'r1'}", out.stderr
+
+
+def test_only_copies_of_the_asked_run_are_offered(tmp_path, store):
+    """A copy made by another run (or at another world size: the tag carries it) is never restored."""
+    src = tmp_path / "shm"
+    snapshot(NodeReplica(src, 0), 3)                         # tagged r1
+    PeerSender(src, node=0, peer=store.address).send_once()
+    assert peer_steps(store.address, 0, run="r1") == {0: [3]} and peer_steps(store.address, 0, run="r2") == {0: []}
+    assert restore_from_peer(store.address, 0, [0], tmp_path / "new", run="r2") is None
+    assert restore_from_peer(store.address, 0, [0], tmp_path / "new", run="r1") == 3
+
+
+def test_the_previous_snapshot_stays_readable_until_its_slot_is_overwritten(tmp_path):
+    """A restore may need the snapshot before the newest (the step a lagging peer copy has)."""
+    replica = NodeReplica(tmp_path, 0)
+    snapshot(replica, 1)
+    assert replica.marked(previous=True) is None
+    snapshot(replica, 2)
+    step, _, state = replica.load(_state(0), previous=True)
+    assert step == 1 and torch.equal(state["model"]["w"], torch.full((64, 64), 1.0))
+    replica.overwriting(1 - replica.marked()["slot"])         # a copy into its slot begins: it is gone first
+    assert replica.marked(previous=True) is None and replica.marked()["step"] == 2
+
+
+def test_the_node_daemon_follows_what_its_ranks_name(tmp_path):
+    """``start_daemon``: a child process whose store listens on the address it returns at once, and whose
+    sender ships nothing until the ranks wrote the node's index and its holder (``peer.json``), then to it."""
+    import json
+
+    from trainer.layout import peer_file
+
+    holder_dir, src = tmp_path / "holder", tmp_path / "shm"
+    snapshot(NodeReplica(src, 1), 4)
+    proc, address = peer.start_daemon(holder_dir, "127.0.0.1")
+    sender_proc, _ = peer.start_daemon(src, "127.0.0.1")
+    try:
+        holder = peer.parse_address(address)
+        assert peer_steps(holder, 1) == {}
+        peer_file(src).write_text(json.dumps({"node": 1, "holder": list(holder)}))
+        assert until(lambda: peer_steps(holder, 1) == {1: [4]}, 30)
+        assert restore_from_peer(holder, 1, [1], tmp_path / "new") == 4 and restored_step(tmp_path / "new", 1) == 4
+    finally:
+        for p in (proc, sender_proc):
+            p.kill()
+            p.wait()
+    # Gone: refused at once, no copies offered (the restore falls back to the checkpoint).
+    assert restore_from_peer(holder, 1, [1], tmp_path / "other", timeout_s=1.0) is None

@@ -124,6 +124,11 @@ class CheckpointConfig:
                                      "copies of each rank's state; if it is missing or full, they stay in process "
                                      "memory and only in-process restarts use them)",
                          flag="--memory-snapshot-dir")
+    peer_snapshots: bool = _f(True, "with more than one node and memory snapshots on: also keep each node's memory "
+                                    "snapshots on the next node (a ring, copied in the background by a niced "
+                                    "daemon of each node's launch wrapper), so that a lost node's replacement "
+                                    "resumes from them instead of the last committed checkpoint "
+                                    "(--no-peer-snapshots: off)")
     keep: int = _f(3, "committed checkpoints to keep (older ones are deleted)", flag="--ckpt-keep")
     sync: bool = _f(False, "write checkpoints synchronously (torch DCP) instead of NVRx async",
                     flag="--ckpt-sync")

@@ -63,3 +63,31 @@ def replica_dir(root: Path, out: Path) -> Path:
     """A run's memory-snapshot directory under ``root`` (``trainer/checkpoint/replica.py``), named after its
     checkpoint directory ``out`` (several runs share a node)."""
     return root / f"goodput-{hashlib.sha256(str(out.resolve()).encode()).hexdigest()[:16]}"
+
+
+# A rank's memory snapshot in its replica directory (``trainer/checkpoint/replica.py`` writes them,
+# ``trainer/peer.py`` ships them without torch): two slots, the marker naming the complete one, and the
+# marker of the one before it.
+
+def replica_marker(directory: Path, rank: int) -> Path:
+    return directory / f"rank{rank}.marker"
+
+
+def replica_previous(directory: Path, rank: int) -> Path:
+    """The marker of the snapshot before the marked one, while its slot is untouched."""
+    return directory / f"rank{rank}.previous"
+
+
+def replica_slot(directory: Path, rank: int, slot: int) -> Path:
+    return directory / f"rank{rank}.slot{slot}"
+
+
+def replica_ranks(directory: Path) -> list[int]:
+    """The ranks with a marker in ``directory``."""
+    return sorted(int(p.name[4:-7]) for p in directory.glob("rank*.marker"))
+
+
+def peer_file(directory: Path) -> Path:
+    """Where a node's ranks tell its janitor's peer sender (``trainer/peer.py``) which node it is and where
+    that node's holder listens: learnt at each restore, after the rendezvous."""
+    return directory / "peer.json"

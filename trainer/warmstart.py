@@ -42,6 +42,8 @@ from pathlib import Path
 from typing import Callable
 
 from .layout import replica_dir
+from .peer import ENV as PEER_ENV
+from .peer import start_daemon as peer_daemon
 from .signals import STOPPED_S, parent_death_preexec
 
 ENV = "GOODPUT_WARMSTART_SOCKET"
@@ -71,6 +73,7 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
     ``warm=False``: the zygote imports nothing and forks nothing (the ranks start cold); it is only the
     node's janitor: once this process is gone, however it ended, it kills what the run left (the ranks it
     forked, every process that inherited the launcher's environment) and deletes the run's memory snapshots.
+    With more than one node and memory snapshots on, it also runs the node's peer daemon (``trainer.peer``).
     A rank's ``fatal`` event (an error no restart changes) stops the launcher: exit status 2.
     """
     workdir = tempfile.mkdtemp(prefix="goodput-warmstart-")
@@ -78,6 +81,15 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
     cfg = _trainer_config(command)
     replicas = [str(replica_dir(Path(cfg.checkpoint.memory_dir), Path(cfg.run.out) / "checkpoints"))] if cfg else []
     fatal = _FatalWatch(Path(cfg.run.out) / "events.jsonl" if cfg else None)
+    # The node's peer daemon (trainer/peer.py): keeps the ring predecessor's memory snapshots, ships this
+    # node's; a child of this process, so it outlives in-job restarts and dies with the node.
+    peer = peer_env = None
+    if cfg is not None and cfg.checkpoint.peer_snapshots and cfg.checkpoint.memory_every_s > 0 and _multinode(command):
+        try:
+            peer, address = peer_daemon(Path(replicas[0]), _peer_host(command))
+            peer_env = {PEER_ENV: address}
+        except OSError as e:     # no address to listen on or to give: a node loss then resumes from FSx
+            print(f"warm start: no peer memory snapshots on this node: {e}", file=sys.stderr)
     # Bound and listening before the zygote has finished importing: workers that connect early queue in
     # the backlog. Once the zygote holds the only copy, its death makes connects fail, i.e. a cold start.
     listener = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
@@ -92,7 +104,7 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
         env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
     listener.close()
     os.close(alive_r)
-    env = {**os.environ, ZYGOTE_PID_ENV: str(zygote.pid)}
+    env = {**os.environ, ZYGOTE_PID_ENV: str(zygote.pid), **(peer_env or {})}
     if warm:
         env[ENV] = path
     # The launcher (and so every worker it starts) dies with this process: see signals.die_with_parent.
@@ -107,6 +119,9 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+        if peer is not None:    # before the zygote removes the snapshots: it would write them again
+            peer.kill()
+            peer.wait()
         os.close(alive_w)
         try:
             zygote.wait(timeout=ZYGOTE_EXIT_S)
@@ -140,6 +155,43 @@ def wait_unless_stopped(proc: subprocess.Popen, what: str, poll=None) -> int:
                 if os.getpgid(proc.pid) == proc.pid:
                     os.killpg(proc.pid, signal.SIGKILL)
                 proc.kill()
+
+
+def _launcher_args(command: list[str]) -> list[str]:
+    """The launcher's arguments in ``command`` (before ``-m trainer``)."""
+    for i in range(1, len(command)):
+        if command[i - 1:i + 1] == ["-m", "trainer"]:
+            return command[:i - 1]
+    return command
+
+
+def _flag(args: list[str], name: str) -> str | None:
+    for i, a in enumerate(args):
+        if a in (name, "--" + name[2:].replace("-", "_")) and i + 1 < len(args):
+            return args[i + 1]
+        if a.startswith(name + "="):
+            return a.split("=", 1)[1]
+    return None
+
+
+def _multinode(command: list[str]) -> bool:
+    """Whether the launcher in ``command`` may run with more than one node (``--nnodes N`` or ``MIN:MAX``)."""
+    args = _launcher_args(command)
+    nnodes = _flag(args, "--nnodes")
+    if "--standalone" in args or nnodes is None:
+        return False
+    try:
+        return max(int(n) for n in nnodes.split(":")) > 1
+    except ValueError:     # not a count: unresolved here, so possibly many nodes
+        return True
+
+
+def _peer_host(command: list[str]) -> str:
+    """Where the node's peer store listens: loopback when the rendezvous is on loopback (the nodes share this
+    machine), else every interface (pod-to-pod ports are open)."""
+    endpoint = _flag(_launcher_args(command), "--rdzv-endpoint") or ""
+    host = endpoint.rpartition(":")[0].strip("[]")
+    return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
 
 
 def _trainer_config(command: list[str]):

@@ -14,12 +14,15 @@ An async save, in the order the training loop sees it:
 
 ``snapshot_to_memory`` copies the state into node memory instead (``replica``): no disk, no writer, no
 collective. ``restore`` takes the newest state every rank can get: memory, else the newest committed
-checkpoint (fetched from the S3 mirror first when FSx has none).
+checkpoint (fetched from the S3 mirror first when FSx has none); between the two, in a job of several
+nodes, the copies of a lost node's snapshots that another node keeps (``trainer/peer.py``).
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -33,15 +36,24 @@ import torch.distributed.checkpoint as dcp
 from .. import compat
 from ..config import CheckpointConfig
 from ..events import EventLog
-from ..layout import read_marker, replica_dir, step_dir
+from ..layout import peer_file, read_marker, replica_dir, step_dir, write_atomic
 from ..mirror import CheckpointMirror, maybe_fetch_from_mirror
 from ..parallel import Dist
+from ..peer import ENV as PEER_ENV
+from ..peer import holder_of, parse_address, peer_steps, restore_from_peer
 from .commit import Commits, Pending
 from .replica import MemorySnapshots
 from .staging import Copier, Staging
 from .writer import Writer
 
 log = logging.getLogger(__name__)
+
+
+def _node_index() -> int:
+    """This rank's node in the job (its agent's group rank, set by the rendezvous; a replacement node takes the
+    lost one's)."""
+    return int(os.environ.get("GROUP_RANK", "0"))
+
 
 StateSource = dict | Callable[[], dict]   # a state dict, or a function that builds one
 
@@ -127,27 +139,42 @@ class CheckpointManager:
     def restore(self, state: dict) -> tuple[int | None, str, dict]:
         """Restore the newest state into ``state``; return (step or None, source, the restored dict).
 
-        Every rank may hold snapshots in memory: after an in-process restart, the staging copy of its last
-        save; and the replica of its last ``snapshot_to_memory``, which also survives an in-job restart on
-        the same node. The newest step that every rank holds, if no committed checkpoint is newer, is
-        copied back (``memory``: no disk read). Otherwise the newest committed checkpoint is loaded
-        (``checkpoint``). Collective: call on every rank.
+        The order: own memory, peer memory, FSx checkpoint, S3 mirror. Every rank may hold snapshots in
+        memory: after an in-process restart, the staging copy of its last save; and the replica of its last
+        ``snapshot_to_memory`` (and of the one before it), which also survives an in-job restart on the same
+        node. The newest step that every rank holds, if no committed checkpoint is newer, is copied back
+        (``memory``: no disk read). Else, in a job of several nodes, the ranks that lack it ask their node's
+        holder (``trainer/peer.py``) for its copies: the newest step every rank can get from its own memory or
+        the holder's, if not older than the newest committed checkpoint, is fetched into the replica of each
+        rank that lacks it and read from there (``peer``). Otherwise the newest committed checkpoint is
+        loaded (``checkpoint``), fetched from the S3 mirror first when FSx has none. Collective: call on
+        every rank.
         """
         self.finish_snapshot()   # a fault can come while a snapshot is copied: the copy still completes
         self.replica.read_back(state)
         newest = self.commits.newest() if self.d.is_main else None
         held = [None] * self.d.world_size
         # Sync point: which snapshot steps each rank holds in memory (the replica's with the run that made
-        # it), and rank 0's run and newest committed step.
-        dist.all_gather_object(held, (self.snapshot_step, self.replica.step, self.replica.run, self.run_id, newest))
-        self.run_id, committed = held[0][3], held[0][4]
-        everywhere = set.intersection(*({h[0], h[1] if h[2] == self._replica_run else None} - {None} for h in held))
-        usable = {s for s in everywhere if committed is None or s >= committed}
-        if usable:
-            step, source = max(usable), "memory"
+        # them), its node and that node's peer store, and rank 0's run and newest committed step.
+        dist.all_gather_object(held, (self.snapshot_step, self.replica.offers(state), self.run_id, newest,
+                                      _node_index(), os.environ.get(PEER_ENV)))
+        self.run_id, committed = held[0][2], held[0][3]
+        tag = self._replica_run
+        own = [({h[0]} | {s for s, run in h[1] if run == tag}) - {None} for h in held]
+        ring = self._ring([(h[4], h[5]) for h in held])
+        step, source, offered = self._choose(own, committed, ring, tag)
+        if source == "peer" and not self._fetch_from_peer(step, own[self.d.rank], ring, tag, state):
+            step, source = None, "checkpoint"
+        if self.d.is_main:
+            log.info("restore: in every rank's memory %s; with peer copies %s; newest committed checkpoint %s "
+                     "-> %s", sorted(set.intersection(*own)), offered, committed,
+                     f"{source} step {step}" if source != "checkpoint" else
+                     "the newest committed checkpoint, if any (FSx, else the S3 mirror)")
+        if step is not None:
             copy_state_dict, _ = compat.cpu_state_dict_helpers()
-            restored = copy_state_dict(self.snapshot if step == self.snapshot_step else self.replica.snapshot, state)
-            self.events.emit("ckpt_loaded", step=step, source=source)
+            restored = copy_state_dict(self._memory_snapshot(step, state), state)
+            self.events.emit("ckpt_loaded", step=step, source=source,
+                             **({"fetched": step not in own[self.d.rank]} if source == "peer" else {}))
         else:
             step, source, restored = self._load_committed(state), "checkpoint", state
             if step is None:   # a fresh start: whatever replica is left belongs to no run
@@ -162,6 +189,79 @@ class CheckpointManager:
         if not self.cfg.sync:
             self.staging.allocate(restored)
         return step, source, restored
+
+    def _choose(self, own: list[set[int]], committed: int | None, ring: dict[int, str] | None,
+                tag: str | None) -> tuple[int | None, str, list | str]:
+        """(step, source, what the peer copies offered) of the newest state in memory every rank can get, or
+        (None, "checkpoint", ...). Collective when the peer copies are asked (the same on every rank)."""
+        def usable(offers: list[set[int]]) -> set[int]:
+            return {s for s in set.intersection(*offers) if committed is None or s >= committed}
+
+        if usable(own):
+            return max(usable(own)), "memory", "not asked"
+        wanted = usable([set().union(*own)])     # steps some rank has: of use if the others can get them
+        if ring is None or tag is None or not wanted:
+            return None, "checkpoint", "none" if ring is None else "not asked"
+        mine, node = own[self.d.rank], _node_index()
+        copies: set[int] = set()
+        if wanted - mine:
+            holder = ring[holder_of(node, len(ring))]
+            try:
+                copies = set(peer_steps(parse_address(holder), node, run=tag).get(self.d.rank, ())) & wanted
+            except (OSError, ValueError, KeyError) as e:   # a holder gone or silent: no copies, not a hang
+                log.warning("rank %d: the holder of node %d's memory snapshots (%s) did not answer: %s",
+                            self.d.rank, node, holder, e)
+        offers = [None] * self.d.world_size
+        # Sync point: each rank's steps from its own memory or its holder's copies.
+        dist.all_gather_object(offers, mine | copies)
+        steps = usable(offers)
+        return (max(steps), "peer", sorted(steps)) if steps else (None, "checkpoint", [])
+
+    def _ring(self, nodes: list[tuple[int, str | None]]) -> dict[int, str] | None:
+        """node -> its peer store's address, from (node, address) of every rank; None where there is no ring
+        (one node, peer snapshots off, some node without a store). Local rank 0 of each node tells its peer
+        daemon which node it is and where its holder listens (``layout.peer_file``)."""
+        ring = {node: address for node, address in nodes}
+        if not self.cfg.peer_snapshots or len(ring) < 2 or None in ring.values() or set(ring) != set(range(len(ring))):
+            return None
+        if self.d.local_rank == 0:
+            node = _node_index()
+            path = peer_file(self.replica.node.dir)
+            try:
+                path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+                write_atomic(path, json.dumps({"node": node,
+                                               "holder": parse_address(ring[holder_of(node, len(ring))])}).encode())
+            except OSError as e:    # no snapshot directory on the node: nothing to ship, copies still usable
+                log.warning("node %d's peer daemon is not told where to send (%s): %s", node, path, e)
+        return ring
+
+    def _fetch_from_peer(self, step: int, mine: set[int], ring: dict[int, str], tag: str, state: dict) -> bool:
+        """Fetch this rank's copy of ``step`` from its node's holder into its replica, unless its own memory
+        has it; return whether every rank has it now (collective)."""
+        ok = True
+        if step not in mine:
+            node = _node_index()
+            holder = ring[holder_of(node, len(ring))]
+            got = restore_from_peer(parse_address(holder), node, [self.d.rank], self.replica.node.dir,
+                                    among={step}, run=tag)
+            self.replica = MemorySnapshots(self.replica.node.dir, self.d.rank, pin=self.replica.node.pin)
+            self.replica.read_back(state)
+            ok = got == step and self.replica.step == step and self.replica.run == tag
+        flags = [None] * self.d.world_size
+        # Sync point: whether every rank could read the chosen step (else all fall back to the checkpoint).
+        dist.all_gather_object(flags, ok)
+        if not all(flags) and self.d.is_main:
+            log.warning("restore: ranks %s could not fetch step %d from their holder; falling back to the "
+                        "newest committed checkpoint", [r for r, f in enumerate(flags) if not f], step)
+        return all(flags)
+
+    def _memory_snapshot(self, step: int, state: dict) -> dict:
+        """This rank's snapshot of ``step`` in memory: the staging copy's, the replica's, or the one before."""
+        if step == self.snapshot_step:
+            return self.snapshot
+        if step == self.replica.step:
+            return self.replica.snapshot
+        return self.replica.read_previous(state)
 
     def _load_committed(self, state: dict) -> int | None:
         """Load the newest committed checkpoint into ``state`` in place; return its step or None.

@@ -11,6 +11,8 @@ checkpoint.
 Two slots per rank: a copy goes into the slot that does not hold the newest complete snapshot, and the
 marker that names the complete one (its step, its slot, the state's non-tensor values, the tensor layout)
 is replaced atomically once the copy is done. A rank killed mid-copy leaves the previous snapshot whole.
+The marker it replaces is kept (``previous``) until a copy into its slot begins: a restore that needs a step
+every rank has can take the one before the newest (another node's copy held by a peer lags by its transfer).
 
 Only the state's local tensors are stored (a DTensor's shard, with its mesh and placements taken from the
 live state when it is read back), so reading a replica needs the live state of the same structure, which
@@ -22,6 +24,7 @@ newest complete snapshot (and of which run), and reading it back after a restart
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import pickle
@@ -32,7 +35,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import compat
-from ..layout import write_atomic
+from ..layout import replica_marker, replica_previous, replica_slot, write_atomic
 from .staging import staged_into
 
 log = logging.getLogger(__name__)
@@ -104,7 +107,8 @@ class NodeReplica:
     def __init__(self, directory: Path, rank: int, *, pin: bool = False):
         """``pin``: page-lock the slots for device-to-host copies (the state lives on a GPU)."""
         self.dir, self.rank, self.pin = directory, rank, pin
-        self.marker_path = directory / f"rank{rank}.marker"
+        self.marker_path = replica_marker(directory, rank)
+        self.previous_path = replica_previous(directory, rank)
         self.persistent = True    # False once the files could not be created: slots in private memory
         # Each slot's layout as the marker records it, computed when the slot is mapped: the structure is
         # fixed for as long as a buffer is reused, so a copy does not walk the state again for it.
@@ -112,14 +116,21 @@ class NodeReplica:
         self.pinned: list[torch.Tensor | None] = [None, None]   # each slot's page-locked mapping, if any
 
     def _slot_path(self, slot: int) -> Path:
-        return self.dir / f"rank{self.rank}.slot{slot}"
+        return replica_slot(self.dir, self.rank, slot)
 
-    def marked(self) -> dict | None:
-        """The marker of the newest complete snapshot: step, slot, run, layout, values; None if there is none."""
+    def marked(self, previous: bool = False) -> dict | None:
+        """The marker of the newest complete snapshot (``previous``: of the one before it, while its slot is
+        untouched): step, slot, run, layout, values; None if there is none."""
         try:
-            return pickle.loads(self.marker_path.read_bytes())
+            return pickle.loads((self.previous_path if previous else self.marker_path).read_bytes())
         except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
             return None
+
+    def overwriting(self, slot: int) -> None:
+        """A copy into ``slot`` begins: the previous snapshot's marker, which names it, goes first."""
+        previous = self.marked(previous=True)
+        if previous is not None and previous["slot"] == slot:
+            self.previous_path.unlink(missing_ok=True)
 
     def buffer(self, state: dict, slot: int) -> dict:
         """A buffer shaped like ``state`` (tensors: views of slot ``slot``, sized to ``state``)."""
@@ -176,14 +187,20 @@ class NodeReplica:
     def mark(self, step: int, slot: int, snapshot: dict, run: str | None) -> None:
         """Record ``snapshot`` (copied into slot ``slot`` by run ``run``) as the newest complete one."""
         if self.persistent:
+            # The snapshot this one supersedes stays usable until a copy into its slot begins: a restore that
+            # needs a step some other rank also has (a peer copy lags by its transfer) may find it there.
+            with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError, KeyError, TypeError):
+                old = self.marker_path.read_bytes()
+                if pickle.loads(old)["slot"] != slot:
+                    write_atomic(self.previous_path, old)
             write_atomic(self.marker_path, pickle.dumps({"step": step, "slot": slot, "run": run,
                                                          "layout": self.layouts[slot],
                                                          "values": _strip(snapshot, [0])}))
 
-    def load(self, state: dict) -> tuple[int, int, dict] | None:
-        """(step, slot, snapshot) of the marked snapshot, read from its slot and arranged like the live
-        ``state``; None if there is none or its layout is not ``state``'s."""
-        marker = self.marked()
+    def load(self, state: dict, previous: bool = False) -> tuple[int, int, dict] | None:
+        """(step, slot, snapshot) of the marked snapshot (``previous``: the one before it), read from its slot
+        and arranged like the live ``state``; None if there is none or its layout is not ``state``'s."""
+        marker = self.marked(previous)
         if marker is None or marker["layout"] != _layout(state):
             return None
         # Read once, host to device, on the restart's critical path: page-locking it first would cost more
@@ -195,7 +212,7 @@ class NodeReplica:
         """Delete this rank's marker (first: the slots are then never read) and slots."""
         for slot in (0, 1):
             self._unpin(slot)
-        for path in (self.marker_path, self._slot_path(0), self._slot_path(1)):
+        for path in (self.marker_path, self.previous_path, self._slot_path(0), self._slot_path(1)):
             path.unlink(missing_ok=True)
 
 
@@ -223,6 +240,7 @@ class MemorySnapshots:
     def stage(self, state: dict) -> tuple[int, dict, list]:
         """(slot, snapshot, pairs) for a copy of ``state`` into the slot that does not hold the newest snapshot."""
         slot = 1 - self.slot
+        self.node.overwriting(slot)
         self.buffers[slot], snapshot, pairs = staged_into(state, self.buffers[slot],
                                                           lambda s: self.node.buffer(s, slot))
         return slot, snapshot, pairs
@@ -231,6 +249,20 @@ class MemorySnapshots:
         """The copy into ``slot`` is whole: it is now the newest snapshot (marked on the node)."""
         self.node.mark(step, slot, snapshot, run)
         self.snapshot, self.step, self.slot, self.run, self.copy_s = snapshot, step, slot, run, copy_s
+
+    def offers(self, state: dict) -> list[tuple[int, str | None]]:
+        """(step, run) of the snapshots on the node that a restore of ``state`` could read back: the newest
+        (once ``read_back``), and the one before it."""
+        previous = self.node.marked(previous=True)
+        offers = [(self.step, self.run)] if self.step is not None else []
+        if offers and previous is not None and previous["layout"] == _layout(state):
+            offers.append((previous["step"], previous.get("run")))
+        return offers
+
+    def read_previous(self, state: dict) -> dict | None:
+        """The snapshot before the newest, read back against the live ``state``'s structure (None: gone)."""
+        loaded = self.node.load(state, previous=True)
+        return loaded[2] if loaded else None
 
     def read_back(self, state: dict) -> None:
         """A snapshot left by an earlier process or attempt: read it back against the live ``state``'s structure."""
