@@ -173,9 +173,7 @@ def test_a_hang_on_node_0_is_caught_and_both_nodes_restart(cluster, two_node_sha
 
 
 def test_node_1_lost_and_replaced_resumes_from_the_checkpoint_with_the_fault_free_weights(cluster, two_node_sha):
-    """Peer copies off (tests/test_peer_restore.py has them on). Not hit by the restart-count mismatch: node 0's rank waits in the in-process layer's restart for its
-    lost peer, so node 0's agent restarts for the replacement's arrival (a membership change, count 0, as the
-    replacement's). With the in-job layer alone it would fail (counts 1 and 0)."""
+    """Peer copies off (tests/test_peer_restore.py has them on): node 1's snapshots go with the node."""
     c = cluster(*STEPS, "--memory-snapshot-every-s", "0.001", "--no-peer-snapshots")
     wait_for(c, lambda e: e["event"] == "ckpt_committed" and e["step"] == 4)
     wait_for(c, lambda e: e["event"] == "step" and e["step"] >= 6)
