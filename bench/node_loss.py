@@ -5,20 +5,18 @@ whole process tree is killed and its memory-snapshot directory wiped, and a repl
 once (what the PyTorchJob's restart policy does with a new pod; here it costs no scheduling or image pull).
 The same trainer and workload under:
 
-- ``ft_launcher, FSx checkpoint``: the product today: node 0 still has its memory snapshot, node 1's went with
-  the node, so the newest step both have is the last committed checkpoint;
-- ``torchrun --max-restarts``: plain torch elastic agents, same rendezvous, same checkpoints;
-- ``ft_launcher, peer snapshot``: each node runs ``python -m trainer.peer`` next to its ranks (niced, in the
-  node's tree, so it dies with the node), which ships the node's snapshots to the next node of the ring;
-  the replacement node's snapshot is restored from node 0's copy before its ranks start, at the step node 0's
-  own snapshot has. A stand-in for the checkpointer's restore order (own memory, peer, FSx, S3) until that is
-  integrated: the trainer then finds the copy as its own memory.
-- ``ft_launcher, warm standby``: a third node tree started with the others (``LocalCluster(standby=1)``:
-  wrapper, zygote with torch imported, launcher with NVRx imported) waits before the rendezvous and is
-  promoted in the lost node's place (``promote(1)``), so the replacement starts no process; FSx checkpoint.
-  What NVRx 0.6+'s hot spares give a cluster (docs/multinode.md).
+- ``ft_launcher, FSx checkpoint``: peer copies off (``--no-peer-snapshots``): node 0 still has its memory
+  snapshot, node 1's went with the node, so the newest step both have is the last committed checkpoint;
+- ``torchrun --max-restarts``: plain torch elastic agents, same rendezvous, same checkpoints, peer copies off;
+- ``ft_launcher, peer snapshot``: the trainer's default: each node's janitor keeps the other node's memory
+  snapshots (``trainer/peer.py``), and the replacement's ranks restore theirs from node 0's copy;
+- ``ft_launcher, peer + warm standby``: the same, with the replacement a third node tree started with the
+  others (``LocalCluster(standby=1)``: wrapper, zygote with torch imported, launcher with NVRx imported) that
+  waits before the rendezvous and is promoted in the lost node's place (``promote(1)``), so the replacement
+  starts no process. What NVRx 0.6+'s hot spares give a cluster (docs/multinode.md).
 
-Overhead: the median step time of the fault-free run with the peer daemons against the one without.
+Overhead: the median step time of fault-free runs with peer copies against runs without, alternated
+``--overhead-pairs`` times (this host's load drifts by more than the 2% budget between two runs).
 
 Recovery = node killed -> first training step completed after it; redone = the newest step done before the
 loss minus the step the run resumed from. The weights at the end are compared with a fault-free run's. The
@@ -41,9 +39,7 @@ import dataclasses
 import datetime
 import json
 import re
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -51,32 +47,18 @@ from pathlib import Path
 
 from _runs import dataset, events, table
 
-from trainer.launch import LOCAL_KEEP_ALIVE, LOCAL_RDZV_POLL_S, NODE_ENV, LaunchConfig, LocalCluster
-from trainer.layout import replica_dir
-
-REPO = Path(__file__).resolve().parent.parent
-# The restore, in a process of its own that has imported torch before the loss, as the replacement node's
-# janitor would have.
-RESTORE = """
-import sys
-from pathlib import Path
-from trainer.peer import restore_from_peer
-from trainer.checkpoint.replica import NodeReplica
-other_dir, other, port, node, dest = sys.argv[1:]
-sys.stdin.readline()
-marker = NodeReplica(Path(other_dir), int(other)).marked()
-print(restore_from_peer(("127.0.0.1", int(port)), int(node), [int(node)], Path(dest),
-                        among={marker["step"]} if marker else set()), flush=True)
-"""
+from trainer.launch import LOCAL_KEEP_ALIVE, LOCAL_RDZV_POLL_S, LaunchConfig, LocalCluster
 
 TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8",
         "--eval-windows", "16", "--log-every", "5", "--max-steps", "60", "--ckpt-every", "20",
-        "--memory-snapshot-every-s", "0.5"]
+        "--memory-snapshot-every-s", "0.5"]   # SNAPSHOT_EVERY_S
 LOSS_AT = 30
 LAUNCH = LaunchConfig(nnodes=2, nproc_per_node=1, max_restarts=3, monitor_interval_s=0.1,
                       workload_check_interval_s=0.1, workers_stop_timeout_s=0.3, join_timeout_s=120)
 COLUMNS = {"fsx": "ft_launcher, FSx checkpoint", "torchrun": "torchrun --max-restarts",
-           "peer": "ft_launcher, peer snapshot", "standby": "ft_launcher, warm standby"}
+           "peer": "ft_launcher, peer snapshot", "standby": "ft_launcher, peer + warm standby"}
+PEER_OFF = ("fsx", "torchrun")
+SNAPSHOT_EVERY_S = 0.5
 
 
 class TorchrunCluster(LocalCluster):
@@ -103,59 +85,17 @@ def _keep_alive(value: str) -> tuple[float, int]:
         raise argparse.ArgumentTypeError(f"{value!r} is not INTERVAL_S:ATTEMPTS, e.g. 5:3") from None
 
 
-def _port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-class PeerDaemons:
-    """``python -m trainer.peer`` on each node of ``cluster``, started into the node's tree."""
-
-    def __init__(self, cluster: LocalCluster, out: Path):
-        self.cluster, self.out = cluster, out
-        self.ports = [_port() for _ in cluster.nodes]
-
-    def replicas(self, i: int) -> Path:
-        return replica_dir(self.cluster.nodes[i].memory_dir, self.out / "checkpoints")
-
-    def start(self, i: int) -> None:
-        node, n = self.cluster.nodes[i], len(self.cluster.nodes)
-        with open(self.out.parent / f"{self.out.name}-peer{i}.log", "ab") as log:
-            subprocess.Popen(["nice", "-n", "19", sys.executable, "-m", "trainer.peer", "--replica-dir",
-                              str(self.replicas(i)), "--store-dir", str(node.memory_dir / "peer"), "--node", str(i),
-                              "--port", str(self.ports[i]), "--peer", f"127.0.0.1:{self.ports[(i + 1) % n]}",
-                              "--interval-s", "0.1"], stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
-                             env={**self.cluster.env, NODE_ENV: node.marker})
-
-    def prepare_restore(self, i: int) -> subprocess.Popen:
-        """A process ready to restore node ``i``'s snapshot from its holder (``restore`` sets it off)."""
-        other = (i + 1) % len(self.cluster.nodes)
-        return subprocess.Popen([sys.executable, "-c", RESTORE, str(self.replicas(other)), str(other),
-                                 str(self.ports[other]), str(i), str(self.replicas(i))],
-                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, cwd=REPO)
-
-    @staticmethod
-    def restore(helper: subprocess.Popen) -> int | None:
-        """Node ``i``'s snapshot from its holder, at the step the other node's own snapshot has."""
-        out, _ = helper.communicate("go\n", timeout=60)
-        return None if out.strip() in ("", "None") else int(out.strip())
-
-
-def run(kind: str, root: Path, data: Path, lose: bool, timeout: float, launch: LaunchConfig = LAUNCH) -> dict:
-    out = root / "runs" / f"{kind}{'' if lose else '-clean'}"
-    args = ["--data", str(data), *TINY, "--out", str(out)]
+def run(kind: str, root: Path, data: Path, lose: bool, timeout: float, launch: LaunchConfig = LAUNCH,
+        name: str | None = None) -> dict:
+    out = root / "runs" / (name or f"{kind}{'' if lose else '-clean'}")
+    args = ["--data", str(data), *TINY, "--out", str(out), *(["--no-peer-snapshots"] if kind in PEER_OFF else [])]
     cluster = (TorchrunCluster if kind == "torchrun" else LocalCluster)(
         launch, args, workdir=out.parent / out.name, standby=int(kind == "standby" and lose))
-    peers = PeerDaemons(cluster, out) if kind == "peer" else None
     out.mkdir(parents=True, exist_ok=True)
     result: dict = {}
     with cluster:
         t0 = time.monotonic()
         cluster.start()
-        for i in range(len(cluster.nodes)) if peers else ():
-            peers.start(i)
-        helper = peers.prepare_restore(1) if peers and lose else None
         if lose:
             # Between checkpoints: past LOSS_AT, with the step-20 checkpoint committed (its write may still
             # run on a writer that boots after each start, so it can commit after LOSS_AT).
@@ -168,11 +108,7 @@ def run(kind: str, root: Path, data: Path, lose: bool, timeout: float, launch: L
                 time.sleep(0.05)
             cluster.kill(1)
             result["lost_at"] = time.time()
-            if peers:
-                result["peer_step"] = peers.restore(helper)
             cluster.promote(1) if cluster.standbys else cluster.start(1)
-            if peers:
-                peers.start(1)
         try:
             result["code"] = cluster.supervise(timeout=timeout)
         except TimeoutError:
@@ -250,6 +186,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--timeout-s", type=float, default=240.0, help="per run")
+    p.add_argument("--overhead-pairs", type=int, default=3,
+                   help="fault-free runs with peer copies off and on, alternated, for the overhead (default 3)")
     p.add_argument("--modes", type=_modes, default=list(COLUMNS), metavar="MODE,...",
                    help=f"the variants to run, of {','.join(COLUMNS)} (default: all)")
     p.add_argument("--keep-alive", type=_keep_alive, default="{:g}:{}".format(*LOCAL_KEEP_ALIVE),
@@ -262,11 +200,16 @@ def main() -> None:
                                  rdzv_poll_interval_s=a.rdzv_poll_s)
     root = a.workdir or Path(tempfile.mkdtemp(prefix="bench-node-loss-"))
     data = dataset(root)
-    clean = run("fsx", root, data, lose=False, timeout=a.timeout_s, launch=launch)
-    print(f"fault-free 2-node run: {clean}", flush=True)
-    if "peer" in a.modes:
-        clean_peer = run("peer", root, data, lose=False, timeout=a.timeout_s, launch=launch)
-        print(f"fault-free 2-node run with peer copies: {clean_peer}", flush=True)
+    # Fault-free runs, peer copies off and on, alternated: the first "off" run is the weights' reference.
+    clean, p50 = None, {"fsx": [], "peer": []}
+    for i in range(a.overhead_pairs):
+        for kind in ("fsx", "peer"):
+            r = run(kind, root, data, lose=False, timeout=a.timeout_s, launch=launch, name=f"{kind}-clean{i}")
+            print(f"fault-free 2-node run, peer copies {'on' if kind == 'peer' else 'off'}: {r}", flush=True)
+            clean = clean or r
+            p50[kind].append(r["step_s_p50"])
+            if r["sha"] != clean["sha"]:
+                raise SystemExit(f"fault-free runs ended with different weights: {r['sha']} != {clean['sha']}")
     measured = {}
     for kind in a.modes:
         measured[kind] = r = run(kind, root, data, lose=True, timeout=a.timeout_s, launch=launch)
@@ -281,11 +224,12 @@ def main() -> None:
         rows[1].append(str(r.get("redone", "-")))
         rows[2].append(r.get("source", f"exit {r['code']}"))
         rows[3].append(str(r["sha"] == clean["sha"]) if r["sha"] else "no summary")
-    if "peer" in a.modes:
-        overhead = clean_peer["step_s_p50"] / clean["step_s_p50"]
-        print(f"\nstep time p50, fault-free: {clean['step_s_p50'] * 1e3:.1f} ms without peer copies, "
-              f"{clean_peer['step_s_p50'] * 1e3:.1f} ms with ({overhead:.3f}x; same weights: "
-              f"{clean_peer['sha'] == clean['sha']})")
+    off, on = statistics.median(p50["fsx"]), statistics.median(p50["peer"])
+    overhead = on / off
+    print(f"\nstep time p50, fault-free, median of {a.overhead_pairs} alternated runs each: {off * 1e3:.1f} ms "
+          f"without peer copies, {on * 1e3:.1f} ms with ({overhead:.3f}x; runs: "
+          f"{', '.join(f'{x * 1e3:.0f}' for x in p50['fsx'])} / {', '.join(f'{x * 1e3:.0f}' for x in p50['peer'])} ms)")
+    interval_steps = SNAPSHOT_EVERY_S / off
     print(f"\nnode 1 of 2 lost after step {LOSS_AT} and replaced at once; checkpoint every 20 steps, memory "
           f"snapshot every 0.5 s; ft_launcher's keep-alive {a.keep_alive[0]:g} s x {a.keep_alive[1]}, rendezvous "
           f"poll {a.rdzv_poll_s:g} s" + (" (ratio to torchrun)" if base else ""))
@@ -299,14 +243,13 @@ def main() -> None:
         print(table([[name, *(f"{stages[k][name]:.2f} (+{cells[k][name]:.2f})" if name in stages[k] else "-"
                               for k in traced)] for name in names], ["stage", *(COLUMNS[k] for k in traced)]))
     standby = measured.get("standby", {}).get("recovered_s")
-    peer = measured.get("peer", {})
-    print("\ngoals: recovery <= 5 s: " + ("not run" if "standby" not in a.modes else
-                                          "failed" if standby is None else
-                                          f"{standby:.2f} s with the warm standby, "
-                                          f"{'met' if standby <= 5 else 'not met'}") +
-          "; redone <= the snapshot interval (0.5 s, ~6 steps) with the peer copy: " +
-          ("not run" if "peer" not in a.modes else f"{peer.get('redone', 'failed')} steps") +
-          ("; step time with peer copies <= 1.02x: " + f"{overhead:.3f}x" if "peer" in a.modes else ""))
+    redone = {k: measured[k].get("redone") for k in ("peer", "standby") if k in measured}
+    recovery = ("not run" if "standby" not in a.modes else "failed" if standby is None else
+                f"{standby:.2f} s with peer + warm standby, {'met' if standby <= 5 else 'not met'}")
+    redone_cells = ", ".join(f"{'failed' if v is None else v} steps ({COLUMNS[k]})" for k, v in redone.items())
+    print(f"\ngoals: recovery <= 5 s: {recovery}; redone <= the snapshot interval ({SNAPSHOT_EVERY_S:g} s, "
+          f"{interval_steps:.1f} steps) with the peer copy: {redone_cells or 'not run'}; step time with peer "
+          f"copies <= 1.02x: {overhead:.3f}x")
 
 
 def _deltas(stages: list[tuple[str, float]]) -> dict[str, float]:
