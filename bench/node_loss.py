@@ -20,7 +20,9 @@ Overhead: the median step time of fault-free runs with peer copies against runs 
 
 Recovery = node killed -> first training step completed after it; redone = the newest step done before the
 loss minus the step the run resumed from. The weights at the end are compared with a fault-free run's. The
-loss comes past step LOSS_AT once the step-20 checkpoint is committed (and the standby waits at its gate).
+loss comes in the steady state, between checkpoints: past step LOSS_AT, once the step-40 checkpoint is committed
+and a memory snapshot was taken after it (the first checkpoint's write waits for the writer's boot, and while
+it is owed no memory snapshot is taken), and once the standby waits at its gate.
 Where the seconds went: when each stage ended, from both nodes' launcher logs and the ranks' events.
 
 The nodes' rendezvous drops the lost node after LocalCluster's keep-alive (``trainer.launch.LOCAL_KEEP_ALIVE``,
@@ -50,9 +52,10 @@ from _runs import dataset, events, table
 from trainer.launch import LOCAL_KEEP_ALIVE, LOCAL_RDZV_POLL_S, LaunchConfig, LocalCluster
 
 TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8",
-        "--eval-windows", "16", "--log-every", "5", "--max-steps", "60", "--ckpt-every", "20",
+        "--eval-windows", "16", "--log-every", "5", "--max-steps", "160", "--ckpt-every", "40",
         "--memory-snapshot-every-s", "0.5"]   # SNAPSHOT_EVERY_S
-LOSS_AT = 30
+LOSS_AT = 60
+CKPT_EVERY = 40
 LAUNCH = LaunchConfig(nnodes=2, nproc_per_node=1, max_restarts=3, monitor_interval_s=0.1,
                       workload_check_interval_s=0.1, workers_stop_timeout_s=0.3, join_timeout_s=120)
 COLUMNS = {"fsx": "ft_launcher, FSx checkpoint", "torchrun": "torchrun --max-restarts",
@@ -85,6 +88,13 @@ def _keep_alive(value: str) -> tuple[float, int]:
         raise argparse.ArgumentTypeError(f"{value!r} is not INTERVAL_S:ATTEMPTS, e.g. 5:3") from None
 
 
+def _steady(ev: list[dict]) -> bool:
+    """Past LOSS_AT, the step-CKPT_EVERY checkpoint committed, and a memory snapshot taken since."""
+    committed = next((e["t"] for e in ev if e["event"] == "ckpt_committed" and e["step"] == CKPT_EVERY), None)
+    return (committed is not None and any(e["event"] == "step" and e["step"] >= LOSS_AT for e in ev) and
+            any(e["event"] == "memory_snapshot" and e["t"] > committed for e in ev))
+
+
 def run(kind: str, root: Path, data: Path, lose: bool, timeout: float, launch: LaunchConfig = LAUNCH,
         name: str | None = None) -> dict:
     out = root / "runs" / (name or f"{kind}{'' if lose else '-clean'}")
@@ -97,12 +107,7 @@ def run(kind: str, root: Path, data: Path, lose: bool, timeout: float, launch: L
         t0 = time.monotonic()
         cluster.start()
         if lose:
-            # Between checkpoints: past LOSS_AT, with the step-20 checkpoint committed (its write may still
-            # run on a writer that boots after each start, so it can commit after LOSS_AT).
-            # A standby is waiting at its gate by then (it was started with the nodes).
-            while not (any(e["event"] == "step" and e["step"] >= LOSS_AT for e in events(out)) and
-                       any(e["event"] == "ckpt_committed" and e["step"] == 20 for e in events(out)) and
-                       cluster.standby_ready()):
+            while not _steady(events(out)) or not cluster.standby_ready():
                 if time.monotonic() - t0 > timeout or all(n.proc.poll() is not None for n in cluster.nodes):
                     raise RuntimeError(f"{kind}: the run did not reach step {LOSS_AT}; see {out}/node*.log")
                 time.sleep(0.05)
@@ -230,7 +235,7 @@ def main() -> None:
           f"without peer copies, {on * 1e3:.1f} ms with ({overhead:.3f}x; runs: "
           f"{', '.join(f'{x * 1e3:.0f}' for x in p50['fsx'])} / {', '.join(f'{x * 1e3:.0f}' for x in p50['peer'])} ms)")
     interval_steps = SNAPSHOT_EVERY_S / off
-    print(f"\nnode 1 of 2 lost after step {LOSS_AT} and replaced at once; checkpoint every 20 steps, memory "
+    print(f"\nnode 1 of 2 lost after step {LOSS_AT} and replaced at once; checkpoint every {CKPT_EVERY} steps, memory "
           f"snapshot every 0.5 s; ft_launcher's keep-alive {a.keep_alive[0]:g} s x {a.keep_alive[1]}, rendezvous "
           f"poll {a.rdzv_poll_s:g} s" + (" (ratio to torchrun)" if base else ""))
     print(table(rows, ["", *(COLUMNS[k] for k in a.modes)]))
