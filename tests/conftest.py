@@ -19,7 +19,7 @@ import torch.distributed as dist
 
 from trainer.data import ensure_default_dataset
 from trainer.events import read_events
-from trainer.launch import LaunchConfig, local_launcher_command
+from trainer.launch import LaunchConfig, LocalCluster, local_launcher_command
 from trainer.parallel import Dist
 from trainer.layout import replica_dir
 
@@ -244,3 +244,31 @@ def s3_registry(s3):
     bucket = f"models-{uuid.uuid4().hex[:8]}"
     s3.client().create_bucket(Bucket=bucket)
     return s3, f"s3://{bucket}/registry"
+
+
+# Tight rank-monitor timeouts and a short rendezvous wait: a lost node is noticed within seconds.
+FT = dict(max_restarts=2, step_timeout_s=4.0, workload_check_interval_s=0.5, join_timeout_s=60.0)
+
+
+@pytest.fixture
+def cluster(tmp_path, dataset):
+    """``cluster(*trainer_args, nodes=2, min_nodes=0, standby=0, order=None, **launch)``: a started LocalCluster
+    of 1-rank nodes; ``order``: the nodes to start, in that order (the first started gets group rank 0)."""
+    started: list[LocalCluster] = []
+
+    def start(*args: str, nodes: int = 2, min_nodes: int = 0, standby: int = 0, order=None, **launch) -> LocalCluster:
+        out = tmp_path / "run"
+        c = LocalCluster(LaunchConfig(nnodes=nodes, nproc_per_node=1, **{**FT, **launch}),
+                         ["--data", str(dataset), *TINY, "--out", str(out), *args], min_nodes=min_nodes,
+                         workdir=tmp_path, standby=standby)
+        c.out = out
+        started.append(c)
+        if order is None:
+            c.start()
+        for i in order or ():
+            c.start(i)
+        return c
+
+    yield start
+    for c in started:
+        c.close()

@@ -25,49 +25,7 @@ from trainer.launch import LaunchConfig, LocalCluster
 from trainer.layout import committed_steps
 
 from tests.conftest import GOODPUT, MARK, STEPS, TINY, marked, until
-
-# Tight rank-monitor timeouts and a short rendezvous wait: a lost node is noticed within seconds.
-FT = dict(max_restarts=2, step_timeout_s=4.0, workload_check_interval_s=0.5, join_timeout_s=60.0)
-
-
-@pytest.fixture
-def cluster(tmp_path, dataset):
-    """``cluster(*trainer_args, nodes=2, min_nodes=0, standby=0, **launch)``: a started LocalCluster of 1-rank
-    nodes."""
-    started: list[LocalCluster] = []
-
-    def start(*args: str, nodes: int = 2, min_nodes: int = 0, standby: int = 0, **launch) -> LocalCluster:
-        out = tmp_path / "run"
-        c = LocalCluster(LaunchConfig(nnodes=nodes, nproc_per_node=1, **{**FT, **launch}),
-                         ["--data", str(dataset), *TINY, "--out", str(out), *args], min_nodes=min_nodes,
-                         workdir=tmp_path, standby=standby)
-        c.out = out
-        started.append(c)
-        c.start()
-        return c
-
-    yield start
-    for c in started:
-        c.close()
-
-
-def events(c: LocalCluster) -> list[dict]:
-    return read_events(c.out / "events.jsonl")
-
-
-def wait_for(c: LocalCluster, predicate, timeout: float = 120) -> dict:
-    found: list[dict] = []
-    assert until(lambda: found.extend(e for e in events(c) if predicate(e)) or found, timeout), logs(c)
-    return found[0]
-
-
-def logs(c: LocalCluster) -> str:
-    return "\n".join(f"--- node {n.index}\n" + "\n".join(n.log.read_text(errors="replace").splitlines()[-30:])
-                     for n in c.nodes if n.log and n.log.exists())
-
-
-def summary(c: LocalCluster) -> dict:
-    return json.loads((c.out / "summary.json").read_text())
+from tests.multinode import events, logs, summary, wait_for
 
 
 @pytest.fixture(scope="session")

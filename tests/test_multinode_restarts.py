@@ -15,47 +15,8 @@ from datetime import timedelta
 import pytest
 
 from trainer.events import read_events
-from trainer.launch import LaunchConfig, LocalCluster
 
-from tests.conftest import TINY, until
-
-FT = dict(max_restarts=2, step_timeout_s=4.0, workload_check_interval_s=0.5, join_timeout_s=60.0)
-
-
-@pytest.fixture
-def cluster(tmp_path, dataset):
-    """``cluster(*trainer_args, min_nodes=0, order=(0, 1), **launch)``: a LocalCluster of two 1-rank nodes,
-    started in ``order`` (the first started gets group rank 0, so rank 0)."""
-    made: list[LocalCluster] = []
-
-    def make(*args: str, min_nodes: int = 0, order=(0, 1), **launch) -> LocalCluster:
-        c = LocalCluster(LaunchConfig(nnodes=2, nproc_per_node=1, **{**FT, **launch}),
-                         ["--data", str(dataset), *TINY, "--out", str(tmp_path / "run"), *args], min_nodes=min_nodes,
-                         workdir=tmp_path)
-        c.out = tmp_path / "run"
-        made.append(c)
-        for i in order:
-            c.start(i)
-        return c
-
-    yield make
-    for c in made:
-        c.close()
-
-
-def events(c: LocalCluster) -> list[dict]:
-    return read_events(c.out / "events.jsonl")
-
-
-def logs(c: LocalCluster) -> str:
-    return "\n".join(f"--- node {n.index}\n" + "\n".join(n.log.read_text(errors="replace").splitlines()[-60:])
-                     for n in c.nodes if n.log and n.log.exists())
-
-
-def wait_for(c: LocalCluster, predicate, timeout: float = 120) -> dict:
-    found: list[dict] = []
-    assert until(lambda: found.extend(e for e in events(c) if predicate(e)) or found, timeout), logs(c)
-    return found[0]
+from tests.multinode import events, logs, wait_for
 
 
 @pytest.mark.timeout(300)

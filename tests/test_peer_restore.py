@@ -20,12 +20,8 @@ from trainer.checkpoint.replica import NodeReplica
 from trainer.launch import LaunchConfig, LocalCluster
 from trainer.peer import holder_of
 
-from tests import test_multinode
-from tests.conftest import TINY, until
-from tests.test_multinode import FT, events, logs, summary, wait_for
-
-# The multi-node tests' fixture: ``cluster(*args)`` starts a LocalCluster of 1-rank nodes.
-cluster = test_multinode.cluster
+from tests.conftest import FT, TINY, until
+from tests.multinode import events, logs, summary, wait_for
 
 # A memory snapshot every 0.3 s is every few steps. Synchronous checkpoints: committed at their step, not
 # whenever a writer that boots after every start gets to it, so that the loss is between two checkpoints
@@ -123,17 +119,22 @@ def test_a_lost_node_resumes_from_its_peer_copy_and_redoes_at_most_the_snapshot_
     assert s["lost_steps"] == done - step <= interval < done - newest_commit, (done, step, snaps, newest_commit)
 
 
+def assert_resumed_from_the_newest_checkpoint(c, lost_at: float, fault_free_sha: str) -> None:
+    """The run finished with the fault-free weights, both ranks resumed from the newest checkpoint committed."""
+    assert c.supervise(timeout=120) == 0, logs(c)
+    assert summary(c)["params_sha256"] == fault_free_sha
+    loaded = loaded_after(c, lost_at)
+    assert {r: e["source"] for r, e in loaded.items()} == {0: "checkpoint", 1: "checkpoint"}
+    assert {e["step"] for e in loaded.values()} == {committed(c, before=min(e["t"] for e in loaded.values()))}
+
+
 def test_with_the_holder_gone_before_the_restore_the_run_falls_back_to_the_checkpoint(cluster, fault_free_sha):
     c = cluster(*RUN)
     (daemon,) = peer_daemons(c, 0)
     assert until(lambda: held(c, 1, 1), 120), logs(c)     # it did keep node 1's copies: now it is gone
     psutil.Process(daemon).kill()
     lost_at, _, _ = lose_node_1(c)
-    assert c.supervise(timeout=120) == 0, logs(c)
-    assert summary(c)["params_sha256"] == fault_free_sha
-    loaded = loaded_after(c, lost_at)
-    assert {r: e["source"] for r, e in loaded.items()} == {0: "checkpoint", 1: "checkpoint"}
-    assert {e["step"] for e in loaded.values()} == {committed(c, before=min(e["t"] for e in loaded.values()))}
+    assert_resumed_from_the_newest_checkpoint(c, lost_at, fault_free_sha)
     # The replacement's rank did ask: node 0's rank had newer steps in memory than the checkpoint.
     assert "the holder of node 1's memory snapshots" in c.nodes[1].log.read_text(errors="replace"), logs(c)
 
@@ -143,8 +144,4 @@ def test_without_peer_snapshots_a_lost_node_resumes_from_the_checkpoint(cluster,
     wait_for(c, lambda e: e["event"] == "memory_snapshot")
     assert not peer_daemons(c, 0) and not peer_daemons(c, 1)
     lost_at, _, _ = lose_node_1(c)
-    assert c.supervise(timeout=120) == 0, logs(c)
-    assert summary(c)["params_sha256"] == fault_free_sha
-    loaded = loaded_after(c, lost_at)
-    assert {r: e["source"] for r, e in loaded.items()} == {0: "checkpoint", 1: "checkpoint"}
-    assert {e["step"] for e in loaded.values()} == {committed(c, before=min(e["t"] for e in loaded.values()))}
+    assert_resumed_from_the_newest_checkpoint(c, lost_at, fault_free_sha)
