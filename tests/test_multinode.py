@@ -121,6 +121,23 @@ def test_a_rank_killed_on_node_1_restarts_both_nodes(cluster, two_node_sha):
     assert len(loaded) == 2 and loaded[0] == loaded[1] and loaded[0][0] == "memory" and loaded[0][1] >= 5
 
 
+def test_two_nodes_of_two_ranks_recover_a_rank_killed_on_node_1(tmp_path, dataset):
+    """2 x 2: node 1's second rank (rank 3) killed at step 7; both nodes' agents restart their two ranks and the
+    run ends with the fault-free 2 x 2 run's weights."""
+    def train(name: str, *extra: str) -> dict:
+        out = tmp_path / name
+        proc = subprocess.run([*GOODPUT, "train", "--nodes", "2", "--nproc", "2", "--data", str(dataset),
+                               "--out", str(out), *TINY, *STEPS, *extra], capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        return json.loads((out / "summary.json").read_text())
+
+    clean, faulted = train("clean"), train("kill", "--inject-fault", "kill@7:3")
+    assert [f["kind"] for f in faulted["faults"]] == ["kill"] and clean["faults"] == []
+    assert faulted["params_sha256"] == clean["params_sha256"]
+    starts = [e for e in read_events(tmp_path / "kill" / "events.jsonl") if e["event"] == "worker_start"]
+    assert sorted(e["rank"] for e in starts) == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
 def test_a_hang_on_node_0_is_caught_and_both_nodes_restart(cluster, two_node_sha):
     c = cluster(*STEPS, "--inject-fault", "hang@6:0", "--ft-calc-after-steps", "3", "--ft-min-step-timeout-s", "3",
                 step_timeout_s=300.0)
