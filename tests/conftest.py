@@ -172,9 +172,10 @@ class Train:
         assert until(lambda: any(e["event"] == event for e in self.events()) or self.proc.poll() is not None,
                      timeout) and self.proc.poll() is None, self.output()
 
-    def output(self) -> str:
+    def output(self, tail: int | None = 4000) -> str:
+        """The run's output, its last ``tail`` characters (None: all of it)."""
         self.log.seek(0)
-        return self.log.read()[-4000:]
+        return self.log.read()[-tail if tail else 0:]
 
     def summary_sha(self) -> str:
         return json.loads((self.out / "summary.json").read_text())["params_sha256"]
