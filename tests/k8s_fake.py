@@ -348,6 +348,7 @@ def _handler(kube: FakeKube):
 
         def _send(self, code: int, body: dict) -> None:
             data = json.dumps(body).encode()
+            self.req.status = code     # before the reply: a client that has it may be checked at once
             self.send_response(code)
             self.send_header("Content-Type", "application/json")
             self.send_header("Content-Length", str(len(data)))
@@ -355,16 +356,15 @@ def _handler(kube: FakeKube):
             self.end_headers()
             self.wfile.write(data)
             self.close_connection = True
-            self.req.status = code
 
         def _start_stream(self, content_type: str) -> None:
+            self.req.status = 200
             self.send_response(200)
             self.send_header("Content-Type", content_type)
             self.send_header("Transfer-Encoding", "chunked")
             self.send_header("Connection", "close")
             self.end_headers()
             self.close_connection = True
-            self.req.status = 200
 
         def _chunk(self, data: bytes) -> None:
             self.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n")
