@@ -109,7 +109,7 @@ def test_the_timeline_marks_fault_restart_recovery_stalls_and_commits_where_they
     for e in snapshots:
         what = "final checkpoint (synchronous)" if e["sync"] else "checkpoint"
         (band,) = [r for t, r in rects if t.startswith(f"{what} of step {e['step']}: training blocked "
-                                                               f"{fmt_s(e['block_s'])}") and r.get("x") is not None
+                                                       f"{fmt_s(e['block_s'])}") and r.get("x") is not None
                    and float(r.get("x")) == pytest.approx(px(e["t"] - t0 - e["block_s"]), abs=1.0)]
         assert float(band.get("width")) == pytest.approx(max(1.5, scale * e["block_s"]), abs=1.0)
     commits = [p for p in plot.iter(f"{SVG}path") if title(p).startswith("checkpoint of step")]
