@@ -209,6 +209,43 @@ def test_an_in_job_restart_resumes_from_the_replica_left_in_node_memory(tmp_path
                 mgr.close()
 
 
+def test_an_owed_checkpoints_copy_is_kept_while_memory_snapshots_go_on_in_the_other_slot(tmp_path, process_group):
+    """A checkpoint owed to a cold writer keeps its slot: snapshots take turns in the other, each over the newest,
+    so a rank killed while one is copied resumes from the owed copy; the owed checkpoint has its own step's
+    values when it is written."""
+    root, events = tmp_path / "ckpt", EventLog(tmp_path / "e", 0)
+    cfg = CheckpointConfig(memory_dir=str(tmp_path / "shm"))
+    mgr = CheckpointManager(root, cfg, process_group, events, run_id="run")
+    restarted = []
+    try:
+        mgr.restore(_zeros())
+        owed = mgr.snapshot_to_memory(4, _state(4), keep=True)
+        for step in (5, 6):
+            mgr.snapshot_to_memory(step, _state(step))
+            mgr.finish_snapshot()
+        restarted.append(CheckpointManager(root, cfg, process_group, events, run_id="run"))
+        step, source, restored = restarted[-1].restore(_zeros())
+        assert (step, source) == (6, "memory") and torch.equal(restored["model"]["w"], _state(6)["model"]["w"])
+        mgr.snapshot_to_memory(7, _state(7))                    # into step 6's slot: the rank dies meanwhile
+        mgr.copying.copy.result()
+        restarted.append(CheckpointManager(root, cfg, process_group, events, run_id="run"))
+        step, source, restored = restarted[-1].restore(_zeros())
+        assert (step, source) == (4, "memory") and torch.equal(restored["model"]["w"], _state(4)["model"]["w"])
+        mgr.finish_snapshot()
+        mgr.save(4, owed)                                       # the writer is warm: the owed checkpoint
+        mgr.release(owed)
+        mgr.wait()
+        loaded = _zeros()
+        dcp.load(loaded, checkpoint_id=str(step_dir(root, 4)))
+        assert torch.equal(loaded["model"]["w"], _state(4)["model"]["w"]) and loaded["train"]["step"] == 4
+        mgr.snapshot_to_memory(8, _state(8))                    # released: the next copy may take its slot
+        mgr.finish_snapshot()
+        assert mgr.replica.slot == 1 - restarted[0].replica.slot
+    finally:
+        for m in (mgr, *restarted):
+            m.close()
+
+
 def test_a_replica_is_used_only_by_the_run_that_made_it(tmp_path, process_group):
     """Killed before its first checkpoint, a run resumes from its replica; the same output directory
     started afresh (a new run) must not, and deletes it."""

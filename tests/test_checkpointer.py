@@ -29,9 +29,12 @@ class RecordingManager:
     def restore(self, state):
         return None, "checkpoint", state
 
-    def snapshot_to_memory(self, step, state):
-        self.calls.append(("memory", step))
+    def snapshot_to_memory(self, step, state, keep=False):
+        self.calls.append(("memory", step, "kept") if keep else ("memory", step))
         return {"copy of step": step}
+
+    def release(self, copy):
+        self.calls.append(("release", copy["copy of step"]))
 
     def save(self, step, state, blocking=False):
         source = state if isinstance(state, dict) else "live"
@@ -95,11 +98,26 @@ def test_a_checkpoint_due_while_the_writers_are_cold_is_copied_now_and_written_w
     ckpt, m = _checkpointer(tmp_path)
     _step(ckpt, 1)
     _step(ckpt, 4, due=True, busy=True, cold=True)        # the first write still runs on a booting writer
-    assert m.calls == [("start_writer",), ("memory", 4)]   # the loop waits for no boot
+    assert m.calls == [("start_writer",), ("memory", 4, "kept")]   # the loop waits for no boot
     _step(ckpt, 5, busy=True, cold=True)                   # still cold: nothing is written yet
     assert m.calls[2:] == []
     _step(ckpt, 6, busy=True)                              # warm: step 4's copy is written, as step 4
-    assert m.calls[2:] == [("save", 4, {"copy of step": 4}, False)]
+    assert m.calls[2:] == [("save", 4, {"copy of step": 4}, False), ("release", 4)]
+
+
+def test_memory_snapshots_go_on_while_one_checkpoint_is_owed_and_stop_while_two_are(tmp_path):
+    ckpt, m = _checkpointer(tmp_path, ckpt_every="5", memory_every_s=0.0)
+    _step(ckpt, 2, due=True, busy=True, cold=True)
+    ckpt.cfg.memory_every_s, ckpt.policy.last_memory_time = 1.0, 0.0    # a memory snapshot is overdue
+    assert ckpt.votes(3)[2], "one owed checkpoint keeps one slot: the other takes memory snapshots"
+    _step(ckpt, 3, busy=True, cold=True, memory=True)
+    _step(ckpt, 4, due=True, busy=True, cold=True)
+    ckpt.policy.last_memory_time = 0.0
+    assert not ckpt.votes(5)[2], "two owed checkpoints keep both slots"
+    assert m.calls == [("memory", 2, "kept"), ("memory", 3), ("memory", 4, "kept")]
+    m.calls.clear()
+    _step(ckpt, 5, due=True, busy=True)                    # warm and busy: supersedes both, frees their slots
+    assert m.calls == [("release", 2), ("release", 4), ("memory", 5), ("save", 5, "live", False)]
 
 
 def test_at_most_two_checkpoints_are_owed_then_a_due_save_waits_and_supersedes_them(tmp_path):
@@ -111,7 +129,7 @@ def test_at_most_two_checkpoints_are_owed_then_a_due_save_waits_and_supersedes_t
     # The third waits for the writer, with this step copied to node memory first (a restart resumes from it).
     # That copy takes a slot of the owed copies: they are dropped, not written later from a slot now holding
     # step 4 (a "step 2" checkpoint with step 4's state), nor after step 4 commits.
-    assert m.calls == [("memory", 4), ("save", 4, "live", False)]
+    assert m.calls == [("release", 2), ("release", 3), ("memory", 4), ("save", 4, "live", False)]
     _step(ckpt, 5)
     _step(ckpt, 6, busy=True)
     ckpt.finish(6)
@@ -124,7 +142,7 @@ def test_an_owed_checkpoint_is_superseded_by_a_due_save_behind_a_warm_busy_write
     _step(ckpt, 4, due=True, busy=True)                     # warm and busy: copied to the other slot, saved
     _step(ckpt, 6, due=True, busy=True)                     # the next copy reuses step 2's slot
     _step(ckpt, 7)
-    assert m.calls == [("memory", 2), ("memory", 4), ("save", 4, "live", False),
+    assert m.calls == [("memory", 2, "kept"), ("release", 2), ("memory", 4), ("save", 4, "live", False),
                        ("memory", 6), ("save", 6, "live", False)]
 
 
@@ -142,7 +160,8 @@ def test_a_stop_writes_what_is_owed_then_a_final_blocking_checkpoint(tmp_path):
     _step(ckpt, 2, due=True, busy=True, cold=True)
     m.calls.clear()
     ckpt.save_on_stop(3)
-    assert m.calls == [("save", 2, {"copy of step": 2}, False), ("save", 3, "live", True), ("drop_replica",)]
+    assert m.calls == [("save", 2, {"copy of step": 2}, False), ("release", 2), ("save", 3, "live", True),
+                       ("drop_replica",)]
 
 
 def test_votes_rank_0_decides_the_interval_and_reports_its_writers(tmp_path):

@@ -16,8 +16,9 @@ index and its holder's address to ``layout.peer_file``, which the daemon's sende
 Nothing torn is ever used, on either side:
 
 - the sender reads a rank's marker, then the slot it names, then the marker again: unchanged means the
-  trainer did not start a copy into that slot meanwhile (it writes only into the slot the marker does not
-  name, and names it only once the copy is complete), so the bytes are one whole snapshot;
+  trainer did not start a copy into that slot meanwhile (it writes only into a slot the marker does not
+  name, handing the marker to its other slot first when it must overwrite the newest, and names it only
+  once the copy is complete), so the bytes are one whole snapshot;
 - the holder keeps two slots per (node, rank) and an index of the complete ones, replaced atomically: a copy
   goes into the slot that does not hold the newest complete snapshot, which is struck from the index first,
   and is entered only once all of it arrived with the sender's checksum and its consistency verdict. A

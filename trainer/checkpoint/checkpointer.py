@@ -109,8 +109,9 @@ class Checkpointer(StepHook):
         m = self.manager
         due = self.d.is_main and self.policy.due(step, self.max_steps, self.writers_busy or m.writing)
         due = self.spot.maybe_due(step, self.max_steps) or due
-        # Between checkpoints, a copy in memory bounds what a restart redoes.
-        to_memory = self.d.is_main and not due and not self.owed and self.policy.memory_due(
+        # Between checkpoints, a copy in memory bounds what a restart redoes; an owed checkpoint keeps one
+        # of the replica's two slots, two keep both.
+        to_memory = self.d.is_main and not due and len(self.owed) < 2 and self.policy.memory_due(
             step, self.max_steps, m.replica_copy_s)
         return [due, m.writing, to_memory, m.cold and m.writes_in_flight > 0]
 
@@ -128,9 +129,10 @@ class Checkpointer(StepHook):
             # The save would wait for the previous write, which runs on a writer that has not finished one
             # yet: it may still be booting (seconds, after every start and in-job restart). The state is
             # copied to node memory now (one of its two slots) and that copy written once the writer is
-            # warm: the checkpoint is this step's, and the loop waits for no boot.
+            # warm: the checkpoint is this step's, and the loop waits for no boot. Memory snapshots go on in
+            # the other slot.
             with self.guard.atomic():
-                self.owed.append((step, m.snapshot_to_memory(step, app)))
+                self.owed.append((step, m.snapshot_to_memory(step, app, keep=True)))
         elif self.due:
             with self.guard.saving():
                 if self.owed:
@@ -138,20 +140,29 @@ class Checkpointer(StepHook):
                     # copies hold the replica's two slots: the copy below must not overwrite one still owed.
                     log.info("checkpoints of steps %s, owed to a cold writer, superseded by step %d",
                              [s for s, _ in self.owed], step)
-                    self.owed = []
+                    self._release_owed()
                 if self.writers_busy:
                     # The save will wait for the previous write (on every rank: the flag was all-reduced).
                     # Copied to node memory first, this step is what a restart meanwhile resumes from.
                     m.snapshot_to_memory(step, app)
                 m.save(step, app)
         elif self.owed and not (self.writers_busy and self.writers_cold):
+            owed_step, copy = self.owed[0]
             with self.guard.saving():
-                m.save(*self.owed.pop(0))
+                m.save(owed_step, copy)
+            self._release_owed(1)
         elif self.to_memory:
             with self.guard.atomic():
                 m.snapshot_to_memory(step, app)
         if step == self.first_step:
             m.start_writer()   # not before: see Writer.start
+
+    def _release_owed(self, count: int | None = None) -> None:
+        """The first ``count`` owed checkpoints (all: None) are written or superseded: their slots are free."""
+        count = len(self.owed) if count is None else count
+        for _, copy in self.owed[:count]:
+            self.manager.release(copy)
+        del self.owed[:count]
 
     # ----------------------------------------------------------------------------------------- the end
     def _save_owed(self, guard: Callable[[], contextlib.AbstractContextManager]) -> None:
@@ -159,7 +170,7 @@ class Checkpointer(StepHook):
             with guard():
                 self.manager.save(step, copy)
                 self.manager.finish_snapshot()
-        self.owed = []
+        self._release_owed()
 
     def save_on_stop(self, step: int) -> None:
         """Every rank saw the stop flag at ``step``: commit what is owed and a final checkpoint of ``step``."""

@@ -428,21 +428,27 @@ class CheckpointManager:
             self.on_write_started(s.step)
         return waited
 
-    def snapshot_to_memory(self, step: int, state: StateSource) -> dict:
+    def snapshot_to_memory(self, step: int, state: StateSource, *, keep: bool = False) -> dict:
         """Copy ``state`` into the in-memory replica (node-local shared memory; nothing is written to disk).
 
         Like ``save``: the copy runs on the copier thread, and ``finish_snapshot`` must be called before
         the state changes. It costs no disk, no writer and no collective, so it can be taken far more often
         than checkpoints: a restart in the same process or on the same node then redoes only the steps
         since the last one. Returns the copy (``save`` can write it later, as this step's checkpoint).
+        ``keep``: it will be (a checkpoint owed to a cold writer): no copy overwrites it until ``release``.
         """
         t0 = time.monotonic()
         self.finish_snapshot()
         state = state() if callable(state) else state
-        slot, snapshot, pairs = self.replica.stage(state)   # never the slot of the newest complete snapshot
+        slot, snapshot, pairs = self.replica.stage(state, keep=keep)   # never a slot a restart may read
         copy = self.copier.start(pairs)
         self.copying = _Snapshot(step, snapshot, copy, None, None, time.monotonic() - t0, {}, slot)
-        return snapshot   # whole once finish_snapshot returned; kept until the next copy but one
+        return snapshot   # whole once finish_snapshot returned; kept until the next copy but one, or released
+
+    def release(self, copy: dict) -> None:
+        """A copy kept by ``snapshot_to_memory(keep=True)`` is no longer needed (its save has started: the
+        next copy waits for the save's copy of it first)."""
+        self.replica.release(copy)
 
     def drop_replica(self) -> None:
         """Forget the replica and free its memory on the node (a committed checkpoint supersedes it)."""

@@ -13,6 +13,9 @@ marker that names the complete one (its step, its slot, the state's non-tensor v
 is replaced atomically once the copy is done. A rank killed mid-copy leaves the previous snapshot whole.
 The marker it replaces is kept (``previous``) until a copy into its slot begins: a restore that needs a step
 every rank has can take the one before the newest (another node's copy held by a peer lags by its transfer).
+A slot whose copy is a checkpoint owed to a writer still booting is kept until the checkpoint is written:
+the copies meanwhile go into the other slot, each over the newest, whose marker gives way to the kept
+one's while it is overwritten.
 
 Only the state's local tensors are stored (a DTensor's shard, with its mesh and placements taken from the
 live state when it is read back), so reading a replica needs the live state of the same structure, which
@@ -132,6 +135,15 @@ class NodeReplica:
         if previous is not None and previous["slot"] == slot:
             self.previous_path.unlink(missing_ok=True)
 
+    def demote(self) -> None:
+        """A copy into the newest snapshot's slot begins (the other slot is kept): the one before it, if
+        marked, is the newest complete snapshot until this copy is marked."""
+        if self.persistent:
+            try:
+                os.replace(self.previous_path, self.marker_path)
+            except FileNotFoundError:
+                self.marker_path.unlink(missing_ok=True)
+
     def buffer(self, state: dict, slot: int) -> dict:
         """A buffer shaped like ``state`` (tensors: views of slot ``slot``, sized to ``state``)."""
         return _rebuild(state, state, self._views(state, slot, pin=self.pin), [0])
@@ -236,19 +248,39 @@ class MemorySnapshots:
         # afresh): it is used only by the run that made it.
         self.run: str | None = marker.get("run") if marker else None
         self.copy_s = 0.0   # how long the last copy took (the interval policy spaces them)
+        # Slots whose copy is a checkpoint owed to a cold writer (``stage(keep=True)``), until ``release``:
+        # slot -> (step, snapshot, run), the step and run once the copy is complete.
+        self.kept: dict[int, tuple[int | None, dict, str | None]] = {}
 
-    def stage(self, state: dict) -> tuple[int, dict, list]:
-        """(slot, snapshot, pairs) for a copy of ``state`` into the slot that does not hold the newest snapshot."""
+    def stage(self, state: dict, *, keep: bool = False) -> tuple[int, dict, list]:
+        """(slot, snapshot, pairs) for a copy of ``state`` into the slot that does not hold the newest snapshot,
+        or, when that one is kept, into the newest's (the kept one is then the newest complete snapshot until
+        this copy is marked). ``keep``: no copy goes into this one's slot until ``release``."""
         slot = 1 - self.slot
+        if slot in self.kept:
+            if self.slot in self.kept:
+                raise RuntimeError("both memory snapshot slots hold owed checkpoints: none is free for a copy")
+            slot = self.slot
+            self.node.demote()
+            self.step, self.snapshot, self.run = self.kept[1 - slot]
+            self.slot = 1 - slot
         self.node.overwriting(slot)
         self.buffers[slot], snapshot, pairs = staged_into(state, self.buffers[slot],
                                                           lambda s: self.node.buffer(s, slot))
+        if keep:
+            self.kept[slot] = (None, snapshot, None)
         return slot, snapshot, pairs
+
+    def release(self, snapshot: dict) -> None:
+        """``snapshot``'s slot is no longer kept (its checkpoint was written or superseded)."""
+        self.kept = {slot: k for slot, k in self.kept.items() if k[1] is not snapshot}
 
     def completed(self, step: int, slot: int, snapshot: dict, run: str | None, copy_s: float) -> None:
         """The copy into ``slot`` is whole: it is now the newest snapshot (marked on the node)."""
         self.node.mark(step, slot, snapshot, run)
         self.snapshot, self.step, self.slot, self.run, self.copy_s = snapshot, step, slot, run, copy_s
+        if slot in self.kept:
+            self.kept[slot] = (step, snapshot, run)
 
     def offers(self, state: dict) -> list[tuple[int, str | None]]:
         """(step, run) of the snapshots on the node that a restore of ``state`` could read back: the newest
@@ -272,10 +304,10 @@ class MemorySnapshots:
 
     def unmap(self) -> None:
         """Forget this attempt's mappings (a new process group needs new ones); the marker still names the
-        newest slot, which the next copy leaves alone."""
-        self.buffers, self.snapshot = [None, None], None
+        newest slot, which the next copy leaves alone. A new attempt owes no checkpoints: no slot is kept."""
+        self.buffers, self.snapshot, self.kept = [None, None], None, {}
 
     def drop(self) -> None:
         """Forget the snapshot and free its memory on the node (a committed checkpoint supersedes it)."""
         self.node.discard()
-        self.buffers, self.snapshot, self.step = [None, None], None, None
+        self.buffers, self.snapshot, self.step, self.kept = [None, None], None, None, {}
