@@ -226,3 +226,30 @@ def test_the_node_daemon_follows_what_its_ranks_name(tmp_path):
             p.wait()
     # Gone: refused at once, no copies offered (the restore falls back to the checkpoint).
     assert restore_from_peer(holder, 1, [1], tmp_path / "other", timeout_s=1.0) is None
+
+
+def test_a_rank_that_marks_a_snapshot_wakes_its_node_daemon_which_ships_it_at_once(tmp_path):
+    """The daemon ships a snapshot when a rank wakes it (``peer.wake``), not at its next look (here ten
+    minutes away): the holder's copy lags by the transfer only."""
+    import json
+
+    from trainer.layout import peer_file
+
+    holder_dir, src = tmp_path / "holder", tmp_path / "shm"
+    replica = NodeReplica(src, 0)
+    snapshot(replica, 1)
+    proc, address = peer.start_daemon(holder_dir, "127.0.0.1")
+    holder = peer.parse_address(address)
+    peer_file(src).write_text(json.dumps({"node": 0, "holder": list(holder)}))
+    sender_proc, _ = peer.start_daemon(src, "127.0.0.1", poll_s=600)
+    try:
+        assert until(lambda: peer_steps(holder, 0) == {0: [1]}, 30)      # its first look, at its start
+        for step in (2, 3):
+            snapshot(replica, step)
+            peer.wake(src)
+            assert until(lambda: step in peer_steps(holder, 0)[0], 30), peer_steps(holder, 0)
+    finally:
+        for p in (proc, sender_proc):
+            p.kill()
+            p.wait()
+    peer.wake(src)             # no daemon: nothing happens, nothing blocks

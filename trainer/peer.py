@@ -36,12 +36,14 @@ Every socket operation has a timeout: a peer that dies or stalls mid-copy costs 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import io
 import json
 import logging
 import os
 import pickle
+import select
 import signal
 import socket
 import socketserver
@@ -62,6 +64,9 @@ log = logging.getLogger(__name__)
 ENV = "GOODPUT_PEER_STORE"
 CHUNK = 4 << 20
 TIMEOUT_S = 10.0
+# Without a wake-up from a rank, the daemon looks for new snapshots this often. The ranks wake it once per
+# snapshot: polling for the copy's lag instead (0.1 s) made their steps 1.2-1.5x slower on a loaded 2-core machine.
+POLL_S = 2.0
 _LEN = struct.Struct("!I")
 # What a peer that died, stalled or sent nonsense raises here: it costs that request, nothing else.
 _BAD_PEER = (OSError, ValueError, KeyError, TypeError, EOFError, pickle.UnpicklingError)
@@ -438,25 +443,63 @@ def _target(replica_dir: Path) -> tuple[int, tuple[str, int]] | None:
         return None
 
 
-def serve_node(listener: socket.socket, replica_dir: Path, interval_s: float = 0.5) -> None:
+def _wake_address(replica_dir: Path) -> bytes:
+    """The node daemon's wake-up socket: in Linux's abstract namespace (no file, no path-length limit; the
+    ranks and the daemon share the pod's network namespace), named after the node's snapshot directory."""
+    digest = hashlib.sha256(str(Path(replica_dir).resolve()).encode()).hexdigest()[:16]
+    return f"\0goodput-peer-{digest}".encode()
+
+
+def wake(replica_dir: Path) -> None:
+    """Tell the node's daemon that a rank marked a new snapshot: it ships it now, not at its next look.
+    Never blocks; nothing happens when no daemon listens."""
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.setblocking(False)
+        with contextlib.suppress(OSError):    # no daemon, or wake-ups already queued: it is awake anyway
+            s.sendto(b"!", _wake_address(replica_dir))
+
+
+def _wake_socket(replica_dir: Path) -> socket.socket | None:
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+    try:
+        s.bind(_wake_address(replica_dir))
+    except OSError as e:       # another daemon of the same directory: this one only looks every poll
+        log.warning("no wake-ups for %s (%s): looking for new snapshots every poll only", replica_dir, e)
+        s.close()
+        return None
+    s.setblocking(False)
+    return s
+
+
+def serve_node(listener: socket.socket, replica_dir: Path, poll_s: float = POLL_S) -> None:
     """One node's part of the ring, until killed: keep what the predecessor sends (under ``replica_dir``, so
-    it goes with the node's memory), and ship this node's snapshots to the holder its ranks named last."""
+    it goes with the node's memory), and ship this node's snapshots to the holder its ranks named last, when
+    a rank wakes it (``wake``) and every ``poll_s`` (the ranks' ``peer.json`` is read then)."""
     store = PeerStore(replica_dir / "peer-store", listener=listener).start()
+    woken = _wake_socket(replica_dir)
     sender: PeerSender | None = None
     try:
         while True:
+            while woken is not None:     # every wake-up queued so far is answered by this look
+                try:
+                    woken.recv(64)
+                except BlockingIOError:
+                    break
             target = _target(replica_dir)
             if target is not None:
                 if sender is None:
                     sender = PeerSender(replica_dir, *target)
                 sender.retarget(*target)
                 sender.send_once()
-            time.sleep(interval_s)
+            if woken is not None:
+                select.select([woken], [], [], poll_s)
+            else:
+                time.sleep(poll_s)
     finally:
         store.close()
 
 
-def start_daemon(replica_dir: Path, host: str) -> tuple[subprocess.Popen, str]:
+def start_daemon(replica_dir: Path, host: str, poll_s: float = POLL_S) -> tuple[subprocess.Popen, str]:
     """Start this node's peer daemon (``python -m trainer.peer``) as a child that dies with this process; return
     it and the ``host:port`` its store listens on (bound here, so it is known at once: connections queue
     until the daemon serves them; once it is gone they are refused)."""
@@ -464,7 +507,7 @@ def start_daemon(replica_dir: Path, host: str) -> tuple[subprocess.Popen, str]:
     try:
         address = f"{advertised(host)}:{listener.getsockname()[1]}"
         proc = subprocess.Popen([sys.executable, "-m", "trainer.peer", "--listen-fd", str(listener.fileno()),
-                                 "--replica-dir", str(replica_dir)],
+                                 "--replica-dir", str(replica_dir), "--poll-s", str(poll_s)],
                                 pass_fds=(listener.fileno(),), preexec_fn=parent_death_preexec(signal.SIGKILL))
     finally:
         listener.close()
@@ -489,13 +532,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--listen-fd", type=int, required=True, help="the store's listening socket (inherited)")
     p.add_argument("--replica-dir", type=Path, required=True,
                    help="this node's memory snapshots (NodeReplica files) and its ranks' peer.json")
-    # Not more often: at 0.1 s the wake-ups alone made the ranks' steps 1.2-1.5x slower on a loaded 2-core
-    # machine (0.5 s: 1.01-1.03x), and a copy that lags is covered by the surviving ranks' previous snapshot.
-    p.add_argument("--interval-s", type=float, default=0.5, help="how often to look for new snapshots")
+    p.add_argument("--poll-s", type=float, default=POLL_S,
+                   help="how often to look for new snapshots and for the ranks' peer.json without a wake-up")
     a = p.parse_args(argv)
     os.nice(19)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s [peer] %(message)s")
-    serve_node(socket.socket(fileno=a.listen_fd), a.replica_dir, a.interval_s)
+    serve_node(socket.socket(fileno=a.listen_fd), a.replica_dir, a.poll_s)
 
 
 if __name__ == "__main__":

@@ -41,6 +41,7 @@ from ..mirror import CheckpointMirror, maybe_fetch_from_mirror
 from ..parallel import Dist
 from ..peer import ENV as PEER_ENV
 from ..peer import holder_of, parse_address, peer_steps, restore_from_peer
+from ..peer import wake as wake_peer_daemon
 from .commit import Commits, Pending
 from .replica import MemorySnapshots
 from .staging import Copier, Staging
@@ -99,6 +100,7 @@ class CheckpointManager:
         # The in-memory replica (snapshot_to_memory): two slots in node-local shared memory, which a rank
         # started by an in-job restart finds again.
         self.replica = MemorySnapshots(replica_dir(Path(cfg.memory_dir), root), d.rank, pin=d.device.type == "cuda")
+        self.peer_ring = False   # the node's peer daemon ships each snapshot to another node (set at restore)
         # The staging copy's snapshot, while it holds the last save's state (in-process restarts resume from it).
         self.snapshot: dict | None = None
         self.snapshot_step: int | None = None
@@ -161,9 +163,10 @@ class CheckpointManager:
         self.run_id, committed = held[0][2], held[0][3]
         tag = self._replica_run
         own = [({h[0]} | {s for s, run in h[1] if run == tag}) - {None} for h in held]
-        ring = self._ring([(h[4], h[5]) for h in held])
-        step, source, offered = self._choose(own, committed, ring, tag)
-        if source == "peer" and not self._fetch_from_peer(step, own[self.d.rank], ring, tag, state):
+        holder = self._holder([(h[4], h[5]) for h in held])
+        self.peer_ring = holder is not None
+        step, source, offered = self._choose(own, committed, holder, tag)
+        if source == "peer" and not self._fetch_from_peer(step, own[self.d.rank], holder, tag, state):
             step, source = None, "checkpoint"
         if self.d.is_main:
             log.info("restore: in every rank's memory %s; with peer copies %s; newest committed checkpoint %s "
@@ -190,7 +193,7 @@ class CheckpointManager:
             self.staging.allocate(restored)
         return step, source, restored
 
-    def _choose(self, own: list[set[int]], committed: int | None, ring: dict[int, str] | None,
+    def _choose(self, own: list[set[int]], committed: int | None, holder: tuple[str, int] | None,
                 tag: str | None) -> tuple[int | None, str, list | str]:
         """(step, source, what the peer copies offered) of the newest state in memory every rank can get, or
         (None, "checkpoint", ...). Collective when the peer copies are asked (the same on every rank)."""
@@ -200,49 +203,47 @@ class CheckpointManager:
         if usable(own):
             return max(usable(own)), "memory", "not asked"
         wanted = usable([set().union(*own)])     # steps some rank has: of use if the others can get them
-        if ring is None or tag is None or not wanted:
-            return None, "checkpoint", "none" if ring is None else "not asked"
+        if holder is None or tag is None or not wanted:
+            return None, "checkpoint", "none" if holder is None else "not asked"
         mine, node = own[self.d.rank], _node_index()
         copies: set[int] = set()
         if wanted - mine:
-            holder = ring[holder_of(node, len(ring))]
             try:
-                copies = set(peer_steps(parse_address(holder), node, run=tag).get(self.d.rank, ())) & wanted
+                copies = set(peer_steps(holder, node, run=tag).get(self.d.rank, ())) & wanted
             except (OSError, ValueError, KeyError) as e:   # a holder gone or silent: no copies, not a hang
-                log.warning("rank %d: the holder of node %d's memory snapshots (%s) did not answer: %s",
-                            self.d.rank, node, holder, e)
+                log.warning("rank %d: the holder of node %d's memory snapshots (%s:%d) did not answer: %s",
+                            self.d.rank, node, *holder, e)
         offers = [None] * self.d.world_size
         # Sync point: each rank's steps from its own memory or its holder's copies.
         dist.all_gather_object(offers, mine | copies)
         steps = usable(offers)
         return (max(steps), "peer", sorted(steps)) if steps else (None, "checkpoint", [])
 
-    def _ring(self, nodes: list[tuple[int, str | None]]) -> dict[int, str] | None:
-        """node -> its peer store's address, from (node, address) of every rank; None where there is no ring
-        (one node, peer snapshots off, some node without a store). Local rank 0 of each node tells its peer
-        daemon which node it is and where its holder listens (``layout.peer_file``)."""
+    def _holder(self, nodes: list[tuple[int, str | None]]) -> tuple[str, int] | None:
+        """The address of the peer store that keeps this node's snapshots (the next node in the ring), from
+        (node, store address) of every rank; None where there is no ring (one node, peer snapshots off, some
+        node without a store). Local rank 0 of each node tells its peer daemon which node it is and where its
+        holder listens (``layout.peer_file``)."""
         ring = {node: address for node, address in nodes}
         if not self.cfg.peer_snapshots or len(ring) < 2 or None in ring.values() or set(ring) != set(range(len(ring))):
             return None
+        node = _node_index()
+        holder = parse_address(ring[holder_of(node, len(ring))])
         if self.d.local_rank == 0:
-            node = _node_index()
             path = peer_file(self.replica.node.dir)
             try:
                 path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                write_atomic(path, json.dumps({"node": node,
-                                               "holder": parse_address(ring[holder_of(node, len(ring))])}).encode())
+                write_atomic(path, json.dumps({"node": node, "holder": holder}).encode())
             except OSError as e:    # no snapshot directory on the node: nothing to ship, copies still usable
                 log.warning("node %d's peer daemon is not told where to send (%s): %s", node, path, e)
-        return ring
+        return holder
 
-    def _fetch_from_peer(self, step: int, mine: set[int], ring: dict[int, str], tag: str, state: dict) -> bool:
+    def _fetch_from_peer(self, step: int, mine: set[int], holder: tuple[str, int], tag: str, state: dict) -> bool:
         """Fetch this rank's copy of ``step`` from its node's holder into its replica, unless its own memory
         has it; return whether every rank has it now (collective)."""
         ok = True
         if step not in mine:
-            node = _node_index()
-            holder = ring[holder_of(node, len(ring))]
-            got = restore_from_peer(parse_address(holder), node, [self.d.rank], self.replica.node.dir,
+            got = restore_from_peer(holder, _node_index(), [self.d.rank], self.replica.node.dir,
                                     among={step}, run=tag)
             self.replica = MemorySnapshots(self.replica.node.dir, self.d.rank, pin=self.replica.node.pin)
             self.replica.read_back(state)
@@ -413,6 +414,8 @@ class CheckpointManager:
         if s.request is None:   # kept in memory only
             waited = time.monotonic() - t0
             self.replica.completed(s.step, s.slot, s.state, self._replica_run, copy_s)
+            if self.peer_ring:
+                wake_peer_daemon(self.replica.node.dir)
             if self.d.is_main:
                 self.events.emit("memory_snapshot", step=s.step, block_s=round(s.blocked_s + waited, 4),
                                  copy_s=round(copy_s, 4))
