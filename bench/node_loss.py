@@ -21,8 +21,9 @@ Overhead: the median step time of fault-free runs with peer copies against runs 
 Recovery = node killed -> first training step completed after it; redone = the newest step done before the
 loss minus the step the run resumed from. The weights at the end are compared with a fault-free run's. The
 loss comes in the steady state, between checkpoints: past step LOSS_AT, once the step-40 checkpoint is committed
-and a memory snapshot was taken after it (the first checkpoint's write waits for the writer's boot, and while
-it is owed no memory snapshot is taken), and once the standby waits at its gate.
+and a memory snapshot was taken after it (the first checkpoint's write waits for the writer's boot), and once
+the standby waits at its gate. The loss then comes just after a snapshot: the steps redone with the peer copy
+show how far the holder's copy lagged, not the average over the snapshot interval (half of it).
 Where the seconds went: when each stage ended, from both nodes' launcher logs and the ranks' events.
 
 The nodes' rendezvous drops the lost node after LocalCluster's keep-alive (``trainer.launch.LOCAL_KEEP_ALIVE``,
