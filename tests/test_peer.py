@@ -155,16 +155,25 @@ def test_a_restore_cut_short_leaves_nothing_a_restart_would_read(tmp_path, store
     assert restored_step(dest, 0) is None
 
 
-def test_the_background_sender_follows_the_snapshots(tmp_path, store):
+def test_the_node_daemon_follows_the_snapshots(tmp_path, store):
+    """Without wake-ups the daemon still ships every snapshot, at its next look."""
+    import json
+
+    from trainer.layout import peer_file
+
     src = tmp_path / "shm"
     replica = NodeReplica(src, 0)
-    sender = PeerSender(src, node=0, peer=store.address, interval_s=0.05).start()
+    snapshot(replica, 1)
+    peer_file(src).write_text(json.dumps({"node": 0, "holder": list(store.address)}))
+    proc, _ = peer.start_daemon(src, "127.0.0.1", poll_s=0.05)
     try:
         for step in range(1, 4):
-            snapshot(replica, step)
-            assert until(lambda: sender.sent.get(0) == step, 10), sender.sent
+            if step > 1:
+                snapshot(replica, step)
+            assert until(lambda: step in peer_steps(store.address, 0).get(0, []), 10), peer_steps(store.address, 0)
     finally:
-        sender.close()
+        proc.kill()
+        proc.wait()
     assert peer_steps(store.address, 0) == {0: [3, 2]}
 
 

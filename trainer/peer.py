@@ -28,7 +28,7 @@ Nothing torn is ever used, on either side:
 Every socket operation has a timeout: a peer that dies or stalls mid-copy costs that copy, never a hang.
 
     store = PeerStore(directory).start()                       # on every node: keeps its ring predecessor's
-    sender = PeerSender(replica_dir, node=i, peer=address_of_holder).start()
+    PeerSender(replica_dir, node=i, peer=address_of_holder).send_once()   # the daemon's loop (serve_node)
     ...
     restore_from_peer(address_of_holder, node=i, ranks=[...], dest=replica_dir)   # on a replacement node
 """
@@ -299,16 +299,12 @@ def _marker_head(raw: bytes) -> dict:
 
 class PeerSender:
     """Ships each new complete snapshot of the ranks in ``replica_dir`` (one node's ``NodeReplica`` files)
-    to the holder at ``peer``, every ``interval_s`` on a background thread (``start``) or once (``send_once``)."""
+    to the holder at ``peer``, at each ``send_once`` (the node daemon's loop, ``serve_node``)."""
 
-    def __init__(self, replica_dir: Path, node: int, peer: tuple[str, int], interval_s: float = 0.5,
-                 timeout_s: float = TIMEOUT_S):
-        self.dir, self.node, self.peer = Path(replica_dir), node, peer
-        self.interval_s, self.timeout_s = interval_s, timeout_s
+    def __init__(self, replica_dir: Path, node: int, peer: tuple[str, int], timeout_s: float = TIMEOUT_S):
+        self.dir, self.node, self.peer, self.timeout_s = Path(replica_dir), node, peer, timeout_s
         self.sent: dict[int, int] = {}       # rank -> newest step the holder confirmed
         self._failing: set[int] = set()      # ranks whose last copy failed
-        self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
 
     def ranks(self) -> list[int]:
         return replica_ranks(self.dir)
@@ -358,20 +354,6 @@ class PeerSender:
             log.info("peer snapshot of rank %d step %d not kept: %s", rank, marker["step"], reply.get("error"))
             return None
         return marker["step"]
-
-    def start(self) -> "PeerSender":
-        self._thread = threading.Thread(target=self._loop, name="peer-sender", daemon=True)
-        self._thread.start()
-        return self
-
-    def _loop(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.send_once()
-
-    def close(self) -> None:
-        self._stop.set()
-        if self._thread is not None:
-            self._thread.join(self.timeout_s + self.interval_s)
 
 
 # ---- the restore -----------------------------------------------------------------------------------------

@@ -157,12 +157,13 @@ def wait_unless_stopped(proc: subprocess.Popen, what: str, poll=None) -> int:
                 proc.kill()
 
 
-def _launcher_args(command: list[str]) -> list[str]:
-    """The launcher's arguments in ``command`` (before ``-m trainer``)."""
+def _split(command: list[str]) -> tuple[list[str], list[str] | None]:
+    """(the launcher's arguments, the trainer's) of ``command`` (``LAUNCHER... -m trainer ARGS``); the
+    trainer's are None where ``command`` runs no trainer."""
     for i in range(1, len(command)):
         if command[i - 1:i + 1] == ["-m", "trainer"]:
-            return command[:i - 1]
-    return command
+            return command[:i - 1], command[i + 1:]
+    return command, None
 
 
 def _flag(args: list[str], name: str) -> str | None:
@@ -176,7 +177,7 @@ def _flag(args: list[str], name: str) -> str | None:
 
 def _multinode(command: list[str]) -> bool:
     """Whether the launcher in ``command`` may run with more than one node (``--nnodes N`` or ``MIN:MAX``)."""
-    args = _launcher_args(command)
+    args = _split(command)[0]
     nnodes = _flag(args, "--nnodes")
     if "--standalone" in args or nnodes is None:
         return False
@@ -189,19 +190,20 @@ def _multinode(command: list[str]) -> bool:
 def _peer_host(command: list[str]) -> str:
     """Where the node's peer store listens: loopback when the rendezvous is on loopback (the nodes share this
     machine), else every interface (pod-to-pod ports are open)."""
-    endpoint = _flag(_launcher_args(command), "--rdzv-endpoint") or ""
+    endpoint = _flag(_split(command)[0], "--rdzv-endpoint") or ""
     host = endpoint.rpartition(":")[0].strip("[]")
     return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
 
 
 def _trainer_config(command: list[str]):
     """The config of the trainer that ``command`` runs (``-m trainer ARGS``), or None."""
-    if "trainer" not in command or command.index("trainer") < 1 or command[command.index("trainer") - 1] != "-m":
+    args = _split(command)[1]
+    if args is None:
         return None
     from .config import parse_config
 
     try:
-        return parse_config(command[command.index("trainer") + 1:])
+        return parse_config(args)
     except (ValueError, SystemExit, OSError):
         return None
 
