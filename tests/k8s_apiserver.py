@@ -401,7 +401,9 @@ class Kubelet:
         with self.cond:
             inst = self.logs[(ns, pod)][-1]
             for text in lines:
-                inst.lines.append((time.time(), text))
+                # Strictly increasing, as a real kubelet's are: time.time() repeats within ~0.24 us.
+                t = max(time.time(), inst.lines[-1][0] + 1e-6) if inst.lines else time.time()
+                inst.lines.append((t, text))
             self.cond.notify_all()
 
     def end_container(self, ns: str, pod: str) -> None:
@@ -465,12 +467,12 @@ def _kubelet_handler(kubelet: Kubelet):
                 instances = kubelet.logs.get((ns, pod)) or [_Instance(done=True)]
                 inst = instances[-1]
                 lines = list(inst.lines)
+                sent = len(lines)      # read with the lines: one logged after them is streamed below
             if "sinceSeconds" in q:
                 cutoff = time.time() - int(q["sinceSeconds"])
                 lines = [ln for ln in lines if ln[0] >= cutoff]
             if "tailLines" in q:
                 lines = lines[-int(q["tailLines"]):] if int(q["tailLines"]) else []
-            sent = len(inst.lines) if not lines else inst.lines.index(lines[0]) + len(lines)
             stamps = q.get("timestamps") == "true"
 
             def write(batch):
