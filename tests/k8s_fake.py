@@ -76,6 +76,7 @@ class FakeKube:
         self.faults: list[Fault] = []
         self.created = 0
         self.drop_gen = 0
+        self.watching = 0      # watch streams open
         self.closing = False
         self.scenario = scenario
         self.threads: list[threading.Thread] = []
@@ -135,9 +136,11 @@ class FakeKube:
         with self.cond:
             self.faults.append(Fault(method, path, status, times, only_watch))
 
-    def drop_streams(self) -> None:
-        """Cut every open watch and log stream without its final chunk (a broken connection)."""
+    def drop_streams(self, timeout: float = 30.0) -> None:
+        """Cut every open watch and log stream without its final chunk (a broken connection); first wait until a
+        watch is open (between two watches a drop would cut none)."""
         with self.cond:
+            assert self.cond.wait_for(lambda: self.watching or self.closing, timeout), "no watch to drop"
             self.drop_gen += 1
             self.cond.notify_all()
 
@@ -456,14 +459,24 @@ def _handler(kube: FakeKube):
                     cursor = kube.rv
                     pending = [("ADDED", copy.deepcopy(j)) for (n, jn), j in kube.jobs.items()
                                if n == ns and name in (None, jn)]
+                kube.watching += 1
+                kube.cond.notify_all()
             while True:
-                for kind, obj in pending:
-                    self._chunk(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+                try:
+                    for kind, obj in pending:
+                        self._chunk(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+                except OSError:
+                    with kube.cond:
+                        kube.watching -= 1
+                    raise
                 with kube.cond:
                     while True:
+                        # Uncounted in the lock that decides the end: a drop_streams after it waits for the next.
                         if kube.drop_gen != gen:
+                            kube.watching -= 1
                             return self._cut()
                         if kube.closing or time.monotonic() >= deadline:
+                            kube.watching -= 1
                             return self._end_stream()
                         new = [h for h in kube.history if h[0] > cursor and h[1] == ns and name in (None, h[2])]
                         if new:
@@ -497,6 +510,7 @@ def _handler(kube: FakeKube):
                                                    f'container "pytorch" in pod "{pod}" is waiting to start'))
                 uid, restart = p["metadata"]["uid"], c["restartCount"]
                 lines = list(kube.logs.get((ns, pod, restart), []))
+                sent = len(lines)      # read with the lines: one logged after them is streamed below
                 gen = kube.drop_gen
             stamps = _truthy(q.get("timestamps"))
             if q.get("sinceSeconds"):
@@ -505,7 +519,6 @@ def _handler(kube: FakeKube):
             if q.get("tailLines"):
                 lines = lines[-int(q["tailLines"]):]
             self._start_stream("text/plain")
-            sent = len(kube.logs.get((ns, pod, restart), []))
 
             def write(batch):
                 for ts, text in batch:
