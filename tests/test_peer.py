@@ -170,7 +170,8 @@ def test_the_node_daemon_follows_the_snapshots(tmp_path, store):
         for step in range(1, 4):
             if step > 1:
                 snapshot(replica, step)
-            assert until(lambda: step in peer_steps(store.address, 0).get(0, []), 10), peer_steps(store.address, 0)
+            # 30 s: the first look waits for the niced daemon to start on a loaded machine.
+            assert until(lambda: step in peer_steps(store.address, 0).get(0, []), 30), peer_steps(store.address, 0)
     finally:
         proc.kill()
         proc.wait()
