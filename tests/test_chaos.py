@@ -52,7 +52,8 @@ def _of_kind(kind: str, procs: dict[int, tuple[int, str]], ranks: set[int]) -> l
         "proxy": lambda p, cmd: procs[p][0] in launchers and "-m trainer " in cmd + " " and p not in ranks,
         "rank": lambda p, cmd: p in ranks,
         "writer": lambda p, cmd: procs[p][0] in ranks and "multiprocessing" in cmd and "resource_tracker" not in cmd,
-        "manager": lambda p, cmd: procs[p][0] in ranks and cmd == procs[procs[p][0]][1],
+        # .get: a rank that just ended is no longer listed, while its manager still is.
+        "manager": lambda p, cmd: procs[p][0] in ranks and cmd == procs.get(procs[p][0], (0, ""))[1],
     }[kind]
     return sorted(p for p, (_, cmd) in procs.items() if pick(p, cmd))
 
