@@ -280,7 +280,7 @@ def test_save_returns_while_the_copy_runs_and_the_write_waits_for_it(tmp_path, p
         mgr.save(7, live)                                     # returns with the copy held back
         assert mgr.copying is not None and not mgr.copying.copy.done()
         assert mgr.writes_in_flight == 0 and mgr.snapshot_step is None   # nothing written from a partial copy
-        threading.Timer(0.2, release.set).start()
+        threading.Timer(0.5, release.set).start()           # 0.5: a stall before the next line leaves > 0.1
         assert mgr.finish_snapshot() > 0.1                    # the optimizer step waits for the copy
         for t in live["model"].values():
             t.add_(100.0)
