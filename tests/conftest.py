@@ -154,6 +154,16 @@ def until(condition, timeout: float) -> bool:
     return True
 
 
+def copy_due_after_checkpoint(events: list[dict], step: int) -> bool:
+    """Whether rank 0's policy had to take a memory snapshot at step ``step`` + 1 or + 2, after the checkpoint of
+    ``step`` (``--memory-snapshot-every-s`` tiny): copies are spaced 20x the last one's duration apart, from the
+    checkpoint's snapshot on, and the copy at ``step`` + 2 is decided after step ``step`` + 1 ended."""
+    spacing_s = 20 * [e["copy_s"] for e in events if e["event"] == "memory_snapshot" and e["step"] < step][-1]
+    saved_at = next(e["t"] for e in events if e["event"] == "ckpt_snapshot" and e["step"] == step)
+    next_at = next(e["t"] for e in events if e["event"] == "step" and e["step"] == step + 1)
+    return spacing_s < next_at - saved_at
+
+
 class Train:
     """``goodput train`` in a session of its own (its pid is its process group), marked by environment."""
 

@@ -24,7 +24,7 @@ from trainer.events import read_events
 from trainer.launch import LaunchConfig, LocalCluster
 from trainer.layout import committed_steps
 
-from tests.conftest import GOODPUT, MARK, STEPS, TINY, marked, until
+from tests.conftest import GOODPUT, MARK, STEPS, TINY, copy_due_after_checkpoint, marked, until
 from tests.multinode import events, logs, summary, wait_for
 
 
@@ -116,9 +116,13 @@ def test_a_rank_killed_on_node_1_restarts_both_nodes(cluster, two_node_sha):
     assert s["params_sha256"] == two_node_sha and [f["kind"] for f in s["faults"]] == ["kill"]
     starts = [e for e in events(c) if e["event"] == "worker_start"]
     assert sorted(e["rank"] for e in starts) == [0, 0, 1, 1] and all(e["warm"] for e in starts)
-    # Both nodes restarted from their own memory: the newest copy before the fault, not the step-4 checkpoint.
-    loaded = [(e["source"], e["step"]) for e in events(c) if e["event"] == "ckpt_loaded"]
-    assert len(loaded) == 2 and loaded[0] == loaded[1] and loaded[0][0] == "memory" and loaded[0][1] >= 5
+    # Both nodes restarted from their own memory: the newest copy before the fault, not the step-4 checkpoint
+    # (a copy at step 5 or 6, unless the copies' spacing skipped both).
+    ev = events(c)
+    loaded = [(e["source"], e["step"]) for e in ev if e["event"] == "ckpt_loaded"]
+    assert len(loaded) == 2 and loaded[0] == loaded[1] and loaded[0][0] == "memory"
+    before = ev[:next(i for i, e in enumerate(ev) if e["event"] == "ckpt_loaded")]
+    assert loaded[0][1] >= 5 or not copy_due_after_checkpoint(before, 4), loaded
 
 
 def test_two_nodes_of_two_ranks_recover_a_rank_killed_on_node_1(tmp_path, dataset):

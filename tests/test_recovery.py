@@ -7,7 +7,7 @@ import pytest
 
 from trainer.checkpoint import committed_steps
 
-from tests.conftest import STEPS
+from tests.conftest import STEPS, copy_due_after_checkpoint
 
 # Rank-monitor timeouts tight enough to catch a hang within seconds on this tiny workload.
 FAST_FT = {"step_timeout_s": 4.0, "workload_check_interval_s": 0.5}
@@ -118,11 +118,8 @@ def test_a_restart_resumes_from_the_newest_memory_snapshot(tmp_path, start_run, 
     step = loaded[0][1]
     assert copies and loaded == [("memory", step)] * 2 and step in (copies[-1], 6)
     assert summary[f"restarts_{layer}"] == 1 and summary["lost_steps"] == 6 - step
-    # A copy at step 5 or 6 follows the step-4 checkpoint, unless 20x the last copy's duration outlasted step 5.
-    spacing_s = 20 * [e["copy_s"] for e in before if e["event"] == "memory_snapshot" and e["step"] < 4][-1]
-    saved_at = next(e["t"] for e in before if e["event"] == "ckpt_snapshot" and e["step"] == 4)
-    step_5_at = next(e["t"] for e in before if e["event"] == "step" and e["step"] == 5)
-    assert step >= 5 or spacing_s > step_5_at - saved_at, (copies, spacing_s, step_5_at - saved_at)
+    # A copy at step 5 or 6 follows the step-4 checkpoint, unless the copies' spacing skipped both.
+    assert step >= 5 or not copy_due_after_checkpoint(before, 4), copies
     assert [(f["kind"], f["layer"]) for f in summary["faults"]] == [(fault.split("@")[0], layer)]
     if layer == "injob":
         _assert_restarted_warm(run)
