@@ -406,6 +406,7 @@ class _RunProcesses:
     """
 
     MARKER = "GOODPUT_LOCAL_RUN"
+    KILLED_GONE_S = 5.0    # how long a SIGKILLed process may take to disappear
 
     def __init__(self, interval_s: float = 1.0, log=None):
         self.interval_s, self.log = interval_s, log
@@ -468,17 +469,28 @@ class _RunProcesses:
                 self._kill(pid, cmd)
 
     def stop_all(self, grace_s: float) -> None:
-        procs = self.processes()
-        procs.pop(os.getpid(), None)
+        procs = self._wait(grace_s=0)
         if grace_s and procs:
             for pid, (_, cmd) in procs.items():
                 self._kill(pid, cmd, signal.SIGTERM)
-            deadline = time.monotonic() + grace_s
-            while time.monotonic() < deadline and procs:
-                time.sleep(0.2)
-                procs = {p: v for p, v in self.processes().items() if p != os.getpid()}
+            procs = self._wait(grace_s)
         for pid, (_, cmd) in procs.items():
             self._kill(pid, cmd)
+        # A killed process lives on until the kernel has torn it down: the run is over only when it is gone.
+        left = self._wait(self.KILLED_GONE_S, among=set(procs))
+        if left and self.log:
+            self.log.write(f"[goodput run --local] still dying {self.KILLED_GONE_S:.0f} s after SIGKILL: "
+                           f"{sorted(left)}\n")
+
+    def _wait(self, grace_s: float, among: set[int] | None = None) -> dict[int, tuple[int, str]]:
+        """This run's other processes (only those in ``among``) still alive after up to ``grace_s``."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            procs = {p: v for p, v in self.processes().items()
+                     if p != os.getpid() and (among is None or p in among)}
+            if not procs or time.monotonic() >= deadline:
+                return procs
+            time.sleep(0.05)
 
 
 def _outputs(task_dir: Path) -> dict:
