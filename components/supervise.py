@@ -675,11 +675,12 @@ def _parse_ts(text: str) -> tuple[int, int] | None:
 class _LogFollower(threading.Thread):
     """Follow the master's (elastic: worker 0's) container log across restarts and dropped streams.
 
-    A dropped or idle stream resumes with ``sinceSeconds`` and skips lines at or before the last
-    timestamp seen. That timestamp is kept across restarts of the container in the same pod: the
-    kubelet serves the new container's log as soon as it runs, maybe before the pod's status counts the
-    restart, so the follower may already be reading it under the old restart count. A new pod starts
-    afresh. A stream that fails or ends with nothing new is reopened after a growing pause.
+    A dropped or idle stream resumes with ``sinceSeconds`` and skips what it had shown: lines older than
+    the last one shown, and as many lines of that last timestamp as it had shown (lines may share one).
+    That position is kept across restarts of the container in the same pod: the kubelet serves the new
+    container's log as soon as it runs, maybe before the pod's status counts the restart, so the follower
+    may already be reading it under the old restart count. A new pod starts afresh. A stream that fails
+    or ends with nothing new is reopened after a growing pause.
     """
 
     def __init__(self, sup: _Supervisor, tail: int | None) -> None:
@@ -688,7 +689,10 @@ class _LogFollower(threading.Thread):
         self.stop = threading.Event()
         self.finish = threading.Event()     # the job ended: read what is left, then stop
         self.first_tail = tail
-        self.last: tuple[int, int] | None = None     # timestamp of the last line shown
+        # (timestamp of the last line shown, how many shown lines have it): where a resumed stream picks up
+        self.last: tuple[tuple[int, int], int] | None = None
+        self._resumed: tuple[tuple[int, int], int] | None = None     # still skipping lines shown before
+        self._at_resume_ts = 0
         self.selector, self.prefix = sup.kind.master_selector(sup.name, sup.manifest)
         self.container = sup.kind.container
         self.backoff = _Backoff(sup.cfg.log_poll_s, sup.cfg.log_backoff_max_s)
@@ -737,10 +741,11 @@ class _LogFollower(threading.Thread):
         kw: dict = {}
         if self.last is not None:
             # Resume a little before the last line seen; the timestamps drop the overlap.
-            kw["since_seconds"] = max(1, int(time.time() - self.last[0]) + 5)
+            kw["since_seconds"] = max(1, int(time.time() - self.last[0][0]) + 5)
         elif self.first_tail is not None:
             kw["tail_lines"] = self.first_tail      # re-attached: not the whole history again
         self.first_tail = None
+        self._resumed, self._at_resume_ts = self.last, 0
         resp = self.core.read_namespaced_pod_log(pod, self.sup.ns, container=self.container, follow=True,
                                                  timestamps=True, _preload_content=False,
                                                  _request_timeout=(10, self.sup.cfg.log_idle_s), **kw)
@@ -763,10 +768,15 @@ class _LogFollower(threading.Thread):
         ts = _parse_ts(stamp)
         if ts is None:
             text = line
-        elif self.last is not None and ts <= self.last:
-            return                           # already shown before the stream was resumed
         else:
-            self.last = ts
+            if self._resumed is not None:    # drop what was shown before the stream was resumed
+                (seen_ts, seen_n) = self._resumed
+                self._at_resume_ts += ts == seen_ts
+                if ts < seen_ts or (ts == seen_ts and self._at_resume_ts <= seen_n):
+                    return
+                self._resumed = None
+            same = self.last is not None and self.last[0] == ts
+            self.last = (ts, self.last[1] + 1 if same else 1)
         self.sup.tail.append(text)
         self.sup.log(f"{self.prefix} {text}")
 

@@ -397,13 +397,14 @@ class Kubelet:
             self.logs.setdefault((ns, pod), []).append(_Instance())
             self.cond.notify_all()
 
-    def log(self, ns: str, pod: str, *lines: str) -> None:
+    def log(self, ns: str, pod: str, *lines: str, same_stamp: bool = False) -> None:
+        """The container writes ``lines``; ``same_stamp``: all read at once, under one timestamp (a coarse
+        clock). Otherwise each line is stamped after the one before (time.time() repeats within ~0.24 us)."""
         with self.cond:
             inst = self.logs[(ns, pod)][-1]
-            for text in lines:
-                # Strictly increasing, as a real kubelet's are: time.time() repeats within ~0.24 us.
-                t = max(time.time(), inst.lines[-1][0] + 1e-6) if inst.lines else time.time()
-                inst.lines.append((t, text))
+            now = max(time.time(), inst.lines[-1][0] + 1e-6) if inst.lines else time.time()
+            for i, text in enumerate(lines):
+                inst.lines.append((now if same_stamp else now + i * 1e-6, text))
             self.cond.notify_all()
 
     def end_container(self, ns: str, pod: str) -> None:
@@ -713,8 +714,8 @@ class Operator:
     def _container(self, pod: str) -> dict:
         return self.core.read_namespaced_pod(pod, self.ns).to_dict()["status"]["container_statuses"][0]
 
-    def log(self, pod: str, *lines: str) -> None:
-        self.kubelet.log(self.ns, pod, *lines)
+    def log(self, pod: str, *lines: str, same_stamp: bool = False) -> None:
+        self.kubelet.log(self.ns, pod, *lines, same_stamp=same_stamp)
 
     def terminate(self, pod: str, exit_code: int = 0, reason: str = "Completed", message: str = "") -> None:
         self.kubelet.end_container(self.ns, pod)

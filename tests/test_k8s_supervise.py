@@ -535,6 +535,32 @@ def test_a_log_stream_that_ends_at_once_is_not_reopened_in_a_loop(cluster):
     assert launcher.master_lines() == ["step 1", "step 2"]
 
 
+def test_lines_that_share_a_timestamp_are_each_shown_once_across_resumed_streams(cluster):
+    """A runtime may stamp several lines alike (a coarse clock): none is dropped as already shown, and the
+    streams the follower resumes (each ends at once here) show none of them twice."""
+    ns, op = cluster
+
+    def scenario(op, name):
+        master, workers = start(op, name)
+        op.kubelet.mode(ns.name, master, "end")
+        op.log(master, "loss 1", "loss 2", "loss 3", same_stamp=True)
+        wait_until(lambda: launcher.printed("loss 3"), 30, what="the lines stamped alike")
+        op.log(master, "loss 4", "loss 5", same_stamp=True)
+        wait_until(lambda: launcher.printed("loss 5"), 30, what="the next lines, in a resumed stream")
+
+        def streams():
+            return sum(e.subresource == "log" for e in ns.launcher_requests())
+        n = streams()
+        wait_until(lambda: streams() > n + 2, 30, what="more resumed streams")
+        succeed(op, name, [master, *workers])
+
+    launcher = Launcher(ns, manifest(), log_poll_s=0.2)
+    op.play(scenario)
+    launcher.result()
+    op.join()
+    assert launcher.master_lines() == [f"loss {i}" for i in range(1, 6)]
+
+
 @pytest.mark.parametrize("mode", ["fail", "hang"])
 def test_pod_logs_that_fail_or_never_answer_do_not_stop_the_job_or_the_launcher(cluster, mode):
     ns, op = cluster
