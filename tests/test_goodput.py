@@ -12,9 +12,11 @@ import signal
 import pytest
 
 from trainer.config import CheckpointConfig
-from trainer.events import EventLog, read_events
+from trainer.events import TORN_LINE, EventLog, EventLogError, read_events
 from trainer.faults import Fault, chaos_schedule
 from trainer.goodput import DEFAULT_MTBF_S, IntervalPolicy, account, project, young_daly_interval_s
+from trainer.metrics import RunCollector
+from trainer.summary import summarize
 
 from tests.conftest import until
 
@@ -230,3 +232,52 @@ def test_fault_specs_and_chaos_schedule():
     assert a == chaos_schedule(7, 60.0, 4, horizon_s=3600) != chaos_schedule(8, 60.0, 4, horizon_s=3600)
     assert 30 < len(a) < 100 and all(0 <= r < 4 for _, _, r in a)              # ~60 expected in an hour
     assert {k for _, k, _ in a} == {"exception", "kill", "hang"}
+
+
+def _events_file(path, *lines: str):
+    path.write_bytes("".join(lines).encode())
+    return path
+
+
+def test_the_events_reader_skips_a_torn_last_line_only(tmp_path):
+    good = [json.dumps({"t": float(i), "rank": 0, "event": "step", "step": i}) + "\n" for i in (1, 2)]
+    path = _events_file(tmp_path / "events.jsonl", *good, '{"t": 3.0, "rank": 0, "ev')
+    assert [e["step"] for e in read_events(path)] == [1, 2]
+    # A last line cut inside a multi-byte character is torn too.
+    path.write_bytes("".join(good).encode() + '{"t": 3.0, "note": "é'.encode()[:-1])
+    assert [e["step"] for e in read_events(path)] == [1, 2]
+    for bad in ('{"t": 1.5, "rank": 0, "ev\n', "not json\n", "[1, 2]\n", '{"t": 1.5}\n', "\n"):
+        _events_file(path, good[0], bad, good[1])
+        with pytest.raises(EventLogError, match=rf"^{path}:2: not an event"):
+            read_events(path)
+    assert read_events(tmp_path / "none.jsonl") == []
+
+
+def test_a_torn_line_is_sealed_by_the_next_writer_and_then_skipped(tmp_path):
+    path = _events_file(tmp_path / "events.jsonl", json.dumps({"t": 1.0, "rank": 0, "event": "run_start"}) + "\n",
+                        '{"t": 2.0, "rank": 1, "event": "st')           # the writer died mid-line
+    # The next attempt's ranks open the log; the first seals the line, the second finds it sealed.
+    logs = [EventLog(path, rank=r) for r in (0, 1)]
+    for log in logs:
+        log.emit("run_start", attempt=2)
+        log.close()
+    events = read_events(path)
+    assert [e["event"] for e in events] == ["run_start", TORN_LINE, "run_start", "run_start"]
+    assert path.read_bytes().count(b"\n") == 5
+    # The summary (its goodput accounting included) takes the seal as an event like any other.
+    assert summarize(events, steps=0, tokens=0, final_val_loss=0.0, params_sha256="", n_params=0)["restarts"] == 2
+    # The run's metrics read the log in pieces, cut anywhere: the same events, and a malformed line still fails.
+    data = path.read_bytes()
+    for cut in range(len(data) + 1):
+        collector = RunCollector(path, refresh_s=0)
+        parts = tmp_path / "parts.jsonl"
+        parts.write_bytes(data[:cut])
+        collector.events_path = parts
+        collector._read_new()
+        parts.write_bytes(data)
+        collector._read_new()
+        assert collector._events == events, cut
+    lines = data.split(b"\n")
+    (tmp_path / "bad.jsonl").write_bytes(b"\n".join(lines[:1] + [b"oops"] + lines[1:]))
+    with pytest.raises(EventLogError, match=r"bad.jsonl:2: not an event"):
+        RunCollector(tmp_path / "bad.jsonl", refresh_s=0)._read_new()

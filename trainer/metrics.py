@@ -90,11 +90,12 @@ class RunCollector:
         self._events: list[dict] = []
         self._offset = 0
         self._partial = b""
+        self._line = 1                       # line number of the first line of _partial
         self._at = -float("inf")
         self._values: dict = {}
 
     def _read_new(self) -> None:
-        import json
+        from .events import parse_lines
 
         try:
             with open(self.events_path, "rb") as fh:
@@ -103,13 +104,12 @@ class RunCollector:
         except FileNotFoundError:
             return
         self._offset += len(data)
-        lines = (self._partial + data).split(b"\n")
-        self._partial = lines.pop()          # an unfinished last line waits for the next read
-        for line in lines:
-            try:
-                self._events.append(json.loads(line))
-            except ValueError:
-                continue                     # a line torn by a crash
+        *lines, tail = (self._partial + data).split(b"\n")
+        events, used = parse_lines(lines, self.events_path, self._line)
+        self._events += events
+        self._line += used
+        # Left for the next read: an unfinished last line, or a malformed one whose seal may follow.
+        self._partial = b"".join(line + b"\n" for line in lines[used:]) + tail
 
     def values(self) -> dict:
         if time.monotonic() - self._at < self.refresh_s:
