@@ -15,8 +15,10 @@ number of ranks loads the same way. Scoring runs on the pod's GPU when it has on
 ``final_val_loss`` (``trainer.data.eval_windows``); bits per byte = loss / ln 2 / bytes per token, where
 bytes per token is the validation split's text bytes over its tokens (the manifest's ``splits.val``; 1 for the byte
 vocabulary, where a token is a byte), so runs on datasets of different tokenizers compare. A checkpoint
-that is torn, misses a shard, cannot be read or gives a non-finite loss is reported in ``skipped`` and the
-others are still evaluated.
+that is not whole on disk (``CheckpointIncomplete``: a torn marker, a missing or truncated file) or gives a
+non-finite loss is reported in ``skipped`` and the others are still evaluated; one that is whole but cannot be
+loaded (unreadable or corrupt data, a bug in the loader) fails the evaluation, naming it and the error, so
+that an older checkpoint is never promoted in its place.
 
 A baseline (``--baseline DIR``: a Hugging Face model directory, e.g. the one the run was initialised from)
 is scored on the same windows (``trainer.models.hf``: ``spec_for_hf_dir`` + ``load_hf_weights``); it must
@@ -58,7 +60,25 @@ UNIFORM_LOSS = math.log(256)      # nats per byte of a uniform guess over bytes
 
 
 class EvaluationError(RuntimeError):
-    """The run cannot be evaluated at all (no config, no checkpoints, none loadable)."""
+    """The run cannot be evaluated at all (no config, no checkpoints, none loadable, one that fails to load)."""
+
+
+class CheckpointIncomplete(Exception):
+    """A committed checkpoint that is not whole on disk, the only load failure that skips a checkpoint.
+
+    Exactly one of the subclasses, found before torch DCP reads any tensor (``_check_whole``)."""
+
+
+class TornMarker(CheckpointIncomplete):
+    """Its ``COMMITTED`` marker is not a JSON object listing the checkpoint's files."""
+
+
+class MissingFile(CheckpointIncomplete):
+    """A file the marker lists, or one the DCP ``.metadata`` puts data in, does not exist."""
+
+
+class TruncatedFile(CheckpointIncomplete):
+    """A shard is shorter than the data its ``.metadata`` puts in it."""
 
 
 @dataclass
@@ -132,18 +152,36 @@ def params_sha256(state_dict: dict) -> str:
     return h.hexdigest()
 
 
-def _checkpoint_problem(path: Path) -> str | None:
-    """Cheap checks before DCP reads anything: the marker parses and every file it lists is there."""
+def _check_whole(path: Path) -> None:
+    """Raise a ``CheckpointIncomplete`` if the checkpoint at ``path`` is not whole; reads the marker and the
+    DCP ``.metadata``, and only the sizes of the shards. Any other error reading them is raised as is."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from trainer.compat import dcp_file_extents
     from trainer.layout import read_marker
 
     try:
         marker = read_marker(path)
-    except (OSError, json.JSONDecodeError) as e:
-        return f"unreadable COMMITTED marker ({type(e).__name__}: {e})"
-    missing = [f for f in marker.get("files", []) if not (path / f).is_file()]
+    except FileNotFoundError:
+        raise MissingFile("COMMITTED marker is gone") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise TornMarker(f"torn COMMITTED marker ({type(e).__name__}: {e})") from None
+    if not isinstance(marker, dict) or not isinstance(marker.get("files"), list):
+        raise TornMarker("torn COMMITTED marker (no list of files)")
+    missing = [f for f in marker["files"] if not (path / f).is_file()]
     if missing:
-        return f"missing checkpoint file(s): {', '.join(missing)}"
-    return None
+        raise MissingFile(f"missing checkpoint file(s): {', '.join(missing)}")
+    # The commit renames .metadata into place before it writes the marker: unreadable, it is corrupt, not torn.
+    metadata = FileSystemReader(str(path)).read_metadata()
+    short = []
+    for name, needed in sorted(dcp_file_extents(metadata).items()):
+        if not (path / name).is_file():
+            raise MissingFile(f"missing checkpoint file(s): {name} (.metadata puts data in it)")
+        size = (path / name).stat().st_size
+        if size < needed:
+            short.append(f"{name} ({size} of {needed} bytes)")
+    if short:
+        raise TruncatedFile(f"truncated checkpoint file(s): {', '.join(short)}")
 
 
 def _dcp_error(e: BaseException) -> str:
@@ -329,8 +367,9 @@ def evaluate_run(
         The evaluation; ``evaluation.json`` and ``report.html`` are written to ``out_dir``.
 
     Raises:
-        EvaluationError: no config, no committed checkpoint, none of them could be evaluated, or a model
-            (the run's, the baseline, production) that cannot read the dataset.
+        EvaluationError: no config, no committed checkpoint, none of them could be evaluated, one whole on
+            disk that cannot be loaded, or a model (the run's, the baseline, production) that cannot read the
+            dataset.
     """
     from trainer.data import Split, bytes_per_token, eval_windows, read_manifest
     from trainer.layout import committed_steps, step_dir
@@ -412,21 +451,24 @@ def evaluate_run(
 
 def _score(result: EvaluationResult, spec, root: Path, steps: list[int], windows: list, batch_size: int,
            step_dir) -> None:
-    """Load and score each checkpoint; a bad one is reported in ``skipped`` and the rest go on. Sets
+    """Load and score each checkpoint; an incomplete one is reported in ``skipped`` and the rest go on (one
+    that is whole but fails to load raises ``EvaluationError``). Sets
     ``result.best`` and ``result.best_state`` (only the best weights are kept in memory)."""
     best_state = None
     for step in steps:
         path = step_dir(root, step)
-        problem = _checkpoint_problem(path)
-        model = None
+        problem = model = None
         t0 = time.monotonic()
-        if problem is None:
-            try:
-                model = load_checkpoint_model(path, spec)
-            except (KeyboardInterrupt, SystemExit):
-                raise
-            except BaseException as e:  # noqa: B036 - DCP's CheckpointException derives from BaseException
-                problem = f"cannot be loaded: {_dcp_error(e)}"
+        try:
+            _check_whole(path)
+            model = load_checkpoint_model(path, spec)
+        except CheckpointIncomplete as e:
+            problem = str(e)
+        except (KeyboardInterrupt, SystemExit):
+            raise
+        except BaseException as e:  # noqa: B036 - DCP's CheckpointException derives from BaseException
+            # Whole on disk yet not loadable: skipping it could promote an older checkpoint in its place.
+            raise EvaluationError(f"checkpoint {path} is whole on disk but cannot be loaded: {_dcp_error(e)}") from e
         load_s, t1 = time.monotonic() - t0, time.monotonic()
         if model is not None:
             loss, tokens = validation_loss(spec, model, windows, batch_size)

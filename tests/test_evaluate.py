@@ -79,35 +79,65 @@ def test_metrics_best_and_report_from_a_real_run(trained, tmp_path):
     assert summary["params_sha256"][:16] in report
 
 
-def test_corrupt_and_partial_checkpoints_are_reported_and_skipped(trained, tmp_path):
+def test_incomplete_and_torn_checkpoints_are_reported_and_skipped(trained, tmp_path):
     run, data = trained
     bad = copy_run(run, tmp_path / "bad")
     ckpts = bad / "checkpoints"
     shard = sorted(step_dir(ckpts, 10).glob("*.distcp"))[-1]
     shard.write_bytes(shard.read_bytes()[:1000])                     # truncated shard
     sorted(step_dir(ckpts, 20).glob("*.distcp"))[0].unlink()         # a shard listed in COMMITTED is gone
-    shutil.copytree(step_dir(ckpts, 30), step_dir(ckpts, 40))
+    for step in (40, 50):
+        shutil.copytree(step_dir(ckpts, 30), step_dir(ckpts, step))
     (step_dir(ckpts, 40) / COMMITTED).unlink()                       # torn: never committed
+    marker = step_dir(ckpts, 50) / COMMITTED
+    marker.write_bytes(marker.read_bytes()[:20])                     # torn marker
     r = evaluate_run(bad, data, tmp_path / "out")
     assert [c["step"] for c in r.checkpoints] == [30] and r.best["step"] == 30
     reasons = {s["step"]: s["reason"] for s in r.skipped}
-    assert set(reasons) == {10, 20, 40}
-    assert reasons[10].startswith("cannot be loaded")
+    assert set(reasons) == {10, 20, 40, 50}
+    assert reasons[10].startswith(f"truncated checkpoint file(s): {shard.name} (1000 of ")
     assert reasons[20].startswith("missing checkpoint file") and ".distcp" in reasons[20]
     assert reasons[40].startswith("not committed")
+    assert reasons[50].startswith("torn COMMITTED marker")
     assert json.loads((tmp_path / "out" / "evaluation.json").read_text())["skipped"] == r.skipped
 
     # Only the newest N.
     r = evaluate_run(run, data, tmp_path / "out2", last_n=2)
     assert [c["step"] for c in r.checkpoints] == [20, 30]
 
-    # Nothing loadable: a clear error, exit status 1, and the report still says why.
-    (step_dir(ckpts, 30) / ".metadata").write_bytes(b"garbage")
-    with pytest.raises(EvaluationError, match="none of the 3 committed checkpoints"):
+    # Nothing whole: a clear error, exit status 1, and the report still says why.
+    (step_dir(ckpts, 30) / ".metadata").unlink()
+    with pytest.raises(EvaluationError, match="none of the 4 committed checkpoints"):
         evaluate_run(bad, data, tmp_path / "out3")
-    assert len(json.loads((tmp_path / "out3" / "evaluation.json").read_text())["skipped"]) == 4
+    assert len(json.loads((tmp_path / "out3" / "evaluation.json").read_text())["skipped"]) == 5
     res = CliRunner().invoke(cli, ["evaluate", "--run", str(bad), "--data", str(data), "--out", str(tmp_path / "o4")])
     assert res.exit_code == 1 and "could be evaluated" in res.output
+
+
+def test_a_whole_checkpoint_that_fails_to_load_fails_the_evaluation(trained, tmp_path, monkeypatch):
+    """Skipping it would promote an older checkpoint in its place: the step fails, naming it and the error."""
+    run, data = trained
+    bad = copy_run(run, tmp_path / "bad")
+    newest = step_dir(bad / "checkpoints", 30)
+    metadata = newest / ".metadata"
+    metadata.write_bytes(metadata.read_bytes()[:200])                # the commit renames it whole: corrupt
+    with pytest.raises(EvaluationError, match=rf"checkpoint {newest} is whole on disk but cannot be loaded: "
+                                              r"UnpicklingError"):
+        evaluate_run(bad, data, tmp_path / "out")
+    assert not (tmp_path / "out" / "evaluation.json").exists()
+    res = CliRunner().invoke(cli, ["evaluate", "--run", str(bad), "--data", str(data), "--out", str(tmp_path / "o")])
+    assert res.exit_code == 1 and f"checkpoint {newest} is whole on disk" in res.output
+
+    # A bug in our own loader fails the same way.
+    import components.evaluate as evaluate
+
+    def buggy(path, spec):
+        raise TypeError("load_state_dict() got an unexpected keyword argument 'strict_'")
+
+    monkeypatch.setattr(evaluate, "load_checkpoint_model", buggy)
+    with pytest.raises(EvaluationError, match=rf"checkpoint {step_dir(run / 'checkpoints', 10)} is whole on disk but "
+                                              r"cannot be loaded: TypeError: load_state_dict"):
+        evaluate_run(run, data, tmp_path / "out2")
 
 
 def _read(registry: str, rel: str, s3) -> bytes | None:

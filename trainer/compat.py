@@ -666,6 +666,16 @@ def foreach_copy(dst: list, src: list, non_blocking: bool = False) -> None:
     _attr(torch, "_foreach_copy_")(dst, src, non_blocking=non_blocking)
 
 
+def dcp_file_extents(metadata) -> dict[str, int]:
+    """Bytes each file of a torch DCP file-system checkpoint holds at least: where its last entry ends
+    (``Metadata.storage_data`` maps each entry to the private ``_StorageInfo``: relative_path, offset, length)."""
+    ends: dict[str, int] = {}
+    for info in metadata.storage_data.values():
+        name = _attr(info, "relative_path")
+        ends[name] = max(ends.get(name, 0), _attr(info, "offset") + _attr(info, "length"))
+    return ends
+
+
 # Every private or internal name the trainer touches (``X()`` creates an X to read an instance attribute),
 # resolved by ``check_internals``: a test runs it on the installed releases, so an upgrade that breaks one
 # fails there, not in a run.
@@ -684,6 +694,7 @@ INTERNALS: tuple[tuple[str, str], ...] = (
     ("torch.distributed.tensor", "DTensor._local_tensor"),
     ("torch.distributed.tensor", "DTensor._spec"),
     ("torch", "_foreach_copy_"),
+    ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("nvidia_resiliency_ext.fault_tolerance.rank_monitor_client", "RankMonitorClient().rank_monitor_socket"),
 )
 
