@@ -2,7 +2,8 @@
 process the run has (the launch wrapper, the launcher, the warm-start zygote, a rank's proxy, a rank, its
 rank monitor, its checkpoint writer, its write-results manager). Each run either ends with the fault-free
 run's weights or fails with a line that names what hung or died, within a bound; none waits forever, and
-none leaves a process behind.
+none leaves a process behind. A run that ends before its fault (even by crashing), or that has no process of
+the kind, fails the test: it would prove nothing.
 
 The sweep here is one signal per kind (alternating with the seed); ``GOODPUT_CHAOS_SEEDS=0,1,2,...`` runs
 more seeds (each seed flips which kinds are stopped and which killed, and moves the moments).
@@ -68,11 +69,19 @@ def test_a_stopped_or_killed_process_is_recovered_or_named(train, clean_sha, kin
                 "--max-restarts", "3", "--step-timeout-s", "6", "--workload-check-interval-s", "0.5")
     at_step = rng.randint(2, 10)
     assert until(lambda: any(e["event"] == "step" and e["step"] >= at_step for e in run.events())
-                 or run.proc.poll() is not None, 180), run.output()
-    ranks = {e["pid"] for e in run.events() if e["event"] == "worker_start"}
-    victims = _of_kind(kind, _processes(run.mark), ranks)
-    if not victims:
-        pytest.skip(f"no {kind} at step {at_step} (the run ended or has none yet)")
+                 or run.proc.poll() is not None, 180), f"the run did not reach step {at_step}\n{run.output()}"
+    victims: list[int] = []
+
+    def find_victims() -> bool:
+        ranks = {e["pid"] for e in run.events() if e["event"] == "worker_start"}
+        victims[:] = _of_kind(kind, _processes(run.mark), ranks)
+        return bool(victims) or run.proc.poll() is not None
+
+    # A run that ended before its fault, or one without this kind of process, proves nothing: it fails.
+    assert until(find_victims, 60) and run.proc.poll() is None, \
+        f"no {kind} to signal at step {at_step}: the run " + \
+        (f"ended (exit {run.proc.returncode}) before its fault" if run.proc.poll() is not None else
+         f"has none after 60 s; its processes: {_processes(run.mark)}") + f"\n{run.output()}"
     victim = rng.choice(victims)
     os.kill(victim, sig)
     t0 = time.monotonic()
