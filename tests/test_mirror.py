@@ -22,10 +22,12 @@ import pytest
 from trainer.checkpoint import COMMITTED, committed_steps, step_dir
 from trainer.config import CheckpointConfig, SpotConfig, parse_config
 from trainer.events import EventLog, read_events
-from trainer.mirror import CheckpointMirror, MirrorLayout, fetch_newest, mirror_stats
+from trainer.errors import MirrorFailed
+from trainer.metrics import RunCollector
+from trainer.mirror import CRC32_KEY, CheckpointMirror, MirrorLayout, fetch_newest, file_crc32, mirror_stats
 from trainer.spot import ACTION_PATH, ImdsClient, SpotWatcher
 
-from tests.conftest import STEPS
+from tests.conftest import STEPS, until
 from tests.imds_stand_in import ImdsServer
 from tests.s3_stand_in import CREDENTIALS, FaultProxy, MotoS3, free_port
 
@@ -185,6 +187,114 @@ def test_unreachable_s3_never_pins_more_than_keep_checkpoints_on_fsx(tmp_path, s
     events = read_events(tmp_path / "events.jsonl")
     assert any(e["event"] == "mirror_error" for e in events)
     assert {e["step"] for e in events if e["event"] == "mirror_skipped"} == {1, 2, 3}
+
+
+def _mirror_errors(events_path: Path) -> list[dict]:
+    return [e for e in read_events(events_path) if e["event"] == "mirror_error"]
+
+
+def test_uploads_carry_s3_checksums_and_a_tampered_or_corrupted_download_is_refused(tmp_path, s3):
+    root, url = tmp_path / "checkpoints", f"s3://{BUCKET}/runs/sum"
+    mib = 1024 * 1024
+    mirror = CheckpointMirror(root, _cfg(url, s3.url, mirror_part_mib=5), EventLog(tmp_path / "events.jsonl", 0))
+    for step in (1, 2, 3):
+        _fake_checkpoint(root, step, {"__0_0.distcp": 11 * mib, "__1_0.distcp": 1000, ".metadata": 300})
+        mirror.enqueue(step, time.time())
+        assert mirror.drain(60)
+    mirror.close(5)
+    client, lay = s3.client(), MirrorLayout(url)
+    marker = lay.read_marker(client, 3)
+    names = ("__0_0.distcp", "__1_0.distcp", ".metadata")
+    assert marker[CRC32_KEY] == {n: file_crc32(step_dir(root, 3) / n) for n in names}
+    # S3 holds a full-object CRC32 of each file, the multipart one (3 parts) too.
+    head = client.head_object(Bucket=BUCKET, Key=lay.key(3, "__0_0.distcp"), ChecksumMode="ENABLED")
+    assert head["ChecksumCRC32"] == marker[CRC32_KEY]["__0_0.distcp"] and head["ETag"].strip('"').endswith("-3")
+
+    # Step 3's small shard is replaced in S3 by other bytes of the same size (S3's own checksum is then
+    # consistent: only the one recorded at upload tells); step 2's multipart shard is corrupted in transit.
+    client.put_object(Bucket=BUCKET, Key=lay.key(3, "__1_0.distcp"), Body=b"\0" * 1000)
+    with FaultProxy(s3.url, corrupt=(f"{BUCKET}/{lay.key(2, '__0_0.distcp')}",)) as proxy:
+        fetch_events = tmp_path / "fetch.jsonl"
+        assert fetch_newest(tmp_path / "fsx" / "checkpoints", _cfg(url, proxy.url, mirror_part_mib=5),
+                            EventLog(fetch_events, 0)) == 1
+    refused = {e["step"]: e["error"] for e in _mirror_errors(fetch_events)}
+    assert set(refused) == {2, 3} and refused[3].startswith("ChecksumMismatch: __1_0.distcp: CRC32 ")
+    assert "checksum" in refused[2].lower()       # the SDK's check of the GET (ChecksumMode), or ours
+    assert committed_steps(tmp_path / "fsx" / "checkpoints") == [1]
+    local = json.loads((step_dir(tmp_path / "fsx" / "checkpoints", 1) / COMMITTED).read_text())
+    assert CRC32_KEY not in local and "fetched_from" in local
+    assert mirror_stats(read_events(fetch_events))["errors_by_phase"] == {"download": 2}
+
+    # Nothing downloadable: a warned fresh start, or with --require-mirror the end of the run.
+    for step in (1, 2):
+        client.put_object(Bucket=BUCKET, Key=lay.key(step, ".metadata"), Body=b"\0" * 300)
+    assert fetch_newest(tmp_path / "fsx2", _cfg(url, s3.url), EventLog(tmp_path / "f2.jsonl", 0)) is None
+    with pytest.raises(MirrorFailed, match="none of the 3 mirrored checkpoints .* could be downloaded"):
+        fetch_newest(tmp_path / "fsx3", _cfg(url, s3.url, require_mirror=True), EventLog(tmp_path / "f3.jsonl", 0))
+
+
+def test_a_mirror_that_cannot_build_its_client_or_whose_thread_fails_says_so(tmp_path, s3, monkeypatch, caplog):
+    import trainer.mirror as mirror_module
+
+    root, url = tmp_path / "checkpoints", f"s3://{BUCKET}/runs/off"
+
+    def no_client(cfg):
+        raise ValueError("Invalid endpoint: nowhere")
+
+    events_path = tmp_path / "client.jsonl"
+    with monkeypatch.context() as m:
+        m.setattr(mirror_module, "s3_client", no_client)
+        mirror = CheckpointMirror(root, _cfg(url, s3.url), EventLog(events_path, 0))
+        assert until(lambda: _mirror_errors(events_path), 30)
+        mirror.enqueue(1, time.time())           # training goes on, without the mirror
+        assert mirror.drain(1)
+        mirror.close(0)
+        with pytest.raises(MirrorFailed, match=r"s3://ckpt/runs/off failed \(client: ValueError: Invalid endpoint"):
+            CheckpointMirror(root, _cfg(url, s3.url, require_mirror=True), EventLog(tmp_path / "req.jsonl", 0))
+    [error] = _mirror_errors(events_path)
+    assert error["phase"] == "client" and error["error"] == "ValueError: Invalid endpoint: nowhere"
+    assert "WARNING: the S3 mirror s3://ckpt/runs/off failed (client): ValueError: Invalid endpoint: nowhere; the " \
+           "mirror is off for the rest of this run" in caplog.text
+    stats = mirror_stats(read_events(events_path))
+    assert stats["disabled"] and stats["errors_by_phase"] == {"client": 1}
+    assert stats["last_error"] == "client: ValueError: Invalid endpoint: nowhere"
+
+    events_path = tmp_path / "thread.jsonl"
+    with monkeypatch.context() as m:
+        m.setattr(CheckpointMirror, "_mirror", lambda self, item: 1 / 0)
+        mirror = CheckpointMirror(root, _cfg(url, s3.url), EventLog(events_path, 0))
+        _fake_checkpoint(root, 1, {"__0_0.distcp": 100, ".metadata": 10})
+        mirror.enqueue(1, time.time())
+        assert until(lambda: _mirror_errors(events_path), 30)
+        mirror.close(0)
+    [error] = _mirror_errors(events_path)
+    assert error["phase"] == "thread" and error["error"].startswith("ZeroDivisionError")
+    # The run's metrics (rank 0 reads events.jsonl) count it by phase.
+    log = EventLog(events_path, 0)
+    log.emit("run_start", world_size=1, restart_count=0)
+    log.close()
+    assert RunCollector(events_path, refresh_s=0).values()["goodput_mirror_errors"] == {"thread": 1}
+
+
+def test_with_require_mirror_a_failed_upload_fails_the_next_commit_and_the_drain(tmp_path, s3):
+    root, url, events_path = tmp_path / "checkpoints", f"s3://{BUCKET}/runs/req", tmp_path / "events.jsonl"
+    nobody = f"http://127.0.0.1:{free_port()}"
+    with pytest.raises(MirrorFailed, match="and --require-mirror is set"):    # unreachable: at setup
+        CheckpointMirror(root, _cfg(url, nobody, mirror_max_attempts=1, require_mirror=True), EventLog(events_path, 0))
+    with FaultProxy(s3.url) as proxy:
+        mirror = CheckpointMirror(root, _cfg(url, proxy.url, mirror_max_attempts=1, require_mirror=True),
+                                  EventLog(events_path, 0))
+        with proxy.lock:
+            proxy.fail_every, proxy.max_failures = 1, 1000
+        _fake_checkpoint(root, 1, {"__0_0.distcp": 100, ".metadata": 10})
+        mirror.enqueue(1, time.time())
+        assert until(lambda: any(e["phase"] == "upload" for e in _mirror_errors(events_path)), 30)
+        _fake_checkpoint(root, 2, {"__0_0.distcp": 100, ".metadata": 10})
+        with pytest.raises(MirrorFailed, match=r"failed \(upload of step 1: ClientError"):
+            mirror.enqueue(2, time.time())
+        with pytest.raises(MirrorFailed, match=r"failed \(upload of step 1"):
+            mirror.drain(30)
+        mirror.close(0)
 
 
 def test_spot_watcher_speaks_imdsv2_and_asks_for_one_checkpoint_per_notice(tmp_path):

@@ -160,6 +160,11 @@ class CheckpointConfig:
                                     "(doubles per failure, at most 300 s)", flag="--ckpt-mirror-retry-s")
     mirror_drain_s: float = _f(30.0, "seconds the end of training (or exit after SIGTERM) waits for the mirror "
                                      "to finish uploading", flag="--ckpt-mirror-drain-s")
+    require_mirror: bool = _f(False, "with --ckpt-mirror: any mirror failure (its S3 client or thread, an upload "
+                                     "after its retries, retention, no mirrored checkpoint downloadable, the last "
+                                     "checkpoints not mirrored within --ckpt-mirror-drain-s) fails the run; without "
+                                     "it a failure is warned about and training goes on",
+                              flag="--require-mirror")
 
 
 @dataclass
@@ -233,6 +238,8 @@ def _mirror_and_spot_problems(c: CheckpointConfig, s: SpotConfig) -> list[str]:
                              ("--ckpt-mirror-max-attempts", c.mirror_max_attempts, 1)):
         if value < low:
             problems.append(f"{name} must be at least {low}, got {value}")
+    if c.require_mirror and not c.mirror:
+        problems.append("--require-mirror needs a mirror: --ckpt-mirror s3://BUCKET/PREFIX")
     if c.mirror_retry_s <= 0 or c.mirror_drain_s < 0:
         problems.append("--ckpt-mirror-retry-s must be positive and --ckpt-mirror-drain-s not negative")
     if s.poll_s <= 0:

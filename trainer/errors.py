@@ -8,8 +8,13 @@ class HelperHung(RuntimeError):
     layer passes it on to the in-job one, which starts the rank and its helpers afresh."""
 
 
-# Errors that come back the same on every attempt (settings, data format, paths): no layer retries them.
-RECURRING = (ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError, PermissionError)
+class MirrorFailed(RuntimeError):
+    """The S3 checkpoint mirror failed and ``--require-mirror`` says that ends the run."""
+
+
+# Errors that come back the same on every attempt (settings, data format, paths), and a failure the settings
+# make fatal: no layer retries them.
+RECURRING = (ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryError, PermissionError, MirrorFailed)
 
 
 def recurring_cause(e: BaseException) -> BaseException | None:

@@ -15,8 +15,9 @@ the last step; absent on CPU and GPUs of unknown peak), ``goodput_checkpoint_blo
 ``trainer.straggler``): ``goodput_straggler_score{rank,kind}`` (each rank's NVRx GPU score at the last
 report, 0..1, ``kind`` relative or individual). Per run (global rank 0, from ``events.jsonl`` at scrape time, so the
 numbers span every attempt and survive restarts of the process): ``goodput_ratio`` (productive step time /
-wall time so far, ``trainer.goodput.account``), ``goodput_restarts{layer}``, ``goodput_lost_steps`` and
-``goodput_last_committed_step``.
+wall time so far, ``trainer.goodput.account``), ``goodput_restarts{layer}``, ``goodput_lost_steps``,
+``goodput_last_committed_step`` and, with an S3 mirror, ``goodput_mirror_errors{phase}`` (its failures so far:
+client, thread, upload, retention, download; ``trainer.mirror``).
 
 Data starvation (the seed lesson: GPU utilisation swinging between 100% and 5%): the loop's batch source
 is timed; when waiting for batches takes ``--data-wait-warn`` or more of the step time over a window of
@@ -50,7 +51,8 @@ PROCESS_SERIES = ("goodput_step", "goodput_steps_total", "goodput_step_seconds",
                   "goodput_checkpoint_blocking_last_seconds", "goodput_data_wait_seconds_total",
                   "goodput_data_wait_ratio", "goodput_data_starved_windows_total", "goodput_rank_info")
 STRAGGLER_SERIES = ("goodput_straggler_score",)   # rank 0, once a straggler report came (GPU only)
-RUN_SERIES = ("goodput_ratio", "goodput_restarts", "goodput_lost_steps", "goodput_last_committed_step")
+RUN_SERIES = ("goodput_ratio", "goodput_restarts", "goodput_lost_steps", "goodput_last_committed_step",
+              "goodput_mirror_errors")
 
 
 class DataWaitMonitor:
@@ -115,6 +117,7 @@ class RunCollector:
         if time.monotonic() - self._at < self.refresh_s:
             return self._values
         from .goodput import account
+        from .mirror import mirror_stats
 
         self._read_new()
         acc = account(self._events)
@@ -125,6 +128,9 @@ class RunCollector:
             "goodput_lost_steps": acc["lost_steps"],
             "goodput_last_committed_step": max(committed) if committed else -1,
         }
+        mirror = mirror_stats(self._events)
+        if self._values and mirror is not None:
+            self._values["goodput_mirror_errors"] = mirror["errors_by_phase"]
         self._at = time.monotonic()
         return self._values
 
@@ -148,6 +154,14 @@ class RunCollector:
                                 value=v["goodput_lost_steps"])
         yield GaugeMetricFamily("goodput_last_committed_step", "step of the newest committed checkpoint "
                                 "(-1 = none yet)", value=v["goodput_last_committed_step"])
+        if "goodput_mirror_errors" in v:
+            from .mirror import ERROR_PHASES
+
+            errors = GaugeMetricFamily("goodput_mirror_errors", "failures of the S3 checkpoint mirror so far, by "
+                                       "phase (client, thread, upload, retention, download)", labels=["phase"])
+            for phase in ERROR_PHASES:
+                errors.add_metric([phase], v["goodput_mirror_errors"].get(phase, 0))
+            yield errors
 
 
 class MetricsExporter(StepHook):

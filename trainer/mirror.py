@@ -15,14 +15,24 @@ marker; a daemon thread uploads its files with s3transfer (multipart, ``--ckpt-m
 parallel requests, each retried by botocore's ``standard`` mode), then the marker, then applies
 ``--ckpt-mirror-keep`` (marker deleted first, then the rest). The training loop only appends to a queue.
 The newest pending step goes first, so a checkpoint taken on a spot interruption notice jumps the queue.
-A checkpoint whose upload still fails is logged (``mirror_error``) and tried again after a backoff, unless
-newer checkpoints have made it obsolete; training never stops for the mirror. Local retention leaves a
-step on FSx until the mirror is done with it.
+A checkpoint whose upload still fails is tried again after a backoff, unless newer checkpoints have made it
+obsolete. Local retention leaves a step on FSx until the mirror is done with it. Every object goes up with
+S3's additional checksum (full-object CRC32, whatever the part size); after the upload S3's value is read back
+(``HeadObject``) and the marker records it per file.
+
+Nothing fails silently: a mirror that cannot build its client, whose thread fails, or whose upload or
+retention fails is a ``mirror_error`` event (``phase``: client, thread, upload, retention, download), a
+``WARNING: the S3 mirror ...`` line on rank 0's console (the train step's log), the
+``goodput_mirror_errors{phase}`` metric and the summary's ``mirror`` entry. Training goes on, unless
+``--require-mirror``: then the failure ends the run (``MirrorFailed``, not retried by any layer) at the next
+commit or at the end of training, and a mirror that cannot be listed fails it at setup.
 
 Download (``maybe_fetch_from_mirror``, collective, from ``CheckpointManager._load_committed``): if FSx has
 no committed checkpoint, rank 0 downloads the newest marked step into ``.step_<N>.mirror-download``,
-checks every size against the marker, renames it to ``step_<N>`` and writes the local ``COMMITTED`` last;
-then every rank loads it as usual.
+checks every size and CRC32 against the marker (and the SDK checks each whole-object GET against S3's
+checksum: ``ChecksumMode``), renames it to ``step_<N>`` and writes the local ``COMMITTED`` last; then every
+rank loads it as usual. A step that fails any check is refused (``mirror_error``, phase download) and the next
+older one is tried; if none can be downloaded, the run starts afresh with a warning (``--require-mirror``: fails).
 
 Events: ``mirror_start``, ``mirror_committed`` (step, bytes, seconds, lag_s = now - local commit time),
 ``mirror_error``, ``mirror_skipped``, ``mirror_deleted``, ``mirror_drain``, ``resumed_from_mirror``;
@@ -36,16 +46,19 @@ boto3 is imported only when a mirror is configured. Try it against a local endpo
 
 from __future__ import annotations
 
+import base64
 import json
 import logging
 import os
 import shutil
 import threading
 import time
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 from .config import CheckpointConfig
+from .errors import MirrorFailed
 from .events import EventLog
 from .layout import COMMITTED, committed_steps, fsync_dir, step_dir, step_of, write_atomic
 
@@ -53,6 +66,26 @@ log = logging.getLogger(__name__)
 
 _MAX_RETRY_S = 300.0
 _DOWNLOAD_SUFFIX = ".mirror-download"
+# S3's additional checksum of every mirrored object: a full-object CRC32 is zlib's CRC32 of the file, however
+# the upload was split into parts (CRC32C and CRC64NVME would need awscrt).
+_UPLOAD_ARGS = {"ChecksumAlgorithm": "CRC32", "ChecksumType": "FULL_OBJECT"}
+_DOWNLOAD_ARGS = {"ChecksumMode": "ENABLED"}
+ERROR_PHASES = ("client", "thread", "upload", "retention", "download")     # of mirror_error events
+CRC32_KEY = "mirror_crc32"      # the remote marker's {file: base64 CRC32 that S3 stored}
+_REMOTE_KEYS = ("sizes", "mirrored_at", CRC32_KEY)     # in the remote marker only, not in the local one
+
+
+class ChecksumMismatch(ValueError):
+    """A downloaded file's CRC32 is not the one S3 stored when it was mirrored."""
+
+
+def file_crc32(path: Path) -> str:
+    """Base64 of the big-endian CRC32 of a file, as S3 reports ``ChecksumCRC32``."""
+    crc = 0
+    with open(path, "rb") as fh:
+        while chunk := fh.read(8 * 1024 * 1024):
+            crc = zlib.crc32(chunk, crc)
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
 
 def parse_s3_url(url: str) -> tuple[str, str]:
@@ -169,16 +202,30 @@ class CheckpointMirror:
         self._current: int | None = None
         self._mirrored: set[int] | None = None     # marked steps in the mirror, listed on first use
         self._stopping = False
+        self._failure: str | None = None           # the first failure: what --require-mirror ends the run with
         self._client = self._manager = None
         self._futures: list = []                   # s3transfer futures of the upload in flight
-        self.events.emit("mirror_ready", url=self.layout.url, keep=cfg.mirror_keep)
+        self.events.emit("mirror_ready", url=self.layout.url, keep=cfg.mirror_keep, required=cfg.require_mirror)
+        if cfg.require_mirror:
+            # A mirror that cannot be reached fails the run now, at setup, not at its first commit.
+            try:
+                self._connect()
+                self._list_mirrored()
+            except Exception as e:  # noqa: BLE001 - reported, then fatal
+                self._failed("client", e, consequence="the run fails (--require-mirror)")
+                self._check()
         # Started now (during setup), so importing boto3 and building the client stay off the loop.
         self._thread = threading.Thread(target=self._run, daemon=True, name="ckpt-mirror")
         self._thread.start()
 
     # ------------------------------------------------------------------------------- loop-facing side
     def enqueue(self, step: int, committed_at: float) -> None:
-        """A checkpoint was committed locally: mirror it (never blocks)."""
+        """A checkpoint was committed locally: mirror it (never blocks).
+
+        Raises:
+            MirrorFailed: with ``--require-mirror``, once the mirror has failed.
+        """
+        self._check()
         with self._cv:
             if self._stopping:
                 return
@@ -196,7 +243,24 @@ class CheckpointMirror:
         Waits in short slices: the main thread keeps running Python, so NVRx's progress watchdog sees it
         alive. A failed upload waits at most ``--ckpt-mirror-retry-s`` (not its grown backoff) before it is
         tried again. Returns whether it drained.
+
+        Raises:
+            MirrorFailed: with ``--require-mirror``, if the mirror failed or did not drain.
         """
+        drained = self._drain(timeout_s)
+        self._check()
+        if not drained and self.cfg.require_mirror:
+            raise MirrorFailed(f"the S3 mirror {self.layout.url} did not upload the last checkpoints within "
+                               f"--ckpt-mirror-drain-s ({timeout_s:g} s) and --require-mirror is set; FSx has them")
+        return drained
+
+    def _check(self) -> None:
+        with self._cv:
+            failure = self._failure
+        if failure is not None and self.cfg.require_mirror:
+            raise MirrorFailed(f"the S3 mirror {self.layout.url} failed ({failure}) and --require-mirror is set")
+
+    def _drain(self, timeout_s: float) -> bool:
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         with self._cv:
@@ -205,6 +269,8 @@ class CheckpointMirror:
                     item.not_before = min(item.not_before, t0 + self.cfg.mirror_retry_s)
                 self._cv.notify_all()
             while (self._pending or self._current is not None) and time.monotonic() < deadline:
+                if self._failure is not None and self.cfg.require_mirror:
+                    break           # the run fails anyway: no need to wait for retries
                 self._cv.wait(min(0.2, max(0.0, deadline - time.monotonic())))
             left = sorted(self._pending) + ([self._current] if self._current is not None else [])
         if left or time.monotonic() - t0 > 0.05:
@@ -215,8 +281,9 @@ class CheckpointMirror:
         return not left
 
     def close(self, drain_s: float) -> None:
-        """Drain (bounded), then stop the thread; an upload still running is cancelled."""
-        self.drain(drain_s)
+        """Drain (bounded), then stop the thread; an upload still running is cancelled. Never raises: it runs
+        in teardown (``drain`` is where --require-mirror fails the run)."""
+        self._drain(drain_s)
         with self._cv:
             self._stopping = True
             self._cv.notify_all()
@@ -226,18 +293,46 @@ class CheckpointMirror:
             f.cancel()
         self._thread.join(timeout=10)
 
+    # ---------------------------------------------------------------------------------- failures
+    def _failed(self, phase: str, e: BaseException, step: int | None = None, *, consequence: str,
+                **fields) -> None:
+        """Report a mirror failure: a ``mirror_error`` event and a warning on the console, where the train step's
+        log shows it; ``--require-mirror`` ends the run on it (``_check``)."""
+        text = _error_text(e)
+        what = f"{phase} of step {step}" if step is not None else phase
+        log.warning("WARNING: the S3 mirror %s failed (%s): %s; %s", self.layout.url, what, text, consequence)
+        self.events.emit("mirror_error", step=step, phase=phase, error=text, **fields)
+        with self._cv:
+            self._failure = self._failure or f"{what}: {text}"
+            self._cv.notify_all()
+
+    def _off(self) -> str:
+        """Turn the mirror off (its thread failed); returns the consequence, for the warning."""
+        with self._cv:
+            self._pending.clear()
+            self._stopping = True
+            self._cv.notify_all()
+        if self.cfg.require_mirror:
+            return "the run fails (--require-mirror)"
+        return "the mirror is off for the rest of this run: new checkpoints are on FSx only"
+
     # ---------------------------------------------------------------------------------- the thread
-    def _run(self) -> None:
-        try:
+    def _connect(self) -> None:
+        if self._client is None:
             self._client = s3_client(self.cfg)
             self._manager = transfer_manager(self._client, self.cfg)
-        except Exception as e:  # noqa: BLE001 - the mirror must never stop training
-            log.error("mirror disabled: cannot build the S3 client: %s", e)
-            self.events.emit("mirror_error", step=None, phase="client", error=_error_text(e), retry_in_s=None)
+
+    def _list_mirrored(self) -> None:
+        if self._mirrored is None:
+            listing = self.layout.list_steps(self._client)
             with self._cv:
-                self._pending.clear()
-                self._stopping = True
-                self._cv.notify_all()
+                self._mirrored = {s for s, marked in listing.items() if marked}
+
+    def _run(self) -> None:
+        try:
+            self._connect()
+        except Exception as e:  # noqa: BLE001 - the mirror must never stop training (unless required)
+            self._failed("client", e, consequence=self._off(), retry_in_s=None)
             return
         try:
             while True:
@@ -246,12 +341,8 @@ class CheckpointMirror:
                     break
                 self._mirror(item)
         except Exception as e:  # noqa: BLE001 - a bug here must not stop training nor pin steps on FSx
-            log.exception("mirror thread failed; the mirror is off for the rest of this run")
-            self.events.emit("mirror_error", step=None, phase="thread", error=_error_text(e), retry_in_s=None)
-            with self._cv:
-                self._pending.clear()
-                self._stopping = True
-                self._cv.notify_all()
+            log.exception("mirror thread failed")
+            self._failed("thread", e, consequence=self._off(), retry_in_s=None)
         self._manager.shutdown()
 
     def _next(self) -> _Item | None:
@@ -298,10 +389,7 @@ class CheckpointMirror:
         item.attempts += 1
         t0 = time.monotonic()
         try:
-            if self._mirrored is None:
-                listing = lay.list_steps(client)
-                with self._cv:
-                    self._mirrored = {s for s, marked in listing.items() if marked}
+            self._list_mirrored()
             try:
                 marker = json.loads((path / COMMITTED).read_text())
                 sizes = {n: (path / n).stat().st_size for n in _files_of(marker)}
@@ -310,8 +398,8 @@ class CheckpointMirror:
                 return
             nbytes = sum(sizes.values())
             self.events.emit("mirror_start", step=step, files=len(sizes), bytes=nbytes, attempt=item.attempts)
-            futures = self._futures = [self._manager.upload(str(path / n), lay.bucket, lay.key(step, n))
-                                       for n in sizes]
+            futures = self._futures = [self._manager.upload(str(path / n), lay.bucket, lay.key(step, n),
+                                                            extra_args=_UPLOAD_ARGS) for n in sizes]
             errors = []
             for f in futures:       # wait for all, so no part of this step is still in flight on failure
                 try:
@@ -323,16 +411,16 @@ class CheckpointMirror:
                 raise errors[0]
             if self._stopping:
                 raise RuntimeError("mirror closed during the upload")
+            crc32 = {n: self._stored_crc32(step, path / n) for n in sizes}
             # The marker goes last: only now is the mirrored step whole.
-            remote = {**marker, "sizes": sizes, "mirrored_at": time.time()}
+            remote = {**marker, "sizes": sizes, CRC32_KEY: crc32, "mirrored_at": time.time()}
             client.put_object(Bucket=lay.bucket, Key=lay.key(step, COMMITTED), Body=json.dumps(remote).encode(),
                               ContentType="application/json")
-        except Exception as e:  # noqa: BLE001 - retried later; training never stops for the mirror
+        except Exception as e:  # noqa: BLE001 - retried later; training never stops for the mirror (unless required)
             retry_in = min(_MAX_RETRY_S, self.cfg.mirror_retry_s * 2 ** (item.attempts - 1))
-            log.warning("mirror: step %d failed (attempt %d): %s; retrying in %.1fs", step, item.attempts,
-                        _error_text(e), retry_in)
-            self.events.emit("mirror_error", step=step, phase="upload", attempt=item.attempts,
-                             error=_error_text(e), retry_in_s=retry_in)
+            consequence = "the run fails (--require-mirror)" if self.cfg.require_mirror else \
+                f"attempt {item.attempts}, trying again in {retry_in:.1f}s; FSx keeps the checkpoint meanwhile"
+            self._failed("upload", e, step, consequence=consequence, attempt=item.attempts, retry_in_s=retry_in)
             with self._cv:
                 if not self._stopping and step not in self._pending:
                     item.not_before = time.monotonic() + retry_in
@@ -349,8 +437,16 @@ class CheckpointMirror:
         try:
             self._retain()
         except Exception as e:  # noqa: BLE001 - retention is tried again after the next upload
-            log.warning("mirror: retention failed: %s", _error_text(e))
-            self.events.emit("mirror_error", step=None, phase="retention", error=_error_text(e), retry_in_s=None)
+            self._failed("retention", e, consequence="the run fails (--require-mirror)" if self.cfg.require_mirror
+                         else "old checkpoints stay in the mirror until the next upload's retention",
+                         retry_in_s=None)
+
+    def _stored_crc32(self, step: int, path: Path) -> str:
+        """The CRC32 S3 stored for an uploaded file (it checked the SDK's against the bytes it received); an
+        endpoint that keeps no additional checksums gets the file's, computed here."""
+        head = self._client.head_object(Bucket=self.layout.bucket, Key=self.layout.key(step, path.name),
+                                        ChecksumMode="ENABLED")
+        return head.get("ChecksumCRC32") or file_crc32(path)
 
     def _retain(self) -> None:
         """Keep the newest ``--ckpt-mirror-keep`` marked steps; delete older steps, marked or torn."""
@@ -392,7 +488,8 @@ def fetch_newest(root: Path, cfg: CheckpointConfig, events: EventLog) -> int | N
             try:
                 nbytes = _download(client, manager, lay, root, step)
             except Exception as e:  # noqa: BLE001 - try the next older step
-                log.warning("mirror: step %d could not be downloaded: %s", step, _error_text(e))
+                log.warning("WARNING: the S3 mirror %s: step %d refused or not downloadable: %s; trying an older one",
+                            lay.url, step, _error_text(e))
                 events.emit("mirror_error", step=step, phase="download", error=_error_text(e), retry_in_s=None)
                 continue
             took = time.monotonic() - t0
@@ -401,6 +498,13 @@ def fetch_newest(root: Path, cfg: CheckpointConfig, events: EventLog) -> int | N
             log.info("resume: FSx has no committed checkpoint; fetched step %d from %s (%.1f MB in %.1fs)", step,
                      lay.url, nbytes / 1e6, took)
             return step
+    if marked:
+        text = (f"none of the {len(marked)} mirrored checkpoints in {lay.url} could be downloaded (mirror_error "
+                f"events say why)")
+        if cfg.require_mirror:
+            raise MirrorFailed(f"{text} and --require-mirror is set")
+        log.warning("WARNING: %s: training starts afresh", text)
+        return None
     log.info("resume: no committed checkpoint on FSx nor in %s: fresh start", lay.url)
     return None
 
@@ -413,13 +517,22 @@ def _download(client, manager, lay: MirrorLayout, root: Path, step: int) -> int:
     tmp = root / f".{step_dir(root, step).name}{_DOWNLOAD_SUFFIX}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    futures = [manager.download(lay.bucket, lay.key(step, n), str(tmp / n)) for n in _files_of(marker)]
+    futures = [manager.download(lay.bucket, lay.key(step, n), str(tmp / n), extra_args=_DOWNLOAD_ARGS)
+               for n in _files_of(marker)]
     for f in futures:
         f.result()
     for name, size in sizes.items():
         got = (tmp / name).stat().st_size
         if got != size:
             raise ValueError(f"{name}: {got} bytes downloaded, the marker says {size}")
+    # The SDK checks only whole-object GETs; ranged (multipart) downloads are checked here, every file is.
+    crc32 = marker.get(CRC32_KEY)
+    if crc32 is None:
+        log.info("mirror: step %d was mirrored without checksums (an older version): sizes checked only", step)
+    for name, want in (crc32 or {}).items():
+        got = file_crc32(tmp / name)
+        if got != want:
+            raise ChecksumMismatch(f"{name}: CRC32 {got} downloaded, S3 stored {want} when it was mirrored")
     for f in tmp.iterdir():
         with open(f, "rb") as fh:
             os.fsync(fh.fileno())
@@ -428,7 +541,7 @@ def _download(client, manager, lay: MirrorLayout, root: Path, step: int) -> int:
     os.replace(tmp, final)
     fsync_dir(root)
     # The local marker last, as in a local commit.
-    local = {k: v for k, v in marker.items() if k not in ("sizes", "mirrored_at")}
+    local = {k: v for k, v in marker.items() if k not in _REMOTE_KEYS}
     write_atomic(final / COMMITTED, json.dumps({**local, "fetched_from": lay.url}).encode())
     return sum(sizes.values())
 
@@ -484,6 +597,11 @@ def mirror_stats(events: list[dict]) -> dict | None:
         return None
     done = [e for e in events if e["event"] == "mirror_committed"]
     resumed = [e["step"] for e in events if e["event"] == "resumed_from_mirror"]
+    errors = [e for e in events if e["event"] == "mirror_error"]
+    phases: dict[str, int] = {}
+    for e in errors:
+        phases[e["phase"]] = phases.get(e["phase"], 0) + 1
+    last = errors[-1] if errors else None
     return {
         "checkpoints_mirrored": len(done),
         # The newest step in the mirror (uploads go newest first, so a retried older one may finish last).
@@ -492,7 +610,12 @@ def mirror_stats(events: list[dict]) -> dict | None:
         "lag_s_last": done[-1]["lag_s"] if done else None,
         "lag_s_max": max(e["lag_s"] for e in done) if done else None,
         "upload_s_max": max(e["seconds"] for e in done) if done else None,
-        "errors": sum(e["event"] == "mirror_error" for e in events),
+        "errors": len(errors),
+        "errors_by_phase": phases,
+        # The mirror turned itself off (its client or thread failed): later checkpoints are on FSx only.
+        "disabled": any(e["phase"] in ("client", "thread") for e in errors),
+        "last_error": None if last is None else
+        f"{last['phase']}{'' if last.get('step') is None else ' of step ' + str(last['step'])}: {last['error']}",
         "skipped": sum(e["event"] == "mirror_skipped" for e in events),
         "resumed_from_mirror_step": resumed[-1] if resumed else None,
     }
