@@ -29,6 +29,7 @@ The pipeline passes ``run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER`` and
 # No `from __future__ import annotations`: KFP reads the component's annotations as types.
 import math
 import os
+import sys
 from dataclasses import asdict, dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Callable
@@ -231,7 +232,12 @@ def _flag_value(args: list[str], flag: str) -> str | None:
 
 def _result(backend: str, name: str, out: Path, summary: dict) -> TrainResult:
     from trainer.layout import committed_steps
+    from trainer.mirror import mirror_warning
 
+    # Said again where the step's log ends: the trainer's own warnings may be far up, or in another pod's log.
+    warning = mirror_warning(summary.get("mirror"))
+    if warning:
+        print(warning, file=sys.stderr, flush=True)
     ckpt = out / "checkpoints"
     steps = committed_steps(ckpt)
     return TrainResult(backend, name, str(out), str(ckpt), summary, steps[-1] if steps else None)

@@ -27,7 +27,7 @@ from trainer.metrics import RunCollector
 from trainer.mirror import CRC32_KEY, CheckpointMirror, MirrorLayout, fetch_newest, file_crc32, mirror_stats
 from trainer.spot import ACTION_PATH, ImdsClient, SpotWatcher
 
-from tests.conftest import STEPS, until
+from tests.conftest import STEPS, TINY, until
 from tests.imds_stand_in import ImdsServer
 from tests.s3_stand_in import CREDENTIALS, FaultProxy, MotoS3, free_port
 
@@ -478,3 +478,75 @@ def test_spot_notice_checkpoints_every_rank_at_once_mirrors_it_and_training_goes
     state = {"train": {"step": 0, "batches_read": 0, "tokens": 0}}
     dcp.load(state, checkpoint_id=str(path), no_dist=True)
     assert state["train"]["step"] == spot_step
+
+
+class ReadOnlyS3(FaultProxy):
+    """The fault proxy refusing every write (PUT, POST: 503 SlowDown) and forwarding every read."""
+
+    def _handle(self, h):
+        self.local.write = h.command in ("PUT", "POST")
+        super()._handle(h)
+
+    def _inject(self) -> int | None:
+        if not self.local.write:
+            return None
+        with self.lock:
+            self.injected[503] += 1
+        return 503
+
+
+def test_a_failed_mirror_shows_in_events_metrics_the_step_log_and_the_summary(tmp_path, s3, dataset, capfd):
+    """The local backend of the train step: its ranks write into the step's own stdout and stderr (the KFP step
+    log). S3 can be read (resume looks there first) but refuses every upload; training ends as usual."""
+    from components.train import train
+    from trainer.config import MetricsConfig
+    from trainer.metrics import MetricsExporter
+
+    out = tmp_path / "run"
+    with ReadOnlyS3(s3.url) as proxy:
+        args = ["--data", str(dataset), *TINY, "--out", str(out), *STEPS,
+                *_mirror_args(proxy.url, "runs/down", "--ckpt-mirror-max-attempts", "1", "--ckpt-mirror-drain-s", "1")]
+        result = train("local", args, run_id="r1", task_name="train", fsx_root=tmp_path / "fsx", local_nproc=2)
+    step_log = capfd.readouterr()
+    step_log = step_log.out + step_log.err
+    assert result.summary["steps"] == 14
+    # 1) The event log.
+    errors = _mirror_errors(out / "events.jsonl")
+    assert errors and {e["phase"] for e in errors} == {"upload"} and errors[0]["step"] == 4
+    # 2) The summary (written at the end of training: the retries of teardown come after it).
+    mirror = json.loads((out / "summary.json").read_text())["mirror"]
+    n = mirror["errors"]
+    assert 1 <= n <= len(errors) and mirror["errors_by_phase"] == {"upload": n} and not mirror["disabled"]
+    assert mirror["checkpoints_mirrored"] == 0 and mirror["last_error"].startswith("upload of step ")
+    # 3) The step's log: the trainer's warning as it happens, and a last line from the summary.
+    assert f"WARNING: the S3 mirror s3://{BUCKET}/runs/down failed (upload of step 4): " in step_log
+    assert step_log.rstrip().splitlines()[-1] == (
+        f"WARNING: the S3 checkpoint mirror failed {n} time(s) in this run (upload {n}; last: {mirror['last_error']}); "
+        f"no checkpoint was mirrored (events.jsonl: mirror_error)")
+    # 4) Rank 0's metrics endpoint, which reads the same events.jsonl.
+    exporter = MetricsExporter(MetricsConfig(metrics_port=free_port(), metrics_addr="127.0.0.1"), rank=0,
+                               local_rank=0, world_size=2, events_path=out / "events.jsonl")
+    try:
+        text = urllib.request.urlopen(f"http://127.0.0.1:{exporter.port}/metrics", timeout=30).read().decode()
+    finally:
+        exporter.close()
+    assert f'goodput_mirror_errors{{phase="upload"}} {float(len(errors))}' in text
+    assert 'goodput_mirror_errors{phase="client"} 0.0' in text
+
+
+def test_with_require_mirror_a_failing_mirror_fails_the_run(tmp_path, s3, start_run):
+    out = tmp_path / "run"
+    with FaultProxy(s3.url) as proxy:
+        run = start_run(out, *STEPS, *_mirror_args(proxy.url, "runs/required", "--require-mirror",
+                                                   "--ckpt-mirror-max-attempts", "1"))
+        run.wait_for(lambda e: e["event"] == "fresh_start", what="the fresh start")     # the mirror was listed
+        with proxy.lock:
+            proxy.fail_every, proxy.max_failures = 1, 10_000
+        assert run.wait() == 2, run.tail()
+    events = run.events()
+    assert [e["phase"] for e in events if e["event"] == "mirror_error"][:1] == ["upload"]
+    [reason] = {e["reason"] for e in events if e["event"] == "fatal"}
+    assert reason.startswith(f"MirrorFailed: the S3 mirror s3://{BUCKET}/runs/required failed (upload of step 4: ")
+    assert reason.endswith("and --require-mirror is set")
+    assert "no layer retries an error that would come back" in run.tail(200) and not (out / "summary.json").exists()
+    assert len([e for e in events if e["event"] == "worker_start"]) == 2      # one attempt: no layer retried it

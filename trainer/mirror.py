@@ -250,15 +250,23 @@ class CheckpointMirror:
         drained = self._drain(timeout_s)
         self._check()
         if not drained and self.cfg.require_mirror:
-            raise MirrorFailed(f"the S3 mirror {self.layout.url} did not upload the last checkpoints within "
-                               f"--ckpt-mirror-drain-s ({timeout_s:g} s) and --require-mirror is set; FSx has them")
+            self._fatal(MirrorFailed(f"the S3 mirror {self.layout.url} did not upload the last checkpoints within "
+                                     f"--ckpt-mirror-drain-s ({timeout_s:g} s) and --require-mirror is set; FSx "
+                                     f"has them"))
         return drained
 
     def _check(self) -> None:
         with self._cv:
             failure = self._failure
         if failure is not None and self.cfg.require_mirror:
-            raise MirrorFailed(f"the S3 mirror {self.layout.url} failed ({failure}) and --require-mirror is set")
+            self._fatal(MirrorFailed(f"the S3 mirror {self.layout.url} failed ({failure}) and --require-mirror is set"))
+
+    def _fatal(self, e: MirrorFailed) -> None:
+        # Said at once, as trainer.recovery.exit_if_recurring will: only this rank fails, the others wait for it
+        # in a collective, and the in-process layer's way out waits for them; the launch wrapper stops the
+        # launcher on this event.
+        self.events.emit("fatal", reason=f"{type(e).__name__}: {e}")
+        raise e
 
     def _drain(self, timeout_s: float) -> bool:
         t0 = time.monotonic()
@@ -591,6 +599,18 @@ def maybe_fetch_from_mirror(root: Path, cfg: CheckpointConfig, d, events: EventL
 
 
 # ----------------------------------------------------------------------------------------- summary
+def mirror_warning(stats: dict | None) -> str | None:
+    """The line that ends the train step's log when the run's mirror failed (``stats``: ``mirror_stats``)."""
+    if not stats or not stats["errors"]:
+        return None
+    phases = ", ".join(f"{phase} {n}" for phase, n in stats["errors_by_phase"].items())
+    newest = stats["last_mirrored_step"]
+    return (f"WARNING: the S3 checkpoint mirror failed {stats['errors']} time(s) in this run ({phases}; last: "
+            f"{stats['last_error']}){'; it turned itself off' if stats['disabled'] else ''}; "
+            f"{'no checkpoint was mirrored' if newest is None else f'newest mirrored checkpoint: step {newest}'} "
+            f"(events.jsonl: mirror_error)")
+
+
 def mirror_stats(events: list[dict]) -> dict | None:
     """The ``mirror`` entry of ``summary.json`` (None when the run had no mirror)."""
     if not any(e["event"].startswith("mirror_") or e["event"] == "resumed_from_mirror" for e in events):
