@@ -192,7 +192,8 @@ def _model_importable(model: str) -> bool:
 
 
 def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str, run_id: str,
-                       max_steps: int = 200, ckpt_every: int = 50, model: str = "bytegpt", model_flavor: str = "",
+                       max_steps: int = 200, ckpt_every: int = 50, ckpt_mirror: str = "", require_mirror: bool = False,
+                       model: str = "bytegpt", model_flavor: str = "",
                        model_config: str = "", init_from: str = "", tokenizer: str = "bytes", seq_len: int = 128,
                        batch_size: int = 16, parallel: str = "fsdp", seed: int = 1337, inject_fault: str = "",
                        extra_trainer_args: list | None = None, max_restarts: int = 3, backoff_limit: int = 3,
@@ -216,6 +217,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
             there, and the evaluate step reads it).
         max_steps: optimizer steps.
         ckpt_every: checkpoint interval in optimizer steps.
+        ckpt_mirror: ``s3://BUCKET/PREFIX`` the trainer copies every committed checkpoint to (``--ckpt-mirror``,
+            through ``endpoint_url`` when set); empty = no mirror.
+        require_mirror: any failure of that mirror fails the run (``--require-mirror``; needs ``ckpt_mirror``).
         model: ``bytegpt``, ``llama`` or ``package.module:function`` (the user's model factory, installed in
             the trainer image; docs/models.md).
         model_flavor: a named size of the model (llama: debug, llama3-1b, llama3-3b, llama3-8b, llama3-70b);
@@ -311,6 +315,11 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
             "--max-steps", str(int(max_steps)), "--ckpt-every", str(int(ckpt_every))]
     tail = ["--seq-len", str(int(seq_len)), "--batch-size", str(int(batch_size)), "--parallel", parallel,
             "--seed", str(int(seed))]
+    if ckpt_mirror.strip():
+        tail += ["--ckpt-mirror", ckpt_mirror.strip()] + (["--ckpt-mirror-endpoint-url", endpoint_url]
+                                                          if endpoint_url else [])
+    if require_mirror:
+        tail += ["--require-mirror"]
     faults = [f.strip() for f in inject_fault.split(",") if f.strip()]
     for fault in faults:
         tail += ["--inject-fault", fault]

@@ -59,6 +59,8 @@ def train_config_op(
     train_timeout_s: float = 7 * 86400.0,
     stage_parallelism: int = 4,
     extra_trainer_args: list = [],
+    ckpt_mirror: str = "",
+    require_mirror: bool = False,
 ) -> NamedTuple("TrainConfig", [("trainer_args", list), ("job_options", dict), ("run_dir", str),
                                 ("init_from_source", str), ("init_from_dir", str), ("model_name", str),
                                 ("baseline_dir", str), ("evaluate_accelerator", str), ("evaluate_gpus", int)]):
@@ -111,6 +113,8 @@ def train_config_op(
         train_timeout_s: the train step's deadline in seconds.
         stage_parallelism: most stage worker pods.
         extra_trainer_args: further trainer arguments.
+        ckpt_mirror: s3://BUCKET/PREFIX the trainer mirrors committed checkpoints to; empty = none.
+        require_mirror: any failure of the mirror fails the run (needs ckpt_mirror).
     """
     from collections import namedtuple
 
@@ -129,6 +133,7 @@ def train_config_op(
         node_health_check_endpoint=node_health_check_endpoint, registry=registry, model_name=model_name,
         endpoint_url=endpoint_url,
         evaluate_gpu_resource=evaluate_gpu_resource, baseline=baseline, require_beat_baseline=require_beat_baseline,
-        train_timeout_s=train_timeout_s, stage_parallelism=stage_parallelism)
+        train_timeout_s=train_timeout_s, stage_parallelism=stage_parallelism, ckpt_mirror=ckpt_mirror,
+        require_mirror=require_mirror)
     print("trainer arguments:", " ".join(settings.trainer_args))
     return namedtuple("TrainConfig", settings._fields)(*settings)

@@ -56,6 +56,8 @@ def pipeline_parameters(
     batch_size: int = 8,
     max_steps: int = 5000,
     ckpt_every: int = 250,
+    ckpt_mirror: str = "",
+    require_mirror: bool = False,
     seed: int = 1337,
     parallel: str = "fsdp",
     nodes: int = 2,
@@ -136,6 +138,11 @@ def pipeline_parameters(
         batch_size: sequences per micro-batch per GPU.
         max_steps: optimizer steps.
         ckpt_every: checkpoint interval in steps.
+        ckpt_mirror: s3://bucket/prefix the trainer copies every committed checkpoint to in the background (through
+            s3_endpoint_url when set), and resumes from when FSx has none; the trainer pods' service account needs
+            write access to it; empty = no mirror.
+        require_mirror: any failure of the mirror (its client, an upload, retention, no mirrored checkpoint
+            downloadable) fails the train step; without it a failure is a warning in the step's log.
         seed: random seed.
         parallel: fsdp or ddp.
         nodes: nodes in the job (at least 1).
@@ -242,7 +249,8 @@ def _wire(backend: str, *, local_nproc=None, local_nodes=None, **p) -> None:
             model_name=p["model_name"], endpoint_url=p["s3_endpoint_url"],
             evaluate_gpu_resource=p["evaluate_gpu_resource"], baseline=p["baseline"],
             require_beat_baseline=p["require_beat_baseline"], train_timeout_s=p["train_timeout_s"],
-            stage_parallelism=p["stage_parallelism"])
+            stage_parallelism=p["stage_parallelism"], ckpt_mirror=p["ckpt_mirror"],
+            require_mirror=p["require_mirror"])
         # FSx and the S3 secret: it checks that init_from exists and reads the registry's production model.
         step_pod(config).set_display_name("check settings").set_caching_options(False)
 

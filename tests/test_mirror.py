@@ -338,12 +338,40 @@ def test_config_validation_and_the_job_builder_budget():
                      (["--ckpt-mirror-part-mib", "1"], "at least 5"), (["--spot-poll-s", "0"], "--spot-poll-s")):
         with pytest.raises(ValueError, match=msg):
             parse_config(base + bad)
+    assert parse_config(base + ["--ckpt-mirror", "s3://b/p", "--require-mirror"]).checkpoint.require_mirror
+    with pytest.raises(ValueError, match="--require-mirror needs a mirror: --ckpt-mirror s3://BUCKET/PREFIX"):
+        parse_config(base + ["--require-mirror"])
     from components.pytorchjob import JobSpec, build_pytorchjob
 
     args = ["--data", "/fsx/d", "--out", "/fsx/runs/r", "--ckpt-mirror", "s3://b/p"]
     build_pytorchjob(JobSpec(image="img:1", trainer_args=args))   # defaults: 30 s + 30 s fit in 60 s
     with pytest.raises(ValueError, match="--ckpt-mirror-drain-s"):
         build_pytorchjob(JobSpec(image="img:1", trainer_args=args + ["--ckpt-mirror-drain-s", "45"]))
+
+
+def test_the_pipeline_passes_ckpt_mirror_and_require_mirror_to_the_trainer(tmp_path):
+    import yaml
+    from kfp import compiler
+
+    from components.train_config import build_train_config
+    from pipelines.pipeline import build_pipeline
+
+    kw = dict(fsx_root="fsx", dataset_name="c", dataset_version="1", run_id="r", backend="local", reachable=False)
+    args = build_train_config(**kw, ckpt_mirror="s3://b/p", require_mirror=True, endpoint_url="http://s3:9000")
+    assert args.trainer_args[-5:] == ["--ckpt-mirror", "s3://b/p", "--ckpt-mirror-endpoint-url", "http://s3:9000",
+                                      "--require-mirror"]
+    assert "--ckpt-mirror" not in build_train_config(**kw).trainer_args
+    with pytest.raises(ValueError, match="--require-mirror needs a mirror"):        # refused at check settings
+        build_train_config(**kw, require_mirror=True)
+    path = tmp_path / "pipeline.yaml"
+    compiler.Compiler().compile(build_pipeline("pytorchjob"), str(path))
+    spec = yaml.safe_load_all(path.read_text()).__next__()
+    params = spec["root"]["inputDefinitions"]["parameters"]
+    assert params["require_mirror"]["defaultValue"] is False and params["ckpt_mirror"]["defaultValue"] == ""
+    [check] = [t for t in spec["components"]["comp-exit-handler-1"]["dag"]["tasks"].values()
+               if t["taskInfo"]["name"] == "check settings"]
+    for name in ("ckpt_mirror", "require_mirror"):
+        assert check["inputs"]["parameters"][name]["componentInputParameter"] == f"pipelinechannel--{name}"
 
 
 # -------------------------------------------------------------------------------- real trainings
