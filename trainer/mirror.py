@@ -54,6 +54,7 @@ import shutil
 import threading
 import time
 import zlib
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -618,9 +619,6 @@ def mirror_stats(events: list[dict]) -> dict | None:
     done = [e for e in events if e["event"] == "mirror_committed"]
     resumed = [e["step"] for e in events if e["event"] == "resumed_from_mirror"]
     errors = [e for e in events if e["event"] == "mirror_error"]
-    phases: dict[str, int] = {}
-    for e in errors:
-        phases[e["phase"]] = phases.get(e["phase"], 0) + 1
     last = errors[-1] if errors else None
     return {
         "checkpoints_mirrored": len(done),
@@ -631,7 +629,7 @@ def mirror_stats(events: list[dict]) -> dict | None:
         "lag_s_max": max(e["lag_s"] for e in done) if done else None,
         "upload_s_max": max(e["seconds"] for e in done) if done else None,
         "errors": len(errors),
-        "errors_by_phase": phases,
+        "errors_by_phase": dict(Counter(e["phase"] for e in errors)),
         # The mirror turned itself off (its client or thread failed): later checkpoints are on FSx only.
         "disabled": any(e["phase"] in ("client", "thread") for e in errors),
         "last_error": None if last is None else
