@@ -233,8 +233,9 @@ def test_trainjob_pods_are_the_pytorchjob_pods(variant):
     assert got_c["name"] == "node" and got_c["image"] == want_c["image"] == IMG
     assert got_c["resources"] == want_c["resources"]
     assert got_c["volumeMounts"] == want_c["volumeMounts"]
-    assert {e["name"]: e["value"] for e in want_c["env"]}.items() <= \
-        {e["name"]: e.get("value") for e in got_c["env"]}.items()
+    # The same env, the job's peer secret included (the TrainJob's, not the runtime's).
+    assert {e["name"]: e.get("value", e.get("valueFrom")) for e in want_c["env"]}.items() <= \
+        {e["name"]: e.get("value", e.get("valueFrom")) for e in got_c["env"]}.items()
     metrics = [p for p in want_c["ports"] if p["name"].startswith("metrics-")]
     assert [p for p in got_c["ports"] if p.get("name", "").startswith("metrics-")][:len(metrics)] == metrics
     for key in ("volumes", "tolerations", "nodeSelector", "serviceAccountName", "terminationGracePeriodSeconds"):
