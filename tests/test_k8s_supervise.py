@@ -483,7 +483,8 @@ def test_an_api_server_restart_mid_run_costs_a_few_requests_not_a_storm(kube):
         op.log(master, "after the restart")
         succeed(op, name, [master, *workers])
 
-    launcher = Launcher(ns, manifest(kind=op.ctl.kind))
+    # The test counts requests: a server slow to come back (a loaded machine) must not time the job out first.
+    launcher = Launcher(ns, manifest(kind=op.ctl.kind), timeout_s=300)
     op.play(scenario)
     wait_until(lambda: launcher.printed(": Running"), what="Running")
     from kubernetes import client as k8s

@@ -149,3 +149,17 @@ def test_render_job_helps_with_kueue_and_the_peer_secret():
 def test_the_deploy_readme_points_at_kueue():
     text = (DEPLOY / "README.md").read_text()
     assert "deploy/kueue" in text
+
+
+def test_the_pipelines_kueue_settings_reach_the_train_steps_job_options():
+    from components.train_config import build_train_config
+
+    base = dict(fsx_root="/fsx", dataset_name="d", dataset_version="1", run_id="r", image="img:1", model="bytegpt",
+                reachable=False)
+    job = build_train_config(**base, scheduler="kueue", queue="goodput", admission_timeout_s=600).job_options
+    assert (job["scheduler"], job["queue"], job["admission_timeout_s"]) == ("kueue", "goodput", 600.0)
+    assert "admission_timeout_s" not in build_train_config(**base).job_options
+    with pytest.raises(ValueError, match="admission_timeout_s=600 is how long Kueue may keep the job queued"):
+        build_train_config(**base, admission_timeout_s=600)
+    with pytest.raises(ValueError, match="scheduler=kueue needs queue"):
+        build_train_config(**base, scheduler="kueue")
