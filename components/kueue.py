@@ -38,6 +38,9 @@ PART_OF = {"app.kubernetes.io/part-of": "goodput-pipelines"}
 RESOURCES = ("cpu", "memory", GPU_RESOURCE, EFA_RESOURCE)
 
 Call = Callable[..., dict]
+NO_WORKLOAD = "Kueue has made no Workload of it yet"
+# Kueue makes a job's Workload within seconds; none after this long means Kueue does not manage the job.
+NO_WORKLOAD_HINT_S = 60.0
 
 
 def queue_of(manifest: dict) -> str:
@@ -59,8 +62,7 @@ def workload_state(call: Call, client, ns: str, job_uid: str) -> WorkloadState:
     items = call(k8s.CustomObjectsApi(client).list_namespaced_custom_object, *WORKLOAD[:2], ns, WORKLOAD[2],
                  label_selector=f"{JOB_UID_LABEL}={job_uid}").get("items") or []
     if not items:
-        return WorkloadState(False, "Kueue has made no Workload of it yet (is Kueue running, with this job kind's "
-                                    "integration enabled? deploy/kueue/README.md)")
+        return WorkloadState(False, NO_WORKLOAD)
     wl = max(items, key=lambda w: w["metadata"].get("creationTimestamp") or "")
     status = wl.get("status") or {}
     cq = (status.get("admission") or {}).get("clusterQueue", "")

@@ -56,7 +56,7 @@ from kubernetes.client.rest import ApiException
 
 from components import peer_secret
 from components.job_kinds import PYTORCHJOB, JobKind, kind_of
-from components.kueue import queue_of, workload_state
+from components.kueue import NO_WORKLOAD, NO_WORKLOAD_HINT_S, queue_of, workload_state
 
 __all__ = ["SuperviseConfig", "JobOutcome", "JobFailed", "JobTimeout", "NotAdmitted", "JobCancelled", "api_client",
            "current_namespace", "run_job", "delete_job"]
@@ -586,6 +586,9 @@ class _Supervisor:
         self._workload_read = time.monotonic()
         try:
             reason = workload_state(self._call, self.client, self.ns, self._uid).reason
+            if reason == NO_WORKLOAD and time.monotonic() - self.start > NO_WORKLOAD_HINT_S:
+                reason += (" (is Kueue running, with this job kind's integration on, and does the LocalQueue exist? "
+                           "deploy/kueue/README.md)")
         except ApiException as e:
             if e.status not in (401, 403, 404):
                 raise

@@ -163,3 +163,37 @@ def test_the_pipelines_kueue_settings_reach_the_train_steps_job_options():
         build_train_config(**base, admission_timeout_s=600)
     with pytest.raises(ValueError, match="scheduler=kueue needs queue"):
         build_train_config(**base, scheduler="kueue")
+
+
+def _conditions(*conds: tuple[str, str, str, str]) -> list[dict]:
+    return [{"type": t, "status": s, "reason": r, "message": m, "lastTransitionTime": "2026-01-01T00:00:00Z"}
+            for t, s, r, m in conds]
+
+
+@pytest.mark.parametrize("status, admitted, reason", [
+    (None, False, kueue.NO_WORKLOAD),
+    ({}, False, "Workload pending (no conditions yet)"),
+    ({"conditions": _conditions(("QuotaReserved", "False", "Pending", "insufficient quota for nvidia.com/gpu"))},
+     False, "Pending: insufficient quota for nvidia.com/gpu"),
+    ({"conditions": _conditions(("QuotaReserved", "True", "QuotaReserved", "ok")),
+      "admission": {"clusterQueue": "goodput-gpu"}},
+     False, "quota reserved in ClusterQueue goodput-gpu; waiting for its admission checks"),
+    ({"conditions": _conditions(("QuotaReserved", "True", "QuotaReserved", "ok"), ("Admitted", "True", "Admitted", "")),
+      "admission": {"clusterQueue": "goodput-gpu"}}, True, "admitted to ClusterQueue goodput-gpu"),
+    ({"conditions": _conditions(("Evicted", "True", "Preempted", "preempted by a higher priority workload"),
+                                ("QuotaReserved", "False", "Pending", "waiting"))},
+     False, "evicted: Preempted: preempted by a higher priority workload"),
+])
+def test_the_workload_says_why_a_job_waits_in_kueues_words(status, admitted, reason):
+    items = [] if status is None else [{"metadata": {"name": "w", "creationTimestamp": "2026-01-01T00:00:00Z"},
+                                        "status": status}]
+    seen = {}
+
+    def call(fn, *args, **kw):
+        seen.update(args=args, kw=kw)
+        return {"items": items}
+
+    state = kueue.workload_state(call, None, "team-a", "uid-1")
+    assert (state.admitted, state.reason) == (admitted, reason)
+    assert seen["args"] == ("kueue.x-k8s.io", "v1beta2", "team-a", "workloads")
+    assert seen["kw"] == {"label_selector": "kueue.x-k8s.io/job-uid=uid-1"}
