@@ -68,6 +68,10 @@ class JobKind:
         """The job's replica counts as one line ("" if none yet)."""
         return ""
 
+    def suspended(self, job: dict) -> bool:
+        """Whether the job is suspended (a job queued by Kueue is, until Kueue admits it)."""
+        raise NotImplementedError
+
     # Its pods --------------------------------------------------------------------------------
 
     def pod_selector(self, name: str) -> str:
@@ -113,6 +117,9 @@ class _PyTorchJob(JobKind):
         statuses = (job.get("status") or {}).get("replicaStatuses") or {}
         return ", ".join(_counts(rt, s) for rt, s in sorted(statuses.items()))
 
+    def suspended(self, job: dict) -> bool:
+        return ((job.get("spec") or {}).get("runPolicy") or {}).get("suspend") is True
+
     def pod_selector(self, name: str) -> str:
         return f"{self.job_label}={name}"
 
@@ -151,6 +158,9 @@ class _TrainJob(JobKind):
 
     def replicas(self, job: dict) -> str:
         return ", ".join(_counts(j.get("name", "?"), j) for j in (job.get("status") or {}).get("jobsStatus") or [])
+
+    def suspended(self, job: dict) -> bool:
+        return (job.get("spec") or {}).get("suspend") is True
 
     def pod_selector(self, name: str) -> str:
         return f"{JOBSET_NAME_LABEL}={name}"
@@ -225,12 +235,13 @@ _MEANING = {
 
 PYTORCHJOB = _PyTorchJob(
     kind="PyTorchJob", group="kubeflow.org", version="v1", plural="pytorchjobs", container="pytorch",
-    rbac_hint="the launcher's service account may not manage pytorchjobs or read pods, logs and events here: "
-              "apply deploy/rbac.yaml (a Role + RoleBinding for the pipeline runner)")
+    rbac_hint="the launcher's service account may not manage pytorchjobs and their peer secrets or read pods, logs, "
+              "events and Kueue workloads here: apply deploy/rbac.yaml (a Role + RoleBinding for the pipeline runner)")
 TRAINJOB = _TrainJob(
     kind="TrainJob", group="trainer.kubeflow.org", version="v1alpha1", plural="trainjobs", container="node",
-    rbac_hint="the launcher's service account may not manage trainjobs or read jobsets, jobs, pods, logs and "
-              "events here: apply deploy/trainer-v2/rbac.yaml (profiles: rbac-profile.yaml)")
+    rbac_hint="the launcher's service account may not manage trainjobs and their peer secrets or read jobsets, jobs, "
+              "pods, logs, events and Kueue workloads here: apply deploy/trainer-v2/rbac.yaml (profiles: "
+              "rbac-profile.yaml)")
 KINDS = {k.kind: k for k in (PYTORCHJOB, TRAINJOB)}
 
 

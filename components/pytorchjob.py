@@ -29,6 +29,7 @@ from dataclasses import dataclass, field
 from pathlib import PurePosixPath
 from typing import Any
 
+from components import peer_secret
 from trainer import compat
 from trainer.launch import LaunchConfig, launcher_command
 
@@ -134,8 +135,10 @@ def node_requests(shape: NodeShape) -> dict[str, str]:
 
 RESTART_POLICIES = ("OnFailure", "ExitCode", "Always", "Never")
 CLEAN_POD_POLICIES = ("Running", "All", "None")
+# Kueue admits a whole job against its queue's quota and leaves placement to the default scheduler.
 SCHEDULERS = {"": "", "volcano": "volcano", "scheduler-plugins": "scheduler-plugins-scheduler",
-              "yunikorn": "yunikorn"}
+              "yunikorn": "yunikorn", "kueue": ""}
+KUEUE_QUEUE_LABEL = "kueue.x-k8s.io/queue-name"
 # Whole GPUs, or MIG slices as the device plugin's "mixed" strategy names them (nvidia.com/mig-3g.40gb).
 GPU_RESOURCE_PATTERN = re.compile(r"^nvidia\.com/(gpu|mig-[1-7]g\.[0-9]+gb)$")
 TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
@@ -198,10 +201,12 @@ class JobSpec:
     priority_class: str = _f("", "PriorityClass of the pods and the gang")
     service_account: str = _f("", "service account of the pods (IRSA role for S3)")
     # Gang scheduling.
-    scheduler: str = _f("", "gang scheduler: '' (none), volcano, scheduler-plugins or yunikorn (task groups)",
+    scheduler: str = _f("", "gang scheduler: '' (none), volcano, scheduler-plugins or yunikorn (task groups); or "
+                            "kueue: the job waits suspended in a Kueue LocalQueue (queue) until admitted",
                         choices=tuple(SCHEDULERS))
     scheduler_name: str = _f("", "schedulerName of the pods; empty = the gang scheduler's usual name")
-    queue: str = _f("", "queue of the gang: a Volcano queue, or a YuniKorn queue (root.<name>)")
+    queue: str = _f("", "queue of the job: a Volcano queue, a YuniKorn queue (root.<name>) or a Kueue LocalQueue "
+                        "in the job's namespace (deploy/kueue/ makes `goodput`)")
     # Run policy.
     restart_policy: str = _f("OnFailure", "pod restarts: OnFailure, ExitCode, Always or Never",
                              choices=RESTART_POLICIES)
@@ -444,6 +449,8 @@ class JobSpec:
         for k in self.env:
             if not _ENV_NAME.match(str(k)):
                 p.append(f"env name {k!r} is not a valid environment variable name")
+            if str(k) == peer_secret.ENV:
+                p.append(f"env {k}: set by the launcher from the job's Secret {peer_secret.secret_name(self.name)}")
         if not 1024 <= self.master_port <= 65535:
             p.append(f"master_port must be in [1024, 65535], got {self.master_port}")
 
@@ -469,8 +476,12 @@ class JobSpec:
                 p.append(f"toleration {t!r}: effect must be one of {TAINT_EFFECTS}")
         if self.scheduler not in SCHEDULERS:
             p.append(f"scheduler must be one of {sorted(SCHEDULERS)}, got {self.scheduler!r}")
-        if self.queue and self.scheduler not in ("volcano", "yunikorn"):
-            p.append(f"queue {self.queue!r} needs a scheduler with queues: set scheduler=volcano or yunikorn")
+        if self.queue and self.scheduler not in ("volcano", "yunikorn", "kueue"):
+            p.append(f"queue {self.queue!r} needs a scheduler with queues: set scheduler=volcano, yunikorn or kueue")
+        if self.scheduler == "kueue" and (not _DNS1123_SUBDOMAIN.match(self.queue) or _label_problem(
+                KUEUE_QUEUE_LABEL, self.queue)):
+            p.append(f"scheduler=kueue needs queue, the name of a LocalQueue in the job's namespace (e.g. goodput, "
+                     f"from deploy/kueue/), got {self.queue!r}")
         if self.queue and self.scheduler == "yunikorn" and not re.match(r"^root(\.[A-Za-z0-9_-]+)*$", self.queue):
             p.append(f"queue {self.queue!r} is not a YuniKorn queue path (root.<name>)")
         if self.scheduler_name and not _DNS1123_SUBDOMAIN.match(self.scheduler_name):
@@ -676,7 +687,10 @@ def build_pytorchjob(spec: JobSpec):
         image=spec.image,
         image_pull_policy=spec.image_pull_policy,
         command=spec.pod_command(),
-        env=[m.V1EnvVar(name=k, value=v) for k, v in env.items()],
+        # The peer secret is the job's own (the launcher makes it): ranks of other jobs cannot talk to these.
+        env=[m.V1EnvVar(name=k, value=v) for k, v in env.items()] + [m.V1EnvVar(
+            name=peer_secret.ENV, value_from=m.V1EnvVarSource(secret_key_ref=m.V1SecretKeySelector(
+                name=peer_secret.secret_name(spec.name), key=peer_secret.KEY)))],
         ports=[m.V1ContainerPort(name=PORT_NAME, container_port=spec.master_port, protocol="TCP"),
                *_metrics_ports(spec, m)],
         resources=m.V1ResourceRequirements(requests=requests, limits=limits),
@@ -742,10 +756,13 @@ def build_pytorchjob(spec: JobSpec):
         ttl_seconds_after_finished=None if spec.ttl_after_finished_s < 0 else spec.ttl_after_finished_s,
         clean_pod_policy=spec.clean_pod_policy,
         scheduling_policy=gang,
+        # Kueue unsuspends the job when it admits it (its webhook would suspend one created running).
+        suspend=True if spec.scheduler == "kueue" else None,
     )
     return m.KubeflowOrgV1PyTorchJob(
         api_version=API_VERSION, kind=KIND,
-        metadata=m.V1ObjectMeta(name=spec.name, namespace=spec.namespace or None, labels=labels),
+        metadata=m.V1ObjectMeta(name=spec.name, namespace=spec.namespace or None,
+                                labels={**labels, **queue_label(spec)}),
         spec=m.KubeflowOrgV1PyTorchJobSpec(
             pytorch_replica_specs=replicas, run_policy=run_policy, elastic_policy=elastic,
             nproc_per_node=str(spec.procs)),
@@ -758,6 +775,11 @@ def job_manifest(spec_or_job) -> dict:
 
     job = build_pytorchjob(spec_or_job) if isinstance(spec_or_job, JobSpec) else spec_or_job
     return ApiClient().sanitize_for_serialization(job)
+
+
+def queue_label(spec: JobSpec) -> dict[str, str]:
+    """The job's (not its pods') Kueue label: pods labelled so would be queued again by Kueue's pod integration."""
+    return {KUEUE_QUEUE_LABEL: spec.queue} if spec.scheduler == "kueue" else {}
 
 
 def _kfp_labels(spec: JobSpec) -> dict[str, str]:

@@ -4,10 +4,14 @@ One supervisor for every job kind: a Training Operator ``PyTorchJob`` or a Kubef
 (the manifest's kind picks the adapter in ``components.job_kinds``; what differs between them lives there).
 
 What the launcher does, in order:
-  1. POST the job under its deterministic name. 409 means a launcher before us (a restarted pod, a KFP
-     retry) already created it: re-attach instead of creating a duplicate. A job of another run under
-     that name is an error; a job that already failed is deleted and created again (the trainer
-     resumes from its last committed checkpoint) once per launcher.
+  1. POST the job's peer secret (``components.peer_secret``: ``<job>-peer``, for a job whose pods read it),
+     then the job under its deterministic name, and make the job the Secret's owner. 409 means a launcher
+     before us (a restarted pod, a KFP retry) already created it: re-attach instead of creating a duplicate.
+     A job of another run under that name is an error; a job that already failed is deleted and created
+     again (the trainer resumes from its last committed checkpoint) once per launcher.
+     A job queued by Kueue (``kueue.x-k8s.io/queue-name``; created suspended) waits for admission: the
+     launcher says why, from its Workload ("waiting for admission in queue X: ..."), fails it if it is not
+     admitted within ``admission_timeout_s``, and starts the overall deadline when Kueue admits it.
   2. Watch the job with ``kubernetes.watch.Watch`` (it resumes from the last resourceVersion when the
      server closes a watch). A 410 or a dropped stream re-lists the job and watches from the list's
      resourceVersion (never the object's own: a restarted API server's watch cache has no version older
@@ -18,7 +22,9 @@ What the launcher does, in order:
   3. End on Succeeded; on Failed raise ``JobFailed`` saying why (conditions, container termination
      reasons, recent events, the log's tail; a TrainJob's JobSet conditions and the pod failure policy rule
      that failed its node Job); past the overall deadline delete the job and raise
-     ``JobTimeout``; on SIGTERM/SIGINT (run cancelled) delete the job and raise ``JobCancelled``.
+     ``JobTimeout`` (not admitted in time: ``NotAdmitted``); on SIGTERM/SIGINT (run cancelled) delete the job
+     and raise ``JobCancelled``. Deleting a job deletes its peer secret too; its Workload goes with it (the
+     garbage collector, by the Workload's ownerReference, once Kueue has dropped its finalizer).
 
 The kubernetes client is pointed at the cluster (in-cluster service account) or at any URL::
 
@@ -48,9 +54,11 @@ import tenacity
 from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
+from components import peer_secret
 from components.job_kinds import PYTORCHJOB, JobKind, kind_of
+from components.kueue import NO_WORKLOAD, NO_WORKLOAD_HINT_S, queue_of, workload_state
 
-__all__ = ["SuperviseConfig", "JobOutcome", "JobFailed", "JobTimeout", "JobCancelled", "api_client",
+__all__ = ["SuperviseConfig", "JobOutcome", "JobFailed", "JobTimeout", "NotAdmitted", "JobCancelled", "api_client",
            "current_namespace", "run_job", "delete_job"]
 
 RUN_ID_LABEL = "goodput.dev/kfp-run-id"
@@ -62,7 +70,8 @@ Log = Callable[[str], None]
 class SuperviseConfig:
     """How long to wait and how hard to retry. All times in seconds."""
 
-    timeout_s: float = 7 * 86400          # overall deadline; past it the job is deleted
+    timeout_s: float = 7 * 86400          # overall deadline (Kueue: from admission); past it the job is deleted
+    admission_timeout_s: float = 86400.0  # Kueue: how long the job may wait in its queue; past it the job is deleted
     # End of each watch (timeoutSeconds); 0 = the server decides (--min-request-timeout) and a silent
     # watch is renewed after 300 s.
     watch_timeout_s: int = 30
@@ -95,6 +104,10 @@ class JobTimeout(TimeoutError):
     """The overall deadline passed; the job was deleted."""
 
 
+class NotAdmitted(JobTimeout):
+    """Kueue did not admit the job within ``admission_timeout_s``; the job was deleted."""
+
+
 class JobCancelled(RuntimeError):
     """SIGTERM/SIGINT reached the launcher; the job was deleted."""
 
@@ -116,6 +129,7 @@ class JobOutcome:
     kind: str = "PyTorchJob"
     wall_s: float = 0.0
     conditions: list[dict] = field(default_factory=list)
+    queued_s: float = 0.0                  # Kueue: how long the job waited for admission
 
 
 def _print(line: str) -> None:
@@ -169,15 +183,16 @@ def run_job(manifest: dict, *, namespace: str, client: k8s.ApiClient, cfg: Super
             sup.cleanup(f"launcher stopped ({what})")
             raise JobCancelled(f"{sup.what} {sup.ref} cancelled ({what}); it was deleted") from None
         except JobTimeout as e:
-            sup.cleanup("overall timeout")
-            raise JobTimeout(f"{e}\nthe job was deleted") from None
+            sup.cleanup("not admitted in time" if isinstance(e, NotAdmitted) else "overall timeout")
+            raise type(e)(f"{e}\nthe job was deleted") from None
         finally:
             sup.stop_logs()
 
 
 def delete_job(name: str, namespace: str, client: k8s.ApiClient, *, kind: JobKind = PYTORCHJOB,
                wait_s: float = 20.0, log: Log = _print) -> bool:
-    """Delete the job and its pods (foreground), wait up to ``wait_s`` until it is gone; True if gone."""
+    """Delete the job and its pods (foreground) and its peer secret, wait up to ``wait_s`` until the job is gone;
+    True if gone. (Its Kueue Workload is the garbage collector's: the job owns it.)"""
     co = k8s.CustomObjectsApi(k8s.ApiClient(client.configuration))
     gvp = (kind.group, kind.version, namespace, kind.plural, name)
     ref = f"{kind.kind} {namespace}/{name}"
@@ -189,6 +204,7 @@ def delete_job(name: str, namespace: str, client: k8s.ApiClient, *, kind: JobKin
         if e.status != 404:
             log(f"could not delete {ref}: {e.status} {e.reason}")
             return False
+    peer_secret.delete(k8s.CoreV1Api(co.api_client), namespace, name, log)
     deadline = time.monotonic() + wait_s
     while True:
         try:
@@ -259,7 +275,15 @@ class _Supervisor:
         self.co = k8s.CustomObjectsApi(client)
         self.core = k8s.CoreV1Api(client)
         self.start = time.monotonic()
-        self.deadline = self.start + cfg.timeout_s
+        # Kueue: the job waits in this LocalQueue until admitted; the overall deadline starts then.
+        self.queue = queue_of(manifest)
+        self.admitted_at: float | None = None if self.queue else self.start
+        self.deadline = self.start + (cfg.admission_timeout_s if self.queue else cfg.timeout_s)
+        self._waiting = ""                # the last reason given for waiting
+        self._workload_read = -math.inf
+        self._uid = ""
+        self.peer_secret = peer_secret.uses_peer_secret(manifest)
+        self._made_secret = False         # this launcher created it (and deletes it if it adopts no job)
         self.created = False
         self._cleaning = False
         self._phase = ""
@@ -317,6 +341,12 @@ class _Supervisor:
 
     def _remaining(self) -> float:
         left = self.deadline - time.monotonic()
+        if left <= 0 and self.admitted_at is None:
+            with contextlib.suppress(Exception):
+                self._read_workload(force=True)
+            raise NotAdmitted(f"{self.what} {self.ref} was not admitted by Kueue within "
+                              f"{self.cfg.admission_timeout_s:g} s in queue {self.queue}: "
+                              f"{self._waiting or 'no reason known'}")
         if left <= 0:
             raise JobTimeout(f"{self.what} {self.ref} did not finish within {self.cfg.timeout_s:g} s "
                              f"(phase {self._phase or 'unknown'})\n{self.diagnose(self._get_quietly())}")
@@ -340,9 +370,11 @@ class _Supervisor:
         while True:
             self._remaining()
             try:
-                self._call(self.co.create_namespaced_custom_object, *self.gvp, body=self.manifest)
+                self._create_secret()
+                job = self._call(self.co.create_namespaced_custom_object, *self.gvp, body=self.manifest)
                 self.created = True
-                self.log(f"created {self.what} {self.ref}")
+                self.log(f"created {self.what} {self.ref}" + (f", queued in {self.queue}" if self.queue else ""))
+                self._own_secret(job)
                 return
             except ApiException as e:
                 if e.status in (400, 422):
@@ -379,12 +411,38 @@ class _Supervisor:
                 self._wait_gone()
                 continue
             self.log(f"re-attached to existing {self.what} {self.ref} (phase {phase}); not creating a duplicate")
+            self._own_secret(existing)
             return
+
+    def _create_secret(self) -> None:
+        """The job's peer secret, before the job (its pods read it when they start)."""
+        if self.peer_secret:
+            core = k8s.CoreV1Api(self.client)
+            if peer_secret.create(core, self.ns, self.name, self.manifest["metadata"].get("labels") or {},
+                                  self.cfg.request_timeout_s):
+                self._made_secret = True
+                self.log(f"created Secret {self.ns}/{peer_secret.secret_name(self.name)} (the job's peer secret)")
+
+    def _own_secret(self, job: dict) -> None:
+        """The job owns its peer secret, so that the secret goes with it (also by its TTL)."""
+        self._uid = job["metadata"]["uid"]
+        if not self.peer_secret:
+            return
+        try:
+            peer_secret.own(k8s.CoreV1Api(self.client), self.ns, job, self.cfg.request_timeout_s)
+        except ApiException as e:
+            if e.status != 404:
+                raise self._fatal(e, "owning the peer secret of") from None
+            # Gone with a job of this name deleted before (re-attaching to its successor): make it again.
+            self._create_secret()
+            peer_secret.own(k8s.CoreV1Api(self.client), self.ns, job, self.cfg.request_timeout_s)
 
     def _check_ownership(self, existing: dict) -> None:
         mine = self.manifest.get("metadata", {}).get("labels", {}).get(RUN_ID_LABEL)
         theirs = (existing.get("metadata", {}).get("labels") or {}).get(RUN_ID_LABEL)
         if mine and theirs != mine:
+            if self._made_secret:
+                peer_secret.delete(k8s.CoreV1Api(self.client), self.ns, self.name, self.log)
             raise RuntimeError(f"a {self.what} named {self.ref} already exists but belongs to "
                                f"{'run ' + theirs if theirs else 'no KFP run'} (this is run {mine}); "
                                "refusing to adopt it: delete it or choose another name")
@@ -476,6 +534,8 @@ class _Supervisor:
                     rv = None
                     backoff.wait(self.deadline)
             with contextlib.suppress(Exception):
+                self._read_workload()     # Kueue's reason changes on the Workload, not on the job
+            with contextlib.suppress(Exception):
                 self._refresh_pods()      # pod restarts do not always touch the job
 
     def _list_job(self) -> tuple[dict | None, str]:
@@ -486,6 +546,7 @@ class _Supervisor:
 
     def _observe(self, job: dict) -> bool:
         """Report what changed; True once the job is finished (succeeded or failed)."""
+        self._admission(job)
         phase, cond = self.kind.phase(job)
         changed = phase != self._phase
         if changed:
@@ -500,6 +561,42 @@ class _Supervisor:
         with contextlib.suppress(Exception):
             self._refresh_pods(force=changed)
         return phase in ("Succeeded", "Failed")
+
+    # Kueue -------------------------------------------------------------------------------------------
+
+    def _admission(self, job: dict) -> None:
+        """A queued job: admitted once Kueue unsuspends it (the overall deadline starts then); until then, why not."""
+        if self.admitted_at is not None:
+            return
+        self._uid = (job.get("metadata") or {}).get("uid") or self._uid
+        if not self.kind.suspended(job):
+            self.admitted_at = time.monotonic()
+            self.deadline = self.admitted_at + self.cfg.timeout_s
+            self.log(f"admitted by Kueue in queue {self.queue} after {self.admitted_at - self.start:.1f} s; the "
+                     f"train timeout ({self.cfg.timeout_s:g} s) runs from now")
+            return
+        self._read_workload(force=not self._waiting)
+
+    def _read_workload(self, force: bool = False) -> None:
+        """Say why the job waits, from its Workload, when that changes; at most every ``pods_every_s``."""
+        if self.admitted_at is not None or not self._uid:
+            return
+        if not force and time.monotonic() - self._workload_read < self.cfg.pods_every_s:
+            return
+        self._workload_read = time.monotonic()
+        try:
+            reason = workload_state(self._call, self.client, self.ns, self._uid).reason
+            if reason == NO_WORKLOAD and time.monotonic() - self.start > NO_WORKLOAD_HINT_S:
+                reason += (" (is Kueue running, with this job kind's integration on, and does the LocalQueue exist? "
+                           "deploy/kueue/README.md)")
+        except ApiException as e:
+            if e.status not in (401, 403, 404):
+                raise
+            reason = (f"its Workload cannot be read ({e.status} {e.reason}: the launcher's Role grants list on "
+                      "workloads.kueue.x-k8s.io; is Kueue installed?)")
+        if reason != self._waiting:
+            self._waiting = reason
+            self.log(f"waiting for admission in queue {self.queue}: {reason}")
 
     def _list_pods(self) -> list[dict]:
         data = self._call(self.core.list_namespaced_pod, self.ns, label_selector=self.kind.pod_selector(self.name))
@@ -542,8 +639,9 @@ class _Supervisor:
         wall = time.monotonic() - self.start
         self.log(f"{self.what} {self.ref} succeeded after {wall:.1f} s (restarts: "
                  + (", ".join(f"{k}={v}" for k, v in sorted(self.restarts.items())) or "none") + ")")
+        queued = (self.admitted_at or self.start) - self.start
         return JobOutcome(self.name, self.ns, phase, self.created, dict(self.restarts), self.what, round(wall, 3),
-                          (job.get("status") or {}).get("conditions") or [])
+                          (job.get("status") or {}).get("conditions") or [], round(queued, 3))
 
     def stop_logs(self, drain: bool = False) -> None:
         if self._logs is None:

@@ -163,6 +163,7 @@ def _train_cluster(backend, args, name, run_id, task_name, fsx_root: Path, job: 
 
     job = dict(job)
     runtime = job.pop("runtime", None)
+    admission = job.pop("admission_timeout_s", None)
     settings = {**job, "name": name, "run_id": run_id, "task_name": task_name, "trainer_args": args}
     settings["namespace"] = namespace or job.get("namespace") or (current_namespace() if not kube_api else "default")
     spec = JobSpec.from_dict(settings)
@@ -176,6 +177,8 @@ def _train_cluster(backend, args, name, run_id, task_name, fsx_root: Path, job: 
         raise ValueError("job setting 'runtime' (a ClusterTrainingRuntime) is for backend=trainjob")
     else:
         manifest = job_manifest(spec)
+    if admission is not None:
+        supervise = _with_admission_timeout(supervise, admission, spec.scheduler)
     what = manifest["kind"]
     out = PurePosixPath(parse_trainer_args(spec.full_trainer_args()).run.out)
     local_out = fsx_root / out.relative_to(spec.fsx_mount)
@@ -194,6 +197,24 @@ def _train_cluster(backend, args, name, run_id, task_name, fsx_root: Path, job: 
     result = _result(backend, name, local_out, json.loads(summary_path.read_text()))
     result.namespace, result.job_restarts, result.reattached = spec.namespace, outcome.restarts, not outcome.created
     return result
+
+
+def _with_admission_timeout(supervise, seconds, scheduler: str):
+    """``supervise`` with the job setting ``admission_timeout_s``: how long Kueue may keep the job queued."""
+    import dataclasses
+
+    from components.supervise import SuperviseConfig
+
+    try:
+        value = float(seconds)
+    except (TypeError, ValueError):
+        value = math.nan
+    if not value > 0:
+        raise ValueError(f"job setting admission_timeout_s must be a number of seconds above 0, got {seconds!r}")
+    if scheduler != "kueue":
+        raise ValueError("job setting admission_timeout_s is how long Kueue may keep the job queued: set "
+                         "scheduler=kueue and queue (a LocalQueue)")
+    return dataclasses.replace(supervise or SuperviseConfig(), admission_timeout_s=value)
 
 
 def _check_runtime(client, name: str, log) -> None:
@@ -341,10 +362,12 @@ def train_op(
             (``set_accelerator_limit``) wins.
         spot: let the pods run on spot nodes (cluster).
         job_options: further ``components.pytorchjob.JobSpec`` settings by name, e.g. ``{"node_group":
-            "p5", "scheduler": "volcano", "queue": "training", "launch": {"max_restarts": 5}}``; trainjob:
+            "p5", "scheduler": "volcano", "queue": "training", "launch": {"max_restarts": 5}}`` (Kueue:
+            ``"scheduler": "kueue", "queue": "goodput", "admission_timeout_s": 3600``); trainjob:
             ``runtime``, the ClusterTrainingRuntime's name (default ``goodput-nvrx``) or its settings.
         namespace: namespace of the job; empty = the namespace of this step's pod.
-        timeout_s: overall deadline in seconds; past it the job is deleted and the step fails.
+        timeout_s: overall deadline in seconds (with Kueue: from admission); past it the job is deleted and the
+            step fails.
         fsx_root: where FSx is mounted in this step's pod (cluster), or a local directory (local).
         local_nproc: ranks per node of the local backend.
         local_nodes: nodes of the local backend.

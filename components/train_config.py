@@ -204,7 +204,8 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
                        nvrx_release: str = "", hot_spares: int = 0, node_health_check_endpoint: str = "",
                        spot: bool = False, registry: str = "", model_name: str = "", endpoint_url: str = "",
                        evaluate_gpu_resource: str = "", baseline: str = "", require_beat_baseline: bool = False,
-                       train_timeout_s: float = 7 * 86400.0, stage_parallelism: int = 4,
+                       train_timeout_s: float = 7 * 86400.0, admission_timeout_s: float = 86400.0,
+                       stage_parallelism: int = 4,
                        reachable: bool = True) -> TrainSettings:
     """The train step's inputs (``TrainSettings``), validated as the trainer and the job builder will.
 
@@ -253,8 +254,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         memory: memory per pod; empty = as for cpu.
         shm_size: /dev/shm per pod; empty = a quarter of the memory.
         node_group: EKS node group of the trainer pods (empty = any).
-        scheduler: gang scheduler: empty, volcano, scheduler-plugins or yunikorn.
-        queue: the gang's queue (Volcano queue, or YuniKorn root.<name>).
+        scheduler: gang scheduler: empty, volcano, scheduler-plugins or yunikorn; or kueue (the job waits in a
+            Kueue LocalQueue until admitted).
+        queue: the job's queue (Volcano queue, YuniKorn root.<name>, or the Kueue LocalQueue, e.g. goodput).
         nvrx_release: NVRx release of the trainer image; empty = the pinned one (``compat.IMAGE_RELEASE``).
         hot_spares: standby nodes beyond ``nodes`` (NVRx 0.6+, PyTorchJob only).
         node_health_check_endpoint: Unix socket of the node health daemon (NVRx 0.6+); empty = none.
@@ -267,7 +269,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         baseline: the model evaluate scores beside the run's: a Hugging Face directory, or ``init_from`` (the
             one the run started from); empty = none.
         require_beat_baseline: promote only a model better than ``baseline`` (which must then be given).
-        train_timeout_s: the train step's deadline in seconds (above 0).
+        train_timeout_s: the train step's deadline in seconds (above 0); with Kueue it runs from admission.
+        admission_timeout_s: scheduler=kueue: how long the job may wait for admission (above 0); past it the
+            step fails naming the queue and Kueue's reason.
         stage_parallelism: most stage worker pods (at least 1).
         reachable: FSx, the registry and S3 can be read from here; False (``goodput run`` before submitting)
             leaves what needs them, and a model package installed only in the trainer image, to the step.
@@ -289,6 +293,11 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
                              + (" (-1: every GPU of instance_type)" if what == "gpus_per_node" else ""))
     if not float(train_timeout_s) > 0:
         raise ValueError(f"train_timeout_s must be above 0 seconds, got {train_timeout_s}")
+    if not float(admission_timeout_s) > 0:
+        raise ValueError(f"admission_timeout_s must be above 0 seconds, got {admission_timeout_s}")
+    if float(admission_timeout_s) != 86400.0 and scheduler != "kueue":
+        raise ValueError(f"admission_timeout_s={admission_timeout_s} is how long Kueue may keep the job queued: set "
+                         "scheduler=kueue and queue (a LocalQueue), or leave it at its default")
     if evaluate_gpu_resource and not GPU_RESOURCE_PATTERN.match(evaluate_gpu_resource):
         raise ValueError(f"evaluate_gpu_resource {evaluate_gpu_resource!r} must be empty (a CPU pod), nvidia.com/gpu "
                          f"or a MIG slice like nvidia.com/mig-3g.40gb")
@@ -344,13 +353,15 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
                "gpus_per_node": gpus, "gpu_resource": gpu_resource, "efa_per_node": int(efa_per_node), "cpu": cpu,
                "memory": memory, "shm_size": shm_size, "node_group": node_group, "scheduler": scheduler,
                "queue": queue, "nvrx_release": nvrx_release, "hot_spares": int(hot_spares),
-               "node_health_check_endpoint": node_health_check_endpoint}
+               "node_health_check_endpoint": node_health_check_endpoint,
+               **({"admission_timeout_s": float(admission_timeout_s)} if scheduler == "kueue" else {})}
         backend = backend_name(backend)
         if backend != "local":      # the local backend's rank count is the train step's local_nproc
             # A fault on a rank or a step the job does not have would never fire.
             check_faults(faults, int(nodes) * gpus, int(max_steps))
         # The job builder checks the trainer's arguments too: those checked above, for the same reason.
-        spec = {**job, "image": image, "nodes": int(nodes), "spot": bool(spot), "trainer_args": checked}
+        spec = {**{k: v for k, v in job.items() if k != "admission_timeout_s"}, "image": image, "nodes": int(nodes),
+                "spot": bool(spot), "trainer_args": checked}
         if backend == "pytorchjob":
             JobSpec.from_dict(spec).validate()
         elif backend == "trainjob":

@@ -57,6 +57,7 @@ def train_config_op(
     baseline: str = "",
     require_beat_baseline: bool = False,
     train_timeout_s: float = 7 * 86400.0,
+    admission_timeout_s: float = 86400.0,
     stage_parallelism: int = 4,
     extra_trainer_args: list = [],
     ckpt_mirror: str = "",
@@ -99,8 +100,8 @@ def train_config_op(
         memory: memory per pod; empty = sized to the instance type.
         shm_size: /dev/shm per pod; empty = a quarter of the memory.
         node_group: EKS node group of the trainer pods (empty = any).
-        scheduler: gang scheduler: empty, volcano, scheduler-plugins or yunikorn.
-        queue: the gang's queue (Volcano queue, or YuniKorn root.<name>).
+        scheduler: gang scheduler: empty, volcano, scheduler-plugins or yunikorn; or kueue (Kueue admission).
+        queue: the job's queue (Volcano queue, YuniKorn root.<name>, or a Kueue LocalQueue).
         nvrx_release: NVRx release of the trainer image; empty = the pinned one (``compat.IMAGE_RELEASE``).
         hot_spares: standby nodes beyond ``nodes`` (NVRx 0.6+, PyTorchJob only).
         node_health_check_endpoint: Unix socket of the node health daemon (NVRx 0.6+); empty = none.
@@ -110,7 +111,8 @@ def train_config_op(
         evaluate_gpu_resource: the evaluate pod's GPU resource (nvidia.com/gpu or a MIG slice); empty = CPU.
         baseline: a Hugging Face directory evaluate scores beside the run, or init_from; empty = none.
         require_beat_baseline: promote only a model better than the baseline (which must be given).
-        train_timeout_s: the train step's deadline in seconds.
+        train_timeout_s: the train step's deadline in seconds (Kueue: from admission).
+        admission_timeout_s: scheduler=kueue: how long the job may wait for admission.
         stage_parallelism: most stage worker pods.
         extra_trainer_args: further trainer arguments.
         ckpt_mirror: s3://BUCKET/PREFIX the trainer mirrors committed checkpoints to; empty = none.
@@ -133,7 +135,7 @@ def train_config_op(
         node_health_check_endpoint=node_health_check_endpoint, registry=registry, model_name=model_name,
         endpoint_url=endpoint_url,
         evaluate_gpu_resource=evaluate_gpu_resource, baseline=baseline, require_beat_baseline=require_beat_baseline,
-        train_timeout_s=train_timeout_s, stage_parallelism=stage_parallelism, ckpt_mirror=ckpt_mirror,
-        require_mirror=require_mirror)
+        train_timeout_s=train_timeout_s, admission_timeout_s=admission_timeout_s,
+        stage_parallelism=stage_parallelism, ckpt_mirror=ckpt_mirror, require_mirror=require_mirror)
     print("trainer arguments:", " ".join(settings.trainer_args))
     return namedtuple("TrainConfig", settings._fields)(*settings)

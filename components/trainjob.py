@@ -47,8 +47,9 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
+from components import peer_secret
 from components.pytorchjob import (CONTAINER_NAME, PORT_NAME, MANAGED_BY, JobSpec, _coerced, _DNS1123_SUBDOMAIN,
-                                   job_manifest)
+                                   job_manifest, queue_label)
 from trainer.launch import launcher_command
 
 __all__ = ["RuntimeSpec", "build_runtime", "build_trainjob", "runtime_manifest", "trainjob_manifest",
@@ -140,6 +141,9 @@ class RuntimeSpec:
             p.append(f"runtime name {self.name!r} is not a DNS-1123 subdomain")
         if self.schedule_timeout_s < 0:
             p.append(f"schedule_timeout_s must not be negative, got {self.schedule_timeout_s}")
+        if self.pods.scheduler == "kueue":
+            p.append("scheduler=kueue is a TrainJob's setting (its LocalQueue), not a runtime's: build the runtime "
+                     "with its gang scheduler (or none) and set scheduler=kueue and queue on the TrainJobs")
         if self.schedule_timeout_s and self.pods.scheduler != "scheduler-plugins":
             p.append("schedule_timeout_s is a setting of scheduler-plugins (coscheduling): set "
                      "scheduler=scheduler-plugins")
@@ -200,6 +204,8 @@ def _trainjob_problems(spec: JobSpec, runtime: RuntimeSpec) -> list[str]:
                      f"{getattr(rt, key)!r}: in Trainer v2 it is the runtime's; use the runtime's value, or "
                      f"reference a runtime built with {key}={getattr(spec, key)!r} (RuntimeSpec)")
     for key in ("scheduler", "scheduler_name", "priority_class"):
+        if key == "scheduler" and spec.scheduler == "kueue":
+            continue            # Kueue admits the TrainJob; the runtime's gang scheduler (if any) still places it
         if getattr(spec, key) not in ("", getattr(rt, key)):
             p.append(f"{key}={getattr(spec, key)!r} differs from ClusterTrainingRuntime {runtime.name}'s "
                      f"{getattr(rt, key)!r}: gang scheduling and priority are the runtime's (leave it empty)")
@@ -255,8 +261,10 @@ def build_runtime(runtime: RuntimeSpec | None = None):
     c.command = node_command(rt)
     # The torch plugin adds the rendezvous port itself; the metrics ports stay for the PodMonitor.
     c.ports = [port for port in c.ports or [] if port.name != PORT_NAME] or None
-    c.env = [*(c.env or []), m.IoK8sApiCoreV1EnvVar(name=JOB_NAME_ENV, value_from=m.IoK8sApiCoreV1EnvVarSource(
-        field_ref=m.IoK8sApiCoreV1ObjectFieldSelector(field_path=f"metadata.labels['{JOBSET_NAME_LABEL}']")))]
+    # The peer secret is each job's own (its TrainJob's env), never the runtime's.
+    c.env = [*(e for e in c.env or [] if e.name != peer_secret.ENV), m.IoK8sApiCoreV1EnvVar(
+        name=JOB_NAME_ENV, value_from=m.IoK8sApiCoreV1EnvVarSource(field_ref=m.IoK8sApiCoreV1ObjectFieldSelector(
+            field_path=f"metadata.labels['{JOBSET_NAME_LABEL}']")))]
     pod.restart_policy = "Never"
     rules = []
     for r in FAILURE_RULES:
@@ -322,7 +330,7 @@ def build_trainjob(spec: JobSpec, runtime: RuntimeSpec | None = None):
         node_selector=pod.node_selector, tolerations=pod.tolerations, volumes=pod.volumes,
         service_account_name=pod.service_account_name,
         termination_grace_period_seconds=pod.termination_grace_period_seconds)
-    queue = {VOLCANO_QUEUE_ANNOTATION: spec.queue} if spec.queue else None
+    queue = {VOLCANO_QUEUE_ANNOTATION: spec.queue} if spec.queue and spec.scheduler != "kueue" else None
     patch = m.TrainerV1alpha1RuntimePatch(
         manager=PATCH_MANAGER,
         training_runtime_spec=m.TrainerV1alpha1TrainingRuntimeSpecPatch(template=m.TrainerV1alpha1JobSetTemplatePatch(
@@ -335,8 +343,11 @@ def build_trainjob(spec: JobSpec, runtime: RuntimeSpec | None = None):
     return m.TrainerV1alpha1TrainJob(
         api_version=API_VERSION, kind=TRAINJOB_KIND,
         metadata=m.IoK8sApimachineryPkgApisMetaV1ObjectMeta(
-            name=spec.name, namespace=spec.namespace or None, labels=template.metadata.labels),
+            name=spec.name, namespace=spec.namespace or None,
+            labels={**template.metadata.labels, **queue_label(spec)}),
         spec=m.TrainerV1alpha1TrainJobSpec(
+            # Kueue unsuspends the job when it admits it (its webhook would suspend one created running).
+            suspend=True if spec.scheduler == "kueue" else None,
             runtime_ref=m.TrainerV1alpha1RuntimeRef(api_group="trainer.kubeflow.org", kind=RUNTIME_KIND,
                                                     name=runtime.name),
             active_deadline_seconds=spec.active_deadline_s or None,

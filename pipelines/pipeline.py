@@ -75,6 +75,7 @@ def pipeline_parameters(
     max_restarts: int = 3,
     backoff_limit: int = 3,
     train_timeout_s: float = 3 * 86400.0,
+    admission_timeout_s: float = 86400.0,
     inject_fault: str = "",
     promotion_threshold: float = UNIFORM_LOSS,
     promotion_tolerance: float = 0.0,
@@ -156,11 +157,13 @@ def pipeline_parameters(
         memory: memory per trainer pod; empty = as for cpu.
         shm_size: /dev/shm per trainer pod; empty = a quarter of the memory.
         node_group: EKS node group of the trainer pods (eks.amazonaws.com/nodegroup); empty = any.
-        scheduler: gang scheduler of the trainer pods: empty, volcano, scheduler-plugins or yunikorn.
-        queue: the gang's queue: a Volcano queue, or a YuniKorn queue root.<name>.
+        scheduler: gang scheduler of the trainer pods: empty, volcano, scheduler-plugins or yunikorn; or kueue: the job
+            waits in a Kueue LocalQueue until admitted (deploy/kueue/).
+        queue: the job's queue: a Volcano queue, a YuniKorn queue root.<name>, or a Kueue LocalQueue (goodput).
         max_restarts: in-job restarts of the worker group by ft_launcher.
         backoff_limit: job restarts before it fails (PyTorchJob pod restarts; a TrainJob's must be its runtime's).
-        train_timeout_s: deadline of the train step in seconds.
+        train_timeout_s: deadline of the train step in seconds (with Kueue: from admission).
+        admission_timeout_s: scheduler=kueue: how long the job may wait for admission before the step fails.
         inject_fault: KIND@STEP[:RANK] faults for the trainer, comma-separated (recovery drills).
         promotion_threshold: promote only below this validation loss (nats per token).
         promotion_tolerance: and at most this much worse than the production model.
@@ -249,8 +252,8 @@ def _wire(backend: str, *, local_nproc=None, local_nodes=None, **p) -> None:
             model_name=p["model_name"], endpoint_url=p["s3_endpoint_url"],
             evaluate_gpu_resource=p["evaluate_gpu_resource"], baseline=p["baseline"],
             require_beat_baseline=p["require_beat_baseline"], train_timeout_s=p["train_timeout_s"],
-            stage_parallelism=p["stage_parallelism"], ckpt_mirror=p["ckpt_mirror"],
-            require_mirror=p["require_mirror"])
+            admission_timeout_s=p["admission_timeout_s"], stage_parallelism=p["stage_parallelism"],
+            ckpt_mirror=p["ckpt_mirror"], require_mirror=p["require_mirror"])
         # FSx and the S3 secret: it checks that init_from exists and reads the registry's production model.
         step_pod(config).set_display_name("check settings").set_caching_options(False)
 

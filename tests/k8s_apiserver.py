@@ -7,13 +7,15 @@ anyone else's server) and stops it at the end. A built binary is reused; without
 (15-25 minutes on 2 cores; ``.ci/run`` does that first).
 
 The server has the CRDs of both job kinds the launcher supervises: the Training Operator's PyTorchJob, and
-Kubeflow Trainer v2's TrainJob and ClusterTrainingRuntime with the JobSet a TrainJob becomes (``../shared/schemas``,
-adapted to what a 1.20 server takes: ``for_kube_1_20``).
+Kubeflow Trainer v2's TrainJob and ClusterTrainingRuntime with the JobSet a TrainJob becomes, and Kueue's
+(``../shared/schemas``, adapted to what a 1.20 server takes: ``for_kube_1_20``).
 
 What the tests play, as the real components would:
   * ``Operator``: the job's controller (``PYTORCHJOB``: the Training Operator; ``TRAINJOB``: the Trainer with
     the JobSet and Job controllers): the job's ``status`` subresource, pods with the controller's labels, their
     ``status``, events; and the garbage collector (foreground deletion).
+  * ``Kueue``: a queued job's Workload (owned by the job, as Kueue makes it), its conditions, and admission
+    (unsuspending the job); on the job's deletion it drops the Workload's finalizer, as Kueue does.
   * ``Kubelet``: the kubelet's ``/containerLogs`` endpoint over TLS, reached through the API server's pod
     log proxy; it requires the client certificate the API server presents (``run/kubelet-client.crt``).
   * ``Audit``: the server's audit log, to see each request the launcher made and RBAC's answer.
@@ -59,7 +61,9 @@ SCHEMAS = SHARED / "schemas"
 GROUP, VERSION, PLURAL = "kubeflow.org", "v1", "pytorchjobs"
 JOB_NAME = "training.kubeflow.org/job-name"
 CRDS = ("kubeflow.org_pytorchjobs.yaml", "trainer.kubeflow.org_trainjobs.yaml",
-        "trainer.kubeflow.org_clustertrainingruntimes.yaml", "jobset.x-k8s.io_jobsets.yaml")
+        "trainer.kubeflow.org_clustertrainingruntimes.yaml", "jobset.x-k8s.io_jobsets.yaml",
+        "kueue.x-k8s.io_workloads.yaml", "kueue.x-k8s.io_localqueues.yaml", "kueue.x-k8s.io_clusterqueues.yaml",
+        "kueue.x-k8s.io_resourceflavors.yaml")
 NODE = "goodput-node-a"
 MIN_REQUEST_TIMEOUT = 4          # seconds: a watch without timeoutSeconds is closed after 4-8 s
 LAUNCHER_SA = "pipeline-runner"  # deploy/rbac.yaml's subject (standalone KFP)
@@ -156,7 +160,7 @@ def for_kube_1_20(node):
     """A CRD as the 1.20 server takes it. It predates CEL, so ``x-kubernetes-validations`` go (a plain create
     would drop them anyway); it reads ``default: ""`` as null and refuses the CRD, so empty-string defaults go
     (they only ever add a field; nothing here relies on them), and a list-map key that had one becomes
-    required, which 1.20 demands of such keys instead."""
+    required, which 1.20 demands of such keys instead. ``selectableFields`` (1.30+, Kueue's Workload) go too."""
     if isinstance(node, list):
         return [for_kube_1_20(n) for n in node]
     if not isinstance(node, dict):
@@ -167,7 +171,7 @@ def for_kube_1_20(node):
             "default") == ""]
         node = {**node, "items": {**items, "required": sorted({*items.get("required", []), *blank})}}
     return {k: for_kube_1_20(v) for k, v in node.items()
-            if not (k == "default" and v == "") and k != "x-kubernetes-validations"}
+            if not (k == "default" and v == "") and k not in ("x-kubernetes-validations", "selectableFields")}
 
 
 def install_crds(admin: k8s.ApiClient) -> None:
@@ -524,6 +528,14 @@ class Controller:
     def collect(self, op: "Operator", name: str) -> None:
         """What foreground deletion removes besides the pods."""
 
+    def suspend_patch(self, suspend: bool) -> dict:
+        """The spec patch that suspends or resumes the job (what Kueue writes)."""
+        raise NotImplementedError
+
+    def podsets(self, job: dict) -> list[tuple[str, int]]:
+        """(name, pod count) of the pod sets Kueue makes of the job."""
+        raise NotImplementedError
+
 
 def _condition(conds: list[dict], kind: str, reason: str, message: str) -> None:
     conds[:] = [c for c in conds if c["type"] != kind]
@@ -533,6 +545,13 @@ def _condition(conds: list[dict], kind: str, reason: str, message: str) -> None:
 
 
 class _TrainingOperator(Controller):
+    def suspend_patch(self, suspend):
+        return {"spec": {"runPolicy": {"suspend": suspend}}}
+
+    def podsets(self, job):
+        return [(rtype.lower(), int(r.get("replicas", 1)))
+                for rtype, r in job["spec"]["pytorchReplicaSpecs"].items()]
+
     def pod(self, op, job, rtype, index):
         owner = op.job(job)
         labels = {JOB_NAME: job, "training.kubeflow.org/operator-name": "pytorchjob-controller",
@@ -567,6 +586,12 @@ JOBSET_NAME = "jobset.sigs.k8s.io/jobset-name"
 class _Trainer(Controller):
     """Kubeflow Trainer v2 with the JobSet and Job controllers: a TrainJob becomes a JobSet of the same name,
     whose one replicated job ``node`` runs one pod per node (``<job>-node-0-<index>-<random>``)."""
+
+    def suspend_patch(self, suspend):
+        return {"spec": {"suspend": suspend}}
+
+    def podsets(self, job):
+        return [("node", int(job["spec"]["trainer"].get("numNodes", 1)))]
 
     def pod(self, op, job, rtype, index):
         self.jobset(op, job)
@@ -663,6 +688,8 @@ class Operator:
         self.errors: list[BaseException] = []
         self.threads: list[threading.Thread] = []
         self.stop = threading.Event()
+        self.kueue = Kueue(self)
+        self.deleted_with: dict[str, list[str]] = {}    # job -> its finalizers when its deletion was first seen
         self._gc = threading.Thread(target=self._collect_garbage, daemon=True, name=f"gc-{self.ns}")
         self._gc.start()
 
@@ -793,6 +820,8 @@ class Operator:
                     meta = job["metadata"]
                     if not meta.get("deletionTimestamp"):
                         continue
+                    self.deleted_with.setdefault(meta["name"], list(meta.get("finalizers") or []))
+                    self._collect_owned(meta["uid"])
                     pods = self.core.list_namespaced_pod(self.ns, label_selector=self.ctl.pod_selector(meta["name"]))
                     for pod in pods.items:
                         self.kubelet.end_container(self.ns, pod.metadata.name)
@@ -806,7 +835,90 @@ class Operator:
                 pass
             self.stop.wait(0.2)
 
+    def _collect_owned(self, uid: str) -> None:
+        """Kueue drops its finalizer from the job's Workloads; the garbage collector deletes them and the job's
+        other dependents (its peer secret), found by their ownerReferences."""
+        def owned(items) -> list[str]:
+            return [i["metadata"]["name"] for i in items
+                    if any(o.get("uid") == uid for o in i["metadata"].get("ownerReferences") or [])]
 
-__all__ = ["ApiServer", "Audit", "AuditEvent", "Controller", "Kubelet", "Namespace", "Operator", "PYTORCHJOB",
+        wl_api = (*KUEUE_WORKLOAD[:2], self.ns, KUEUE_WORKLOAD[2])
+        for wl in owned(self.co.list_namespaced_custom_object(*wl_api)["items"]):
+            with contextlib.suppress(ApiException):
+                self.co.patch_namespaced_custom_object(*wl_api, wl, {"metadata": {"finalizers": None}})
+                self.co.delete_namespaced_custom_object(*wl_api, wl)
+        secrets = json.loads(self.core.list_namespaced_secret(self.ns, _preload_content=False).data)["items"]
+        for name in owned(secrets):
+            with contextlib.suppress(ApiException):
+                self.core.delete_namespaced_secret(name, self.ns)
+
+
+KUEUE_WORKLOAD = ("kueue.x-k8s.io", "v1beta2", "workloads")
+
+
+class Kueue:
+    """What Kueue does with a job labelled with a LocalQueue (v0.19): a Workload named and labelled as Kueue names
+    it, owned by the job (a controller reference that blocks the owner's deletion) with Kueue's finalizer; its
+    QuotaReserved/Admitted conditions; admission unsuspends the job."""
+
+    def __init__(self, op: "Operator") -> None:
+        self.op = op
+
+    def _name(self, job: dict) -> str:
+        return f"{job['kind'].lower()}-{job['metadata']['name']}-{job['metadata']['uid'][:5]}"
+
+    def workload(self, name: str) -> dict:
+        """The job's Workload (made on first use)."""
+        op, job = self.op, self.op.job(name)
+        wl_name = self._name(job)
+        with contextlib.suppress(ApiException):
+            return op.co.get_namespaced_custom_object(*KUEUE_WORKLOAD[:2], op.ns, KUEUE_WORKLOAD[2], wl_name)
+        meta = job["metadata"]
+        return op.co.create_namespaced_custom_object(*KUEUE_WORKLOAD[:2], op.ns, KUEUE_WORKLOAD[2], {
+            "apiVersion": "/".join(KUEUE_WORKLOAD[:2]), "kind": "Workload",
+            "metadata": {"name": wl_name, "labels": {"kueue.x-k8s.io/job-uid": meta["uid"]},
+                         "finalizers": ["kueue.x-k8s.io/resource-in-use"],
+                         "ownerReferences": [{"apiVersion": job["apiVersion"], "kind": job["kind"],
+                                              "name": meta["name"], "uid": meta["uid"], "controller": True,
+                                              "blockOwnerDeletion": True}]},
+            "spec": {"queueName": meta["labels"]["kueue.x-k8s.io/queue-name"], "podSets": [
+                {"name": ps, "count": count, "template": {"spec": {"containers": [{"name": op.ctl.container,
+                                                                                   "image": "img"}]}}}
+                for ps, count in op.ctl.podsets(job)]}})
+
+    def workloads(self) -> list[dict]:
+        return self.op.co.list_namespaced_custom_object(*KUEUE_WORKLOAD[:2], self.op.ns, KUEUE_WORKLOAD[2])["items"]
+
+    def _status(self, name: str, status: dict) -> None:
+        wl = self.workload(name)
+        self.op.co.patch_namespaced_custom_object_status(*KUEUE_WORKLOAD[:2], self.op.ns, KUEUE_WORKLOAD[2],
+                                                         wl["metadata"]["name"], {"status": status})
+
+    def pending(self, name: str, message: str, reason: str = "Pending") -> None:
+        """No quota for it (yet): QuotaReserved False with Kueue's reason."""
+        conds: list[dict] = []
+        _condition(conds, "QuotaReserved", reason, message)
+        conds[0].update(status="False")
+        conds[0].pop("lastUpdateTime")
+        self._status(name, {"conditions": conds})
+
+    def admit(self, name: str, cluster_queue: str = "goodput-gpu", flavor: str = "p5.48xlarge") -> None:
+        """Quota reserved and admitted in ``cluster_queue``; then the job is unsuspended."""
+        job = self.op.job(name)
+        conds: list[dict] = []
+        for kind, message in (("QuotaReserved", f"Quota reserved in ClusterQueue {cluster_queue}"),
+                              ("Admitted", "The workload is admitted")):
+            reason = kind
+            _condition(conds, kind, reason, message)
+        for c in conds:
+            c.pop("lastUpdateTime")
+        assignments = [{"name": ps, "count": count, "flavors": {"nvidia.com/gpu": flavor}}
+                       for ps, count in self.op.ctl.podsets(job)]
+        self._status(name, {"conditions": conds, "admission": {"clusterQueue": cluster_queue,
+                                                               "podSetAssignments": assignments}})
+        self.op.co.patch_namespaced_custom_object(*self.op.gvp, name, self.op.ctl.suspend_patch(False))
+
+
+__all__ = ["ApiServer", "Audit", "AuditEvent", "Controller", "Kubelet", "Kueue", "Namespace", "Operator", "PYTORCHJOB",
            "TRAINJOB", "apiserver", "for_kube_1_20", "install_crds", "kubelet", "make_namespace", "wait_until",
            "now_rfc3339"]

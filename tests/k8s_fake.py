@@ -36,6 +36,7 @@ JOBS = re.compile(r"^/apis/kubeflow\.org/v1/namespaces/([^/]+)/pytorchjobs(?:/([
 PODS = re.compile(r"^/api/v1/namespaces/([^/]+)/pods$")
 LOG = re.compile(r"^/api/v1/namespaces/([^/]+)/pods/([^/]+)/log$")
 EVENTS = re.compile(r"^/api/v1/namespaces/([^/]+)/events$")
+SECRETS = re.compile(r"^/api/v1/namespaces/([^/]+)/secrets(?:/([^/]+))?$")
 JOB_NAME = "training.kubeflow.org/job-name"
 
 
@@ -72,6 +73,7 @@ class FakeKube:
         self.pods: dict[tuple[str, str], dict] = {}
         self.logs: dict[tuple[str, str, int], list[tuple[str, str]]] = {}   # (ns, pod, restart) -> lines
         self.events: list[dict] = []
+        self.secrets: dict[tuple[str, str], dict] = {}     # the jobs' peer secrets
         self.requests: list[Request] = []
         self.faults: list[Fault] = []
         self.created = 0
@@ -392,7 +394,8 @@ def _handler(kube: FakeKube):
             fault = kube._take_fault(method, url.path, _truthy(q.get("watch")))
             if fault:
                 return self._send(fault.status, _status(fault.status, "Injected", f"injected {fault.status}"))
-            for pattern, fn in ((JOBS, self._jobs), (LOG, self._log), (PODS, self._pods), (EVENTS, self._events)):
+            for pattern, fn in ((JOBS, self._jobs), (LOG, self._log), (PODS, self._pods), (EVENTS, self._events),
+                                (SECRETS, self._secrets)):
                 m = pattern.match(url.path)
                 if m:
                     return fn(method, *m.groups(), q=q, body=body)
@@ -406,6 +409,9 @@ def _handler(kube: FakeKube):
 
         def do_DELETE(self):
             self._route("DELETE")
+
+        def do_PATCH(self):  # noqa: N802 - http.server's name
+            self._route("PATCH")
 
         # Resources ----------------------------------------------------------------------------
 
@@ -491,6 +497,23 @@ def _handler(kube: FakeKube):
                 items = [copy.deepcopy(p) for (n, _), p in kube.pods.items()
                          if n == ns and all(p["metadata"]["labels"].get(k) == v for k, v in want.items())]
             self._send(200, {"apiVersion": "v1", "kind": "PodList", "items": items, "metadata": {}})
+
+        def _secrets(self, method, ns, name, *, q, body):
+            with kube.cond:
+                if method == "POST":
+                    key = (ns, body["metadata"]["name"])
+                    if key in kube.secrets:
+                        return self._send(409, _status(409, "AlreadyExists", f'secrets "{key[1]}" already exists'))
+                    kube.secrets[key] = copy.deepcopy(body)
+                    return self._send(201, body)
+                if (ns, name) not in kube.secrets:
+                    return self._send(404, _status(404, "NotFound", f'secrets "{name}" not found'))
+                if method == "DELETE":
+                    del kube.secrets[(ns, name)]
+                    return self._send(200, {"kind": "Status", "apiVersion": "v1", "status": "Success"})
+                if method == "PATCH":
+                    kube.secrets[(ns, name)]["metadata"].update(body.get("metadata") or {})
+                return self._send(200, kube.secrets[(ns, name)])
 
         def _events(self, method, ns, *, q, body):
             want = _selector(q.get("fieldSelector", ""))

@@ -37,6 +37,8 @@ PINNED_REMOTES = {
     "aws-fsx-csi-driver": ("github.com/kubernetes-sigs/aws-fsx-csi-driver/deploy/kubernetes/overlays/stable",
                            r"v\d+\.\d+\.\d+"),
     "volcano": ("https://raw.githubusercontent.com/volcano-sh/volcano/", r"v\d+\.\d+\.\d+"),
+    "kueue": ("https://github.com/kubernetes-sigs/kueue/releases/download/", r"v\d+\.\d+\.\d+"),
+    "trainer": ("github.com/kubeflow/trainer.git/manifests/overlays/manager", r"v2\.\d+\.\d+"),
 }
 
 
@@ -89,7 +91,9 @@ def test_both_claims_are_the_one_the_trainer_pods_mount():
 
 @pytest.mark.parametrize("path", ["training-operator/kustomization.yaml",
                                   "training-operator/volcano/kustomization.yaml", "fsx/csi-driver/kustomization.yaml",
-                                  "device-plugins/kustomization.yaml", "observability/kustomization.yaml"])
+                                  "device-plugins/kustomization.yaml", "observability/kustomization.yaml",
+                                  "kueue/kustomization.yaml", "trainer-v2/kustomization.yaml",
+                                  "trainer-v2/v2.4/kustomization.yaml"])
 def test_kustomizations_are_well_formed_and_pinned(path):
     (k,) = load_all(DEPLOY / path)
     assert (k["apiVersion"], k["kind"]) == ("kustomize.config.k8s.io/v1beta1", "Kustomization")

@@ -121,7 +121,7 @@ FSX = {"FSX_FILE_SYSTEM_ID": "fs-0123456789abcdef0", "FSX_DNS_NAME": "fs-0123.fs
        "FSX_MOUNT_NAME": "abcdefgh", "FSX_SUBNET_ID": "subnet-0123", "FSX_SECURITY_GROUP_ID": "sg-0123"}
 DRY_RUN = ["rbac.yaml", "fsx/pvc-dynamic.yaml", "fsx/static-pv.yaml", "fsx/storageclass.yaml", "fsx/init-job.yaml",
            "device-plugins/nvidia-device-plugin.yaml", "device-plugins/efa-device-plugin.yaml",
-           "profile/profile.yaml"]
+           "profile/profile.yaml", "kueue/queues/queues.yaml"]
 
 
 @pytest.mark.parametrize("path", DRY_RUN)
@@ -139,10 +139,12 @@ def test_deploy_manifests_pass_a_server_side_dry_run(admin_ns, path):
 LAUNCHER_VERBS = [("create", "pytorchjobs.kubeflow.org"), ("get", "pytorchjobs.kubeflow.org"),
                   ("list", "pytorchjobs.kubeflow.org"), ("watch", "pytorchjobs.kubeflow.org"),
                   ("delete", "pytorchjobs.kubeflow.org"), ("list", "pods"), ("get", "pods/log"),
-                  ("list", "events")]
+                  ("list", "events"), ("create", "secrets"), ("patch", "secrets"), ("delete", "secrets"),
+                  ("list", "workloads.kueue.x-k8s.io")]
 NOT_GRANTED = [("update", "pytorchjobs.kubeflow.org"), ("patch", "pytorchjobs.kubeflow.org"),
                ("create", "pods"), ("delete", "pods"), ("get", "secrets"), ("create", "pods/exec"),
-               ("watch", "pods"), ("create", "rolebindings.rbac.authorization.k8s.io")]
+               ("watch", "pods"), ("create", "rolebindings.rbac.authorization.k8s.io"), ("list", "secrets"),
+               ("get", "workloads.kueue.x-k8s.io"), ("patch", "workloads.kueue.x-k8s.io")]
 
 
 def test_a_profile_namespace_runs_the_launcher_as_default_editor(tmp_path):
@@ -158,6 +160,9 @@ def test_a_profile_namespace_runs_the_launcher_as_default_editor(tmp_path):
     assert [b.metadata.name for b in roles.list_namespaced_role_binding(ns.name).items] == ["goodput-train-launcher"]
     pvc = core.read_namespaced_persistent_volume_claim("fsx-claim", ns.name)
     assert pvc.spec.volume_name == f"fsx-pv-{ns.name}"
+    lq = k8s.CustomObjectsApi(server.admin).get_namespaced_custom_object("kueue.x-k8s.io", "v1beta2", ns.name,
+                                                                         "localqueues", "goodput")
+    assert lq["spec"]["clusterQueue"] == "goodput-gpu"      # Kueue's queue=goodput in the profile
 
     def can(verb: str, what: str, who: str = ns.user, where: str = ns.name) -> bool:
         resource, _, sub = what.partition("/")

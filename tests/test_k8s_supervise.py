@@ -28,7 +28,7 @@ import yaml
 from components.cleanup import cleanup_run_jobs
 from components.job_kinds import KINDS
 from components.pytorchjob import JobSpec, job_manifest
-from components.supervise import JobCancelled, JobFailed, JobTimeout, SuperviseConfig, run_job
+from components.supervise import JobCancelled, JobFailed, JobTimeout, NotAdmitted, SuperviseConfig, run_job
 from components.train import train
 from components.trainjob import RuntimeSpec, runtime_manifest, trainjob_manifest
 
@@ -70,9 +70,10 @@ def kube(request, tmp_path):
     yield from _cluster(request.param, tmp_path)
 
 
-def manifest(name: str = "gp-train-1", run_id: str = "run-1", nodes: int = 2, kind: str = "PyTorchJob") -> dict:
+def manifest(name: str = "gp-train-1", run_id: str = "run-1", nodes: int = 2, kind: str = "PyTorchJob",
+             **settings) -> dict:
     spec = JobSpec(name=name, image="img", nodes=nodes, gpus_per_node=0, efa_per_node=0, run_id=run_id,
-                   task_name="train")
+                   task_name="train", **settings)
     if kind == "TrainJob":
         return trainjob_manifest(spec, RuntimeSpec.from_dict({"name": "goodput-nvrx-cpu", **CPU_RUNTIME}))
     return job_manifest(spec)
@@ -389,7 +390,9 @@ def test_the_overall_timeout_deletes_the_job(kube):
         launcher.result(30)
     op.join()
     assert op.job("gp-train-1") is None
-    assert [e.code for e in ns.launcher_requests() if e.verb == "delete"] == [200]
+    assert [e.code for e in ns.launcher_requests() if e.what == what(op, "delete")] == [200]
+    # The job's peer secret is deleted with it (by the launcher; the garbage collector would have too).
+    assert [e.code for e in ns.launcher_requests() if e.what == ("", "secrets", "delete")] in ([200], [404])
 
 
 def test_keyboard_interrupt_deletes_the_job_too(cluster):
@@ -480,7 +483,8 @@ def test_an_api_server_restart_mid_run_costs_a_few_requests_not_a_storm(kube):
         op.log(master, "after the restart")
         succeed(op, name, [master, *workers])
 
-    launcher = Launcher(ns, manifest(kind=op.ctl.kind))
+    # The test counts requests: a server slow to come back (a loaded machine) must not time the job out first.
+    launcher = Launcher(ns, manifest(kind=op.ctl.kind), timeout_s=300)
     op.play(scenario)
     wait_until(lambda: launcher.printed(": Running"), what="Running")
     from kubernetes import client as k8s
@@ -687,7 +691,8 @@ def test_a_trainjob_whose_runtime_is_not_installed_is_refused_before_it_is_creat
 # Least privilege -----------------------------------------------------------------------------------
 
 def test_the_launcher_uses_exactly_what_deploy_rbac_grants(kube):
-    """Every verb the kind's Role grants is one the launcher uses (audit log), and nothing else is granted."""
+    """Every verb the kind's Role grants is one the launcher uses (audit log), and nothing else is granted: the job,
+    its pods, log and events (TrainJob: its JobSet and Jobs), its peer secret, its Kueue Workload."""
     ns, op = kube
     kind = op.ctl.kind
 
@@ -704,6 +709,10 @@ def test_the_launcher_uses_exactly_what_deploy_rbac_grants(kube):
     op.create_job(manifest(name="gp-slow", kind=kind))
     with pytest.raises(JobTimeout):                # re-attach (get) and delete
         Launcher(ns, manifest(name="gp-slow", kind=kind), timeout_s=3).result()
+    op.play(lambda op, name: op.kueue.pending(name, "insufficient quota"), name="gp-queued")
+    with pytest.raises(NotAdmitted):               # Kueue: its Workload says why it waits
+        Launcher(ns, manifest(name="gp-queued", kind=kind, scheduler="kueue", queue="goodput"),
+                 admission_timeout_s=3).result()
     # The exit handler of this kind's run (it would look at the other kind too: 403 here, skipped).
     cleanup_run_jobs("run-1", ns.name, client=ns.launcher_client(), kinds=[KINDS[kind]], wait_s=2,
                      log=lambda s: None)

@@ -210,8 +210,11 @@ def test_multi_node_pods_carry_what_training_on_p5_needs():
         vols = {v["name"]: v for v in pod["volumes"]}
         assert vols["fsx"]["persistentVolumeClaim"]["claimName"] == "fsx-claim"
         assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "512Gi"}
-        env = {e["name"]: e["value"] for e in c["env"]}
+        env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
         assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1" and "NCCL_DEBUG" in env
+        # Every pod reads the job's own peer secret, which the launcher makes (components.peer_secret).
+        assert env["GOODPUT_PEER_SECRET"] == {"secretKeyRef": {"name": f"{m['metadata']['name']}-peer",
+                                                               "key": "secret"}}
         keys = {t["key"] for t in pod["tolerations"]}
         assert {"nvidia.com/gpu", "vpc.amazonaws.com/efa", "spot"} <= keys
         assert pod["nodeSelector"] == {"eks.amazonaws.com/nodegroup": "p5"}
@@ -294,10 +297,10 @@ def test_cpu_job_and_overrides():
     assert "nvidia.com/gpu" not in c["resources"]["requests"]
     assert "vpc.amazonaws.com/efa" not in c["resources"]["limits"]
     assert "tolerations" not in _pod(m)
-    assert {e["name"]: e["value"] for e in c["env"]} == {"NCCL_DEBUG": "INFO"}
+    assert {e["name"]: e.get("value") for e in c["env"]} == {"NCCL_DEBUG": "INFO", "GOODPUT_PEER_SECRET": None}
     assert m["spec"]["nprocPerNode"] == "1"
     m = job_manifest(spec(env={"NCCL_DEBUG": "INFO"}))
-    env = {e["name"]: e["value"] for e in _pod(m)["containers"][0]["env"]}
+    env = {e["name"]: e.get("value") for e in _pod(m)["containers"][0]["env"]}
     assert env["NCCL_DEBUG"] == "INFO" and env["FI_PROVIDER"] == "efa"
 
 
@@ -321,7 +324,9 @@ BAD = {
     "min nodes above nodes": (dict(nodes=2, min_nodes=3), "min_nodes"),
     "bad quantity": (dict(memory="lots"), "not a Kubernetes quantity"),
     "queue without volcano": (dict(queue="q"), "scheduler=volcano"),
-    "unknown scheduler": (dict(scheduler="kueue"), "scheduler must be one of"),
+    "unknown scheduler": (dict(scheduler="slurm"), "scheduler must be one of"),
+    "kueue without a queue": (dict(scheduler="kueue"), "scheduler=kueue needs queue, the name of a LocalQueue"),
+    "peer secret in env": (dict(env={"GOODPUT_PEER_SECRET": "x"}), "env GOODPUT_PEER_SECRET: set by the launcher"),
     "bad restart policy": (dict(restart_policy="Sometimes"), "restart_policy"),
     "bad clean pod policy": (dict(clean_pod_policy="Some"), "clean_pod_policy"),
     "negative backoff": (dict(backoff_limit=-1), "backoff_limit"),

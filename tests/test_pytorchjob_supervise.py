@@ -244,7 +244,8 @@ def test_timeout_deletes_the_job():
         with pytest.raises(JobTimeout, match=r"did not finish within 2 s(.|\n)*was deleted"):
             supervise(k, m, timeout_s=2)
         took = time.monotonic() - t0
-        assert [d.status for d in k.calls("DELETE")] == [200]
+        assert [d.status for d in k.calls("DELETE", "pytorchjobs")] == [200]
+        assert [d.status for d in k.calls("DELETE", "secrets")] == [200] and not k.secrets
         assert k.job(NS, m["metadata"]["name"]) is None
     assert took < 8
 
@@ -264,7 +265,7 @@ def test_keyboard_interrupt_path_is_the_cancel_path():
     with FakeKube(scenario) as k:
         with pytest.raises(JobCancelled):
             supervise(k, m)
-        assert [d.status for d in k.calls("DELETE")] == [200]
+        assert [d.status for d in k.calls("DELETE", "pytorchjobs")] == [200]
 
 
 # A flaky API ------------------------------------------------------------------------------------
@@ -312,12 +313,16 @@ def test_transient_create_errors_are_retried_and_forbidden_is_explained():
     with FakeKube(scenario) as k:
         k.fail("POST", "pytorchjobs", 503, times=2)
         assert supervise(k, manifest()).phase == "Succeeded"
-        assert [r.status for r in k.calls("POST")] == [503, 503, 201]
+        assert [r.status for r in k.calls("POST", "pytorchjobs")] == [503, 503, 201]
+        # The peer secret was made once (the retries found it) and the job owns it.
+        assert [r.status for r in k.calls("POST", "secrets")] == [201, 409, 409]
+        (secret,) = k.secrets.values()
+        assert [o["name"] for o in secret["metadata"]["ownerReferences"]] == ["gp-train-1"]
     with FakeKube(scenario) as k:
         k.fail("POST", "pytorchjobs", 403, times=1)
         with pytest.raises(PermissionError, match="deploy/rbac.yaml"):
             supervise(k, manifest())
-        assert len(k.calls("POST")) == 1, "no retry loop on 403"
+        assert len(k.calls("POST", "pytorchjobs")) == 1, "no retry loop on 403"
 
 
 def test_a_watch_refused_by_a_server_that_allowed_it_before_is_retried_a_few_times():
@@ -352,7 +357,8 @@ def test_a_job_of_another_run_is_not_adopted_and_a_failed_one_is_recreated():
         k.put_job(manifest(run_id="run-0"), NS)
         with pytest.raises(RuntimeError, match="belongs to run run-0"):
             supervise(k, m)
-        assert not k.calls("DELETE")
+        assert not k.calls("DELETE", "pytorchjobs")
+        assert not k.secrets, "the secret made for a job it did not create is not left behind"
 
     def scenario(k, ns, name):
         master, workers = start(k, ns, name)
@@ -364,7 +370,10 @@ def test_a_job_of_another_run_is_not_adopted_and_a_failed_one_is_recreated():
         lines: list[str] = []
         out = supervise(k, m, lines)
         assert out.phase == "Succeeded" and out.created is True
-        assert [r.status for r in k.calls("POST")] == [409, 201] and len(k.calls("DELETE")) == 1
+        assert [r.status for r in k.calls("POST", "pytorchjobs")] == [409, 201]
+        assert len(k.calls("DELETE", "pytorchjobs")) == 1
+        # The failed job's secret went with it; the new job has a new one.
+        assert [r.status for r in k.calls("POST", "secrets")] == [201, 201] and len(k.secrets) == 1
     assert any("creating it again" in ln for ln in lines)
 
 
@@ -377,7 +386,7 @@ def _rbac_needs(r) -> tuple[str, str, str]:
     rest = parts[parts.index("namespaces") + 2:]
     resource = rest[0] + ("/" + rest[2] if len(rest) > 2 else "")
     named = len(rest) > 1
-    verb = {"POST": "create", "DELETE": "delete"}.get(r.method) or (
+    verb = {"POST": "create", "DELETE": "delete", "PATCH": "patch"}.get(r.method) or (
         "watch" if str(r.query.get("watch")).lower() in ("true", "1") else "get" if named else "list")
     return group, resource, verb
 
@@ -412,4 +421,5 @@ def test_deploy_rbac_allows_every_call_the_launcher_makes():
         needed |= {_rbac_needs(r) for r in k.requests}
     assert {("kubeflow.org", "pytorchjobs", v) for v in ("create", "get", "watch", "delete")} <= needed
     assert {("", "pods", "list"), ("", "pods/log", "get"), ("", "events", "list")} <= needed
+    assert {("", "secrets", v) for v in ("create", "patch", "delete")} <= needed       # the job's peer secret
     assert needed <= allowed, needed - allowed

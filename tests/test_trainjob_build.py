@@ -1,10 +1,12 @@
 """The TrainJob and ClusterTrainingRuntime builders: every object they make is one a Trainer v2.3 cluster accepts,
-and the pods the Trainer makes of it are the PyTorchJob backend's pods.
+and one of the Trainer's next line (v2.4), and the pods the Trainer makes of it are the PyTorchJob backend's pods.
 
-The TrainJob and the runtime are checked against their CRD schemas (``../shared/schemas``, made strict the way
-the API server prunes). The JobSet the Trainer would build of them is assembled here the way Trainer v2.3.0's
-controller does it (runtime template, TrainJob trainer fields, ``PET_*`` env, runtime patches merged) and
-checked against the JobSet v0.12.0 CRD, and its node command is parsed by ft_launcher's own parser.
+The TrainJob and the runtime are checked against their CRD schemas, made strict the way the API server prunes:
+v2.3.0's (``../shared/schemas``) and those of the newest Trainer here (``tests/data/trainer-v2-8c0f5059``: master
+at 8c0f5059, 2026-08-21, after v2.3.0; see its README). The JobSet the Trainer would build of them is assembled
+here the way Trainer v2.3.0's controller does it (runtime template, TrainJob trainer fields, ``PET_*`` env, runtime
+patches merged) and checked against the JobSet v0.12.0 CRD, and its node command is parsed by ft_launcher's own
+parser.
 """
 
 from __future__ import annotations
@@ -33,8 +35,8 @@ INT32 = (-2**31, 2**31 - 1)
 SCHEMAS = Path(os.environ.get("GOODPUT_SCHEMAS", SHARED_SCHEMAS))
 
 
-def _validator(file: str, version: str):
-    v = crd_validator(SCHEMAS / file, version)
+def _validator(file: str, version: str, where: Path = SCHEMAS):
+    v = crd_validator(where / file, version)
     formats = jsonschema.FormatChecker()
 
     @formats.checks("int32")
@@ -44,10 +46,15 @@ def _validator(file: str, version: str):
     return v.evolve(format_checker=formats)
 
 
-@pytest.fixture(scope="module")
-def schemas():
-    return {"trainjob": _validator("trainer.kubeflow.org_trainjobs.yaml", "v1alpha1"),
-            "runtime": _validator("trainer.kubeflow.org_clustertrainingruntimes.yaml", "v1alpha1"),
+# The Trainer CRDs each object must be valid for: the release deploy/trainer-v2 installs by default, and the next.
+TRAINER_CRDS = {"v2.3.0": SCHEMAS, "next": Path(__file__).parent / "data" / "trainer-v2-8c0f5059"}
+
+
+@pytest.fixture(scope="module", params=sorted(TRAINER_CRDS))
+def schemas(request):
+    crds = TRAINER_CRDS[request.param]
+    return {"trainjob": _validator("trainer.kubeflow.org_trainjobs.yaml", "v1alpha1", crds),
+            "runtime": _validator("trainer.kubeflow.org_clustertrainingruntimes.yaml", "v1alpha1", crds),
             "jobset": _validator("jobset.x-k8s.io_jobsets.yaml", "v1alpha2")}
 
 
@@ -168,6 +175,7 @@ VARIANTS = {
                                         "/fsx/runs/exp1", "--parallel", "ddp"]), VOLCANO),
     "long-name-many-nodes": (dict(name="a" * 50, nodes=1000), VOLCANO),
     "coscheduling": (dict(nodes=2, scheduler="scheduler-plugins"), COSCHEDULING),
+    "kueue": (dict(nodes=2, scheduler="kueue", queue="goodput"), VOLCANO),
     "cpu": (dict(nodes=2, gpus_per_node=0, nproc_per_node=2, backoff_limit=1), CPU),
 }
 
@@ -233,8 +241,9 @@ def test_trainjob_pods_are_the_pytorchjob_pods(variant):
     assert got_c["name"] == "node" and got_c["image"] == want_c["image"] == IMG
     assert got_c["resources"] == want_c["resources"]
     assert got_c["volumeMounts"] == want_c["volumeMounts"]
-    assert {e["name"]: e["value"] for e in want_c["env"]}.items() <= \
-        {e["name"]: e.get("value") for e in got_c["env"]}.items()
+    # The same env, the job's peer secret included (the TrainJob's, not the runtime's).
+    assert {e["name"]: e.get("value", e.get("valueFrom")) for e in want_c["env"]}.items() <= \
+        {e["name"]: e.get("value", e.get("valueFrom")) for e in got_c["env"]}.items()
     metrics = [p for p in want_c["ports"] if p["name"].startswith("metrics-")]
     assert [p for p in got_c["ports"] if p.get("name", "").startswith("metrics-")][:len(metrics)] == metrics
     for key in ("volumes", "tolerations", "nodeSelector", "serviceAccountName", "terminationGracePeriodSeconds"):
@@ -478,6 +487,26 @@ def test_runtime_default_image_is_the_train_components():
     assert RuntimeSpec().pods.image == TRAINER_IMAGE
 
 
+def test_the_runtime_fits_trainer_v2_4s_limits():
+    """Trainer v2.4 refuses runtimes whose replicated jobs' names are longer than 20 characters."""
+    for settings, runtime in VARIANTS.values():
+        for rjob in runtime_manifest(runtime)["spec"]["template"]["spec"]["replicatedJobs"]:
+            assert len(rjob["name"]) <= 20, rjob["name"]
+        job = trainjob_manifest(spec(**settings), runtime)
+        for patch in job["spec"]["runtimePatches"]:
+            for rjob in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
+                assert len(rjob["name"]) <= 20, rjob["name"]
+
+
+def test_deploy_installs_trainer_v2_3_or_v2_4_with_the_same_volcano():
+    (v23,) = load_all(TRAINER_V2 / "kustomization.yaml")
+    (v24,) = load_all(TRAINER_V2 / "v2.4" / "kustomization.yaml")
+    assert v24["resources"][0] == "github.com/kubeflow/trainer.git/manifests/overlays/manager?ref=v2.4.0"
+    assert v24["resources"][1:] == v23["resources"][1:]
+    readme = (TRAINER_V2 / "README.md").read_text()
+    assert "kubectl apply --server-side -k deploy/trainer-v2/v2.4" in readme and "## Trainer v2.4" in readme
+
+
 def test_install_pins_trainer_v2_3_and_its_jobset():
     (kust,) = load_all(TRAINER_V2 / "kustomization.yaml")
     assert kust["resources"][0] == "github.com/kubeflow/trainer.git/manifests/overlays/manager?ref=v2.3.0"
@@ -491,7 +520,8 @@ def test_install_pins_trainer_v2_3_and_its_jobset():
 # What the supervisor calls (tests/test_k8s_supervise.py checks it against the audit log), and no more.
 RBAC_NEEDS = {("trainer.kubeflow.org", "trainjobs"): {"create", "get", "list", "watch", "delete"},
               ("jobset.x-k8s.io", "jobsets"): {"get"}, ("", "pods"): {"list"}, ("", "pods/log"): {"get"},
-              ("", "events"): {"list"}, ("batch", "jobs"): {"list"}}
+              ("", "events"): {"list"}, ("batch", "jobs"): {"list"}, ("", "secrets"): {"create", "patch", "delete"},
+              ("kueue.x-k8s.io", "workloads"): {"list"}}
 
 
 def _granted(rules: list[dict]) -> dict:
@@ -512,7 +542,9 @@ def test_rbac_grants_what_the_launcher_needs_and_no_edits(file):
         assert model_roundtrip_problems({**d, "kind": "Role"} if d["kind"] == "ClusterRole" else d) == []
     granted = _granted(role["rules"])
     assert granted == RBAC_NEEDS
-    assert not any(v in verbs for verbs in granted.values() for v in ("update", "patch", "*"))
+    # No edits of anything but the job's own peer secret (its ownerReference is a patch).
+    assert not any(v in verbs for what, verbs in granted.items() if what != ("", "secrets")
+                   for v in ("update", "patch", "*"))
     if file == "rbac-profile.yaml":
         assert role["metadata"]["labels"]["rbac.authorization.kubeflow.org/aggregate-to-kubeflow-edit"] == "true"
     else:

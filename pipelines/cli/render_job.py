@@ -83,7 +83,7 @@ def _opt(name: str, **kw):
 @_opt("spot_taint")
 @_opt("priority_class")
 @_opt("service_account")
-@_opt("scheduler", type=click.Choice(["", "volcano", "scheduler-plugins", "yunikorn"]))
+@_opt("scheduler", type=click.Choice(["", "volcano", "scheduler-plugins", "yunikorn", "kueue"]))
 @_opt("scheduler_name")
 @_opt("queue")
 @_opt("restart_policy")
@@ -110,6 +110,11 @@ def render_job(ctx: click.Context, kind, runtime_name, node_selector, env, label
     """Print the job that trains on EKS under NVRx, as YAML on stdout: a PyTorchJob (--kind pytorchjob), a
     TrainJob referencing the goodput-nvrx ClusterTrainingRuntime (--kind trainjob), or that runtime
     (--kind runtime).
+
+    The job's pods read its peer secret, the Secret <name>-peer (key `secret`), which the train step's launcher
+    makes for each job; for a job applied by hand, create it first:
+    kubectl create secret generic <name>-peer --from-literal=secret=$(openssl rand -hex 32).
+    With --scheduler kueue --queue <LocalQueue> the job is created suspended, for Kueue to admit.
 
     Unknown options are the trainer's (`python -m trainer`, see `goodput train --help`); --data and
     --out default to the default dataset and runs/<name> on the FSx mount. Invalid settings exit
