@@ -49,6 +49,7 @@ from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
 from components.job_kinds import PYTORCHJOB, JobKind, kind_of
+from components.progress import ProgressLog
 
 __all__ = ["SuperviseConfig", "JobOutcome", "JobFailed", "JobTimeout", "JobCancelled", "api_client",
            "current_namespace", "run_job", "delete_job"]
@@ -272,6 +273,7 @@ class _Supervisor:
         self._logs: _LogFollower | None = None
         self.tail: deque[str] = deque(maxlen=cfg.log_tail_lines)   # the master's last log lines
         self.related: dict = {}           # what the kind's controller made of the job (a TrainJob's JobSet)
+        self.progress = ProgressLog(log)  # the trainer's figures: a TrainJob's status, or its pods' annotation
 
     # Signals ----------------------------------------------------------------------------------
 
@@ -492,6 +494,7 @@ class _Supervisor:
             detail = f" ({cond.get('reason', '')}: {cond.get('message', '')})" if cond.get("message") else ""
             self.log(f"{self.what} {self.ref}: {phase}{detail}")
             self._phase = phase
+        self.progress.observe_job(job)
         replicas = self.kind.replicas(job)
         if replicas and replicas != self._replicas:
             self.log(f"replicas: {replicas}")
@@ -510,7 +513,9 @@ class _Supervisor:
         if not force and time.monotonic() - self._pods_read < self.cfg.pods_every_s:
             return
         self._pods_read = time.monotonic()
-        for pod in self._list_pods():
+        pods = self._list_pods()
+        self.progress.observe_job(pods=pods)
+        for pod in pods:
             meta, status = pod.get("metadata", {}), pod.get("status") or {}
             rtype, index = self.kind.replica_of(pod)
             uid = meta.get("uid", meta.get("name", ""))
