@@ -239,8 +239,15 @@ def test_a_missing_sdk_turns_the_trainjob_sink_off_with_one_line(tmp_path, monke
 
     monkeypatch.setenv(SERVER_URL_ENV, "https://trainer.example:8082/status")
     monkeypatch.setattr(builtins, "__import__", no_kubeflow)
-    assert [type(s) for s in build_sinks(tmp_path)] == [FileSink]
-    assert [r.message for r in caplog.records if "TrainJob's status off" in r.message]
+    sinks = build_sinks(tmp_path)
+    assert [type(s) for s in sinks] == [FileSink, TrainJobStatusSink]
+    rep = StatusReporter(sinks, max_steps=10, events_path=tmp_path / "events.jsonl", every_s=0.05)
+    for step in range(1, 5):
+        rep.after_step(report(step))
+    rep.close()
+    assert rep.failed["trainjob-status"] == 1 and rep.sent["file"] >= 1      # off after one try; the file goes on
+    (line,) = [r.message for r in caplog.records if "trainjob-status off" in r.message]
+    assert "pip install 'kubeflow>=0.5'" in line
 
 
 def test_no_reports_off_rank_0_or_when_off(tmp_path):

@@ -127,15 +127,18 @@ class TrainJobStatusSink(Sink):
     min_interval_s = SDK_MIN_INTERVAL_S
 
     def __init__(self):
-        try:
-            from kubeflow.trainer import update_trainjob_status
-        except ImportError as e:
-            raise RefusedError(f"{SERVER_URL_ENV} is set but the kubeflow SDK is not installed "
-                               f"(pip install 'kubeflow>=0.5'): {e}") from None
-        self._update = update_trainjob_status
-        self._sdk_log = logging.getLogger(update_trainjob_status.__module__)
+        self._update = None
 
     def send(self, figures: Figures) -> None:
+        if self._update is None:
+            # Imported here, in the reporter's thread: the SDK brings the Kubernetes client (about a second).
+            try:
+                from kubeflow.trainer import update_trainjob_status
+            except ImportError as e:
+                raise RefusedError(f"{SERVER_URL_ENV} is set but the kubeflow SDK is not installed "
+                                   f"(pip install 'kubeflow>=0.5'): {e}") from None
+            self._update = update_trainjob_status
+            self._sdk_log = logging.getLogger(update_trainjob_status.__module__)
         # The SDK logs its own reason for a failure and returns False; it never raises.
         if not self._update(progress_percent=figures.progress_percent, estimated_remaining_seconds=figures.eta_s,
                             metrics=figures.metrics()):
@@ -189,10 +192,7 @@ def build_sinks(out: Path, env=os.environ) -> list[Sink]:
     pod's annotation when in a pod."""
     sinks: list[Sink] = [FileSink(out)]
     if env.get(SERVER_URL_ENV):
-        try:
-            sinks.append(TrainJobStatusSink())
-        except RefusedError as e:
-            log.warning("progress in the TrainJob's status off: %s", e)
+        sinks.append(TrainJobStatusSink())
     else:
         pod = PodAnnotationSink.from_pod(env)
         if pod is not None:
