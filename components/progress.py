@@ -70,18 +70,17 @@ def from_file(run_dir: Path) -> Figures | None:
 
 
 class ProgressLog:
-    """Logs the progress line whenever the reported step changed."""
+    """Logs the progress line whenever it changed."""
 
     def __init__(self, log: Callable[[str], None]):
         self.log = log
-        self.last: Figures | None = None
+        self.last = ""
 
     def observe(self, figures: Figures | None) -> None:
-        if figures is None or (self.last is not None and (figures.step, figures.updated) ==
-                               (self.last.step, self.last.updated)):
-            return
-        self.last = figures
-        self.log(progress_line(figures))
+        line = progress_line(figures) if figures is not None else self.last
+        if line != self.last:
+            self.last = line
+            self.log(line)
 
     def observe_job(self, job: dict | None = None, pods: list[dict] | None = None) -> None:
         """The supervisor's hook: a TrainJob's status, else its pods' annotations."""

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from components.progress import ProgressLog, follow_file, format_duration, from_file, from_trainjob, progress_line
-from trainer.events import EventLog, read_events
+from trainer.events import read_events
 from trainer.goodput import account
 from trainer.hooks import StepReport
 from trainer.status_report import (SERVER_URL_ENV, STATUS_FILE, Figures, FileSink, Sink, StatusReporter,
@@ -96,16 +96,22 @@ def trainjob_env(tmp_path, monkeypatch):
 
 
 def run_events(path: Path) -> list[dict]:
-    """A run's log so far: a start, an in-job restart, steps, checkpoints committed at 20 and 40."""
-    ev = EventLog(path, 0)
-    ev.emit("run_start", world_size=2, restart_count=0)
+    """A run's log so far, 20 ms of wall time per 10 ms step: a start, an in-job restart, steps, checkpoints
+    committed at 20 and 40."""
+    t0, lines = 1_000_000.0, []
+
+    def emit(event: str, t: float, **fields) -> None:
+        lines.append(json.dumps({"event": event, "t": t, "rank": 0, **fields}))
+
+    emit("run_start", t0, world_size=2, restart_count=0)
     for step in range(1, 51):
-        ev.emit("step", step=step, loss=2.0, step_s=0.01, lr=1e-3, tokens=step * 512, tokens_per_s=51200.0)
+        t = t0 + 0.02 * step
+        emit("step", t, step=step, loss=2.0, step_s=0.01, lr=1e-3, tokens=step * 512, tokens_per_s=51200.0)
         if step == 30:
-            ev.emit("restart", layer="injob", restart_count=1)
+            emit("restart", t, layer="injob", restart_count=1)
         if step in (20, 40):
-            ev.emit("ckpt_committed", step=step)
-    ev.close()
+            emit("ckpt_committed", t, step=step)
+    path.write_text("\n".join(lines) + "\n")
     return read_events(path)
 
 
@@ -274,6 +280,22 @@ def test_eta_comes_from_the_wall_time_per_step_and_restarts_reset_it(tmp_path):
     rep.close()
 
 
+def test_each_report_reads_the_run_anew_so_the_last_one_has_the_final_goodput(tmp_path):
+    """The figures sent at close come after the final checkpoint and validation (``run_end``): their goodput is
+    the run's, not the one of the report before."""
+    path = tmp_path / "events.jsonl"
+    run_events(path)
+    rep = StatusReporter([Recording()], max_steps=100, events_path=path, every_s=3600)
+    rep.after_step(report(50))
+    before = rep.figures()
+    last = json.loads(path.read_text().splitlines()[-1])
+    with open(path, "a") as f:               # the end, 1 s of final checkpoint and validation later
+        f.write(json.dumps({"event": "run_end", "t": last["t"] + 1.0, "rank": 0, "step": 50}) + "\n")
+    after = rep.figures()
+    rep.close()
+    assert after.goodput == account(read_events(path))["goodput"] < before.goodput
+
+
 def test_the_line_and_durations():
     f = Figures(step=4200, max_steps=10000, goodput=0.991, eta_s=3 * 3600 + 12 * 60 + 7)
     assert progress_line(f) == "[train] step 4200/10000, goodput 99.1%, ETA 3h12m"
@@ -305,5 +327,6 @@ def test_the_local_backend_prints_the_line_each_time_the_file_changes(tmp_path):
                      "[train] step 40/40, goodput 95.0%"]
     p = ProgressLog(lines.append)
     p.observe(from_file(tmp_path))
-    p.observe(from_file(tmp_path))         # unchanged: not printed again
+    sink.send(Figures(step=40, max_steps=40, goodput=0.95, updated="t41"))
+    p.observe(from_file(tmp_path))         # the same line, reported again: not printed again
     assert lines[-1] == "[train] step 40/40, goodput 95.0%" and len(lines) == 4

@@ -210,7 +210,8 @@ class StatusReporter(StepHook):
         self.clock = clock            # of the steps, for the ETA
         self.sinks, self.max_steps, self.every_s = list(sinks), max_steps, every_s
         self.close_timeout_s = close_timeout_s
-        self.run = RunCollector(events_path, refresh_s=every_s)
+        # Read anew at every report (incrementally), so the last one has the run's final goodput.
+        self.run = RunCollector(events_path, refresh_s=0)
         self.sent = {s.name: 0 for s in self.sinks}
         self.failed = {s.name: 0 for s in self.sinks}
         self._last_sent = {s.name: -float("inf") for s in self.sinks}
