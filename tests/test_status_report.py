@@ -330,3 +330,12 @@ def test_the_local_backend_prints_the_line_each_time_the_file_changes(tmp_path):
     sink.send(Figures(step=40, max_steps=40, goodput=0.95, updated="t41"))
     p.observe(from_file(tmp_path))         # the same line, reported again: not printed again
     assert lines[-1] == "[train] step 40/40, goodput 95.0%" and len(lines) == 4
+
+
+def test_the_interval_is_a_trainer_setting_refused_when_negative():
+    from trainer.config import parse_config
+
+    assert parse_config(["--data", "d"]).metrics.status_every_s == 10.0
+    assert parse_config(["--data", "d", "--status-every-s", "0"]).metrics.status_every_s == 0
+    with pytest.raises(ValueError, match="--status-every-s must be 0 .off. or a number of seconds, got -1"):
+        parse_config(["--data", "d", "--status-every-s", "-1"])
