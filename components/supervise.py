@@ -57,6 +57,7 @@ from kubernetes.client.rest import ApiException
 from components import peer_secret
 from components.job_kinds import PYTORCHJOB, JobKind, kind_of
 from components.kueue import NO_WORKLOAD, NO_WORKLOAD_HINT_S, queue_of, workload_state
+from components.progress import ProgressLog
 
 __all__ = ["SuperviseConfig", "JobOutcome", "JobFailed", "JobTimeout", "NotAdmitted", "JobCancelled", "api_client",
            "current_namespace", "run_job", "delete_job"]
@@ -296,6 +297,7 @@ class _Supervisor:
         self._logs: _LogFollower | None = None
         self.tail: deque[str] = deque(maxlen=cfg.log_tail_lines)   # the master's last log lines
         self.related: dict = {}           # what the kind's controller made of the job (a TrainJob's JobSet)
+        self.progress = ProgressLog(log)  # the trainer's figures: a TrainJob's status, or its pods' annotation
 
     # Signals ----------------------------------------------------------------------------------
 
@@ -553,6 +555,7 @@ class _Supervisor:
             detail = f" ({cond.get('reason', '')}: {cond.get('message', '')})" if cond.get("message") else ""
             self.log(f"{self.what} {self.ref}: {phase}{detail}")
             self._phase = phase
+        self.progress.observe_job(job)
         replicas = self.kind.replicas(job)
         if replicas and replicas != self._replicas:
             self.log(f"replicas: {replicas}")
@@ -607,7 +610,9 @@ class _Supervisor:
         if not force and time.monotonic() - self._pods_read < self.cfg.pods_every_s:
             return
         self._pods_read = time.monotonic()
-        for pod in self._list_pods():
+        pods = self._list_pods()
+        self.progress.observe_job(pods=pods)
+        for pod in pods:
             meta, status = pod.get("metadata", {}), pod.get("status") or {}
             rtype, index = self.kind.replica_of(pod)
             uid = meta.get("uid", meta.get("name", ""))

@@ -132,6 +132,7 @@ def local_launch(job: dict, nproc: int, name: str, nodes: int = 1):
 
 
 def _train_local(args: list[str], name: str, fsx_root: Path, job: dict, nproc: int, nodes: int, log) -> TrainResult:
+    from components.progress import follow_file
     from trainer.launch import run_local_training
 
     if _flag_value(args, "--out") is None:
@@ -139,7 +140,8 @@ def _train_local(args: list[str], name: str, fsx_root: Path, job: dict, nproc: i
     out = Path(_flag_value(args, "--out")).resolve()
     launch = local_launch(job, nproc, name, nodes)
     log(f"local training: {nodes} x {nproc} ranks under ft_launcher, {' '.join(args)}")
-    code, summary = run_local_training(args, launch, fsx_root)
+    with follow_file(out, log):
+        code, summary = run_local_training(args, launch, fsx_root)
     if code in (130, 143):
         raise RuntimeError(f"local training was interrupted ({'SIGINT' if code == 130 else 'SIGTERM'}); the ranks "
                            f"committed a checkpoint in {out / 'checkpoints'}")

@@ -3,18 +3,22 @@
 # `ft_launcher ... -m trainer ...` in it; the evaluate step runs here too (it needs torch).
 #
 #   docker build -f images/trainer.Dockerfile -t $REGISTRY/goodput-trainer:0.1.0 .
-#   docker build -f images/trainer.Dockerfile --build-arg NVRX_RELEASE=0.7.0 -t $REGISTRY/goodput-trainer:0.1.0-nvrx0.7.0 .
+#   docker build -f images/trainer.Dockerfile --build-arg NVRX_RELEASE=0.6.0 -t $REGISTRY/goodput-trainer:0.1.0-nvrx0.6.0 .
 #
 # Pipeline parameter trainer_image=$REGISTRY/goodput-trainer:0.1.0; GOODPUT_EVALUATE_IMAGE at compile time.
 # The pods' launch command is built for the image's NVRx release: the default below (trainer/compat.py's
 # IMAGE_RELEASE, which a test ties to it), or the one an image built with another NVRX_RELEASE carries in its
 # io.goodput.nvrx-release label, given to `goodput render-job --nvrx-release` / the job option nvrx_release.
-FROM nvcr.io/nvidia/pytorch:25.06-py3
+# `bash images/check_deps.sh trainer` checks, without building, that the requirements resolve on this base for
+# each release below.
+# NGC PyTorch 26.07: torch 2.13.0a0 (the version trainer/compat.py's private torch APIs were checked on), CUDA 13.3,
+# Python 3.12, Ubuntu 24.04 (glibc 2.39).
+FROM nvcr.io/nvidia/pytorch:26.07-py3
 
 ARG EFA_INSTALLER_VERSION=1.43.2
-# A release trainer/compat.py was checked on (0.4.1, 0.5.0, 0.6.0, 0.7.0; 0.6 and 0.7 need Python 3.12 and
-# glibc 2.39, which this base has). The build fails for any other.
-ARG NVRX_RELEASE=0.4.1
+# A release trainer/compat.py was checked on that has a wheel for this Python: 0.5.0, 0.6.0 or 0.7.0 (0.4.1 has
+# none for Python 3.12). The build fails for any other.
+ARG NVRX_RELEASE=0.7.0
 LABEL io.goodput.nvrx-release="${NVRX_RELEASE}"
 
 # EFA: the container gets the devices from the EFA device plugin; it needs the userspace side only (no kernel
@@ -35,8 +39,8 @@ ENV PATH=/opt/amazon/efa/bin:${PATH} \
 
 WORKDIR /opt/goodput
 COPY images/requirements-components.txt images/requirements-trainer.txt images/
-# NGC's torch is a pre-release build (e.g. 2.8.0a0+...): held at exactly that version, so no requirement can
-# make pip replace it with a PyPI wheel built for another CUDA.
+# NGC's torch is a pre-release build (e.g. 2.13.0a0+...): held at exactly that version, so no requirement can
+# make pip replace it with a PyPI wheel built for another CUDA. (NGC's own pins, PIP_CONSTRAINT, apply too.)
 RUN pip list --format=freeze | grep -E '^torch==' > /tmp/base-constraints.txt \
  && pip install -c /tmp/base-constraints.txt -r images/requirements-trainer.txt "nvidia-resiliency-ext==${NVRX_RELEASE}"
 

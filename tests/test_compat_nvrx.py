@@ -1,16 +1,18 @@
 """The NVRx version gate (trainer/compat.py) against what each release really is.
 
-The argument tables in tests/data/nvrx/ were taken from each release's own ft_launcher parser (0.4.1 is also
-installed here, so its table is checked against the live parser); a launch command "accepted by a release"
+The argument tables in tests/data/nvrx/ were taken from each release's own ft_launcher parser (the installed
+release's is also checked against its live parser); a launch command "accepted by a release"
 means its argv parses with a parser rebuilt from that release's table, as ft_launcher would parse it:
 every flag known, every value of a known type and among the choices, and the trainer's arguments handed
-through untouched.
+through untouched. What the installed release does is asserted from its ``Release`` (the tests run on the
+release ``constraints.txt`` pins, 0.4.1 in CI, and on any other checked one).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -24,6 +26,8 @@ from trainer.launch import LaunchConfig, local_launcher_command
 
 DATA = Path(__file__).parent / "data" / "nvrx"
 VERSIONS = compat.CHECKED
+INSTALLED = compat.installed_release()
+INSTALLED_VERSION = str(INSTALLED.version)
 # A trainer command line with a flag that shares a prefix with launcher flags (--restart-layers vs
 # --restart-policy): abbreviation matching would steal it on releases that allow abbreviations.
 TRAINER_ARGS = ["--max-steps", "50", "--restart-layers", "both", "--ckpt-every", "10", "--out", "/fsx/runs/x"]
@@ -85,15 +89,15 @@ CLUSTER = LaunchConfig(nnodes=4, nproc_per_node=8, rdzv_endpoint="job-master-0:2
 
 # ------------------------------------------------------------------------------------ the tables themselves
 
-def test_the_0_4_1_table_is_the_installed_launchers_parser():
+def test_the_installed_releases_table_is_its_live_parser():
     """The extraction is faithful where it can be compared: the live parser of the installed release."""
     from nvidia_resiliency_ext.fault_tolerance.launcher import get_args_parser
 
-    assert str(compat.installed_version()) == "0.4.1"
-    live = [(list(a.option_strings), a.dest, a.default, a.nargs != 0, a.choices)
+    assert INSTALLED_VERSION in VERSIONS, f"the tests run on a release the gate was checked on, not {INSTALLED_VERSION}"
+    live = [(list(a.option_strings), a.dest, a.default, a.nargs != 0, None if a.choices is None else list(a.choices))
             for a in get_args_parser()._actions if not isinstance(a, argparse._HelpAction)]
     recorded = [(a["options"], a["dest"], a["default"], a["takes_value"], a["choices"])
-                for a in table("0.4.1")["arguments"]]
+                for a in table(INSTALLED_VERSION)["arguments"]]
     assert recorded == live
 
 
@@ -248,11 +252,11 @@ def test_versions_outside_those_checked():
 
 def test_the_target_release_is_the_override_then_the_image_pin_then_the_installed_one(monkeypatch):
     monkeypatch.delenv(compat.VERSION_ENV, raising=False)
-    assert str(compat.target_release().version) == "0.4.1"
+    assert compat.target_release() == INSTALLED
     monkeypatch.setenv(compat.VERSION_ENV, "0.6.0")
     assert str(compat.target_release().version) == "0.6.0"
     assert str(compat.target_release("0.7.0").version) == "0.7.0"
-    assert compat.installed_release() == release("0.4.1")     # code that calls NVRx ignores the pin
+    assert compat.installed_release() == INSTALLED           # code that calls NVRx ignores the pin
     monkeypatch.delenv(compat.VERSION_ENV)
     monkeypatch.setattr(compat, "installed_version", lambda: None)
     with pytest.raises(compat.NVRxCompatError, match=compat.VERSION_ENV):
@@ -299,19 +303,21 @@ def test_importing_the_gate_imports_no_torch():
 
 # ------------------------------------------------------------------------------- today's launch command
 
-def test_the_flags_launch_py_emits_today_parse_on_every_release():
-    """trainer/launch.py (on the gate) and components/pytorchjob.py: every flag is accepted by 0.4.1 to 0.7
-    (none breaks at parse time); what changes meaning is listed by the next test."""
+def test_the_flags_launch_py_emits_today_parse_on_every_release(monkeypatch):
+    """trainer/launch.py (on the gate, for 0.4.1) and components/pytorchjob.py (for the image's release): every flag
+    is accepted by 0.4.1 to 0.7 (none breaks at parse time); what changes meaning is listed by the next test."""
     from components.pytorchjob import JobSpec
 
+    monkeypatch.setenv(compat.VERSION_ENV, "0.4.1")
     local = launcher_options(local_launcher_command(LaunchConfig(), TRAINER_ARGS))
     pod = launcher_options(JobSpec(image="ecr/goodput:1", nodes=4, gpus_per_node=8, trainer_args=TRAINER_ARGS)
                            .pod_command())
-    elastic = launcher_options(JobSpec(image="ecr/goodput:1", nodes=8, min_nodes=2, gpus_per_node=8).pod_command())
     for version in VERSIONS:
         assert parse(version, local).training_script_args == TRAINER_ARGS
         assert parse(version, pod).training_script_args[:len(TRAINER_ARGS)] == TRAINER_ARGS
-        assert parse(version, elastic).nnodes == "2:8"
+        if not release(version).hot_spares:      # an elastic job: up to 0.5 (from 0.6 MIN:MAX means spares)
+            elastic = JobSpec(image="ecr/goodput:1", nodes=8, min_nodes=2, gpus_per_node=8, nvrx_release=version)
+            assert parse(version, launcher_options(elastic.pod_command())).nnodes == "2:8"
     # On 0.4.1 launch.py builds the options it wrote by hand before it used the gate.
     assert local[:local.index("-m")] == [
         "--nnodes", "1", "--nproc-per-node", "2", "--standalone", "--max-restarts", "3", "--monitor-interval", "0.5",
@@ -403,7 +409,7 @@ def test_what_todays_command_means_differently_on_later_releases():
         "planning before the staging copy saves the previous snapshot"}
 
 
-# ------------------------------------------------------------------------- private APIs on the installed 0.4.1
+# ------------------------------------------------------------------------- private APIs on the installed release
 
 def test_every_private_api_resolves_on_the_installed_release_and_on_every_checked_one():
     assert compat.check_internals() == [f"{m}.{p}" for m, p in compat.INTERNALS]
@@ -417,19 +423,24 @@ def test_a_private_api_an_upgrade_removed_fails_loudly_naming_the_version(monkey
     from nvidia_resiliency_ext.checkpointing.async_ckpt import filesystem_async
 
     monkeypatch.delattr(filesystem_async, "_get_write_results_queue")
-    with pytest.raises(compat.NVRxCompatError, match=r"_get_write_results_queue is missing under "
-                                                     r"nvidia-resiliency-ext 0\.4\.1, torch"):
+    with pytest.raises(compat.NVRxCompatError, match=rf"_get_write_results_queue is missing under "
+                                                     rf"nvidia-resiliency-ext {re.escape(INSTALLED_VERSION)}, torch"):
         compat.check_internals()
-    with pytest.raises(compat.NVRxCompatError, match="nvidia-resiliency-ext 0.4.1"):
-        compat.start_write_results_queue(release("0.4.1"))
+    if not INSTALLED.public_results_queue:        # from 0.6 the trainer starts it through the public call
+        with pytest.raises(compat.NVRxCompatError, match=f"nvidia-resiliency-ext {INSTALLED_VERSION}"):
+            compat.start_write_results_queue(INSTALLED)
 
 
 def test_accessors_written_for_a_newer_release_refuse_the_installed_one():
-    """Built for 0.7 but run on 0.4.1 (an image whose pin and package disagree): a clear error, not a wrong call."""
-    with pytest.raises(compat.NVRxCompatError, match="get_write_results_queue is missing.*0.4.1"):
+    """Built for 0.7 but run on an older release (an image whose pin and package disagree): a clear error, not a
+    wrong call."""
+    if INSTALLED.public_results_queue:
+        pytest.skip(f"{INSTALLED_VERSION} has every API the accessors for 0.7 call")
+    with pytest.raises(compat.NVRxCompatError, match=f"get_write_results_queue is missing.*{INSTALLED_VERSION}"):
         compat.start_write_results_queue(release("0.7.0"))
-    with pytest.raises(compat.NVRxCompatError, match="ChainedGPUHealthCheck is missing.*0.4.1"):
-        compat.build_inprocess_health_checks(release("0.7.0"), cuda=True, max_rank_faults=3)
+    if "gpu" not in INSTALLED.inprocess_device_checks:
+        with pytest.raises(compat.NVRxCompatError, match=f"ChainedGPUHealthCheck is missing.*{INSTALLED_VERSION}"):
+            compat.build_inprocess_health_checks(release("0.7.0"), cuda=True, max_rank_faults=3)
 
 
 def test_the_trainers_write_results_queue_is_the_one_nvrx_s_writers_use(monkeypatch):
@@ -442,7 +453,7 @@ def test_the_trainers_write_results_queue_is_the_one_nvrx_s_writers_use(monkeypa
     ours = multiprocessing.Queue()
     compat.set_write_results_queue(ours)
     assert compat.write_results_queue() is ours
-    assert compat.start_write_results_queue(release("0.4.1")) is ours    # NVRx's writers will use this one
+    assert compat.start_write_results_queue(INSTALLED) is ours    # NVRx's writers will use this one
     monkeypatch.delattr(filesystem_async, "_results_queue")
     with pytest.raises(compat.NVRxCompatError, match="_results_queue is missing"):
         compat.set_write_results_queue(ours)
@@ -523,12 +534,15 @@ def test_the_wrappers_health_check_is_ours_alone_where_it_adds_its_own():
     every in-process restart. 0.4.1 has no such addition: the constructor's check is all, nothing to replace."""
     from nvidia_resiliency_ext import inprocess
 
-    checks = compat.build_inprocess_health_checks(release("0.4.1"), cuda=False, max_rank_faults=3)
+    checks = compat.build_inprocess_health_checks(INSTALLED, cuda=False, max_rank_faults=3)
     wrapper = inprocess.Wrapper(health_check=inprocess.Compose(*checks))
-    compat.install_restart_health_checks(wrapper, checks, release("0.4.1"))
-    assert not hasattr(wrapper, "restart_health_check")
-    with pytest.raises(compat.NVRxCompatError, match="restart_health_check is missing.*0.4.1"):
-        compat.install_restart_health_checks(wrapper, checks, release("0.5.0"))
+    compat.install_restart_health_checks(wrapper, checks, INSTALLED)
+    if INSTALLED.wrapper_adds_device_checks:
+        assert isinstance(wrapper.restart_health_check, inprocess.Compose)     # ours replaced the Wrapper's
+    else:
+        assert not hasattr(wrapper, "restart_health_check")
+        with pytest.raises(compat.NVRxCompatError, match=f"restart_health_check is missing.*{INSTALLED_VERSION}"):
+            compat.install_restart_health_checks(wrapper, checks, release("0.5.0"))
 
 
 def test_a_save_request_carries_the_write_buckets_as_the_release_expects(process_group, tmp_path):
@@ -538,8 +552,10 @@ def test_a_save_request_carries_the_write_buckets_as_the_release_expects(process
 
     writer = FileSystemWriterAsync(str(tmp_path), thread_count=1)
     writer, _, _ = save_state_dict_async_plan({"w": torch.arange(4.0)}, writer)
-    old = compat.save_request(writer, ["finalize"], release("0.4.1"))
-    assert old.preload_fn is None and old.async_fn_args[1] and old.finalize_fns == ["finalize"]
+    req = compat.save_request(writer, ["finalize"], INSTALLED)
+    assert req.finalize_fns == ["finalize"] and (req.preload_fn is not None) == INSTALLED.preload_builds_buckets
+    if not INSTALLED.preload_builds_buckets:      # up to 0.5 the planned buckets travel in the arguments
+        assert req.async_fn_args[1]
     # What 0.6+ gets: the preload function, which builds there the buckets its arguments leave out.
     assert compat.save_request(writer, [], release("0.7.0")).preload_fn is not None
 
@@ -550,11 +566,13 @@ def dist_default_group_in(groups) -> bool:
     return dist.group.WORLD in groups
 
 
-def test_the_rest_of_the_release_dependent_calls_on_0_4_1():
-    rel = release("0.4.1")
+def test_the_rest_of_the_release_dependent_calls_on_the_installed_release():
+    rel = INSTALLED
     assert hasattr(compat.import_straggler(rel), "Detector")
     checks = compat.build_inprocess_health_checks(rel, cuda=True, max_rank_faults=3)
-    assert [type(c).__name__ for c in checks] == ["CudaHealthCheck", "FaultCounter"]
+    names = {"cuda": "CudaHealthCheck", "gpu": "ChainedGPUHealthCheck", "nvlink": "ChainedNVLHealthCheck"}
+    assert [type(c).__name__ for c in checks] == [*(names[n] for n in rel.inprocess_device_checks if n != "nic"),
+                                                  "FaultCounter"]
     assert [type(c).__name__ for c in compat.build_inprocess_health_checks(rel, cuda=False, max_rank_faults=3)] \
         == ["FaultCounter"]
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue

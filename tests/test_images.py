@@ -23,7 +23,19 @@ from packaging.requirements import Requirement
 ROOT = Path(__file__).resolve().parents[1]
 IMAGES = ROOT / "images"
 PYPROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())
-TRAINER_ONLY = {"torch", "nvidia-resiliency-ext"}
+TRAINER_ONLY = {"torch", "nvidia-resiliency-ext", "kubeflow"}
+NVRX = "nvidia-resiliency-ext"
+
+
+def constraints() -> dict[str, str]:
+    """What the tests install (constraints.txt): name -> exact version."""
+    return pins(ROOT / "constraints.txt")
+
+
+def check_deps_fact(name: str) -> str:
+    """A ``NAME=value`` fact of images/check_deps.sh about the base images."""
+    (value,) = re.findall(rf'(?:^|; ){name}="?([^";\n]*)"?', (IMAGES / "check_deps.sh").read_text(), re.M)
+    return value
 
 
 def instructions(path: Path) -> list[tuple[str, str]]:
@@ -144,8 +156,8 @@ def test_entrypoints_exist(image):
     if name == "trainer":
         # The PyTorchJob's command is ft_launcher (the console script of the pinned NVRx) behind the image's
         # python running trainer.warmstart.
-        dist = importlib.metadata.distribution("nvidia-resiliency-ext")
-        assert dist.version == trainer_pins()["nvidia-resiliency-ext"]
+        dist = importlib.metadata.distribution(NVRX)          # the tests' (constraints.txt), as the image's has
+        assert dist.version == constraints()[NVRX]
         assert any(e.name == "ft_launcher" for e in dist.entry_points if e.group == "console_scripts")
         from components.pytorchjob import JobSpec
 
@@ -165,9 +177,10 @@ def test_requirement_pins_satisfy_pyproject():
         pinned = trainer if name in TRAINER_ONLY else light
         assert name in pinned, f"{dep} is not pinned for the images"
         assert dep.specifier.contains(pinned[name], prereleases=True), f"{name}=={pinned[name]} vs {dep}"
-    # And the pins are what these tests run with.
+    # And the pins are what these tests run with, but NVRx: the tests run on constraints.txt's release.
     for name, version in trainer.items():
-        assert importlib.metadata.version(name) == version, name
+        if name != NVRX:
+            assert importlib.metadata.version(name) == version, name
 
 
 def test_the_trainer_image_pins_and_labels_the_nvrx_release_the_launch_commands_default_to():
@@ -190,14 +203,61 @@ def test_the_trainer_image_pins_and_labels_the_nvrx_release_the_launch_commands_
     from components.pytorchjob import JobSpec
 
     assert JobSpec(image="x").release == compat.release(compat.IMAGE_RELEASE)     # what pods are built for
-    assert str(compat.installed_version()) == compat.IMAGE_RELEASE, \
-        "the image's NVRx release must be the one these tests run on"
+    assert compat.IMAGE_RELEASE in compat.CHECKED
+    assert compat.IMAGE_RELEASE not in check_deps_fact("NVRX_NOT_ON_TRAINER_PYTHON").split(), \
+        "the image's default NVRx has no wheel for the image's Python"
 
 
-@pytest.mark.parametrize("release, ok", [("0.4.1", True), ("0.7.0", False), ("0.8.0", False), ("0.3.0", False)])
+def test_the_tests_nvrx_release_is_the_projects_choice():
+    """constraints.txt pins the release the tests run on (a checked one), and CI and the README install with it."""
+    from trainer import compat
+
+    pinned = constraints()[NVRX]
+    assert pinned in compat.CHECKED and str(compat.installed_version()) == pinned, \
+        f"the tests run on {compat.installed_version()}, constraints.txt pins {pinned}: pip install -c constraints.txt"
+    command = "python -m pip install -c constraints.txt torch==2.13.0 -e '.[test]'"
+    assert command in (ROOT / "README.md").read_text() and command in (ROOT / ".ci" / "run").read_text()
+
+
+def test_the_dependency_check_covers_both_images_as_their_dockerfiles_are():
+    """images/check_deps.sh resolves for each base's Python and glibc: its facts name the Dockerfiles' bases (a
+    changed FROM stops it before any resolution), and CI runs it."""
+    for image in ("trainer", "components"):
+        (base,) = [a.split()[0] for op, a in instructions(IMAGES / f"{image}.Dockerfile") if op == "FROM"]
+        assert check_deps_fact(f"{image.upper()}_BASE") == base
+    assert "bash images/check_deps.sh" in (ROOT / ".ci" / "run").read_text()
+    # The trainer image's Python and the pins of what PyPI has only as sdists.
+    assert check_deps_fact("TRAINER_PYTHON") == "3.12"
+    for name in check_deps_fact("SDIST_ONLY").split():
+        assert _canonical(name) in trainer_pins(), f"{name} is built by check_deps.sh from its pin; pin it"
+
+
+def test_the_dependency_check_refuses_a_base_it_does_not_know(tmp_path):
+    """The guard of images/check_deps.sh, run on a copy whose trainer image moved to another base."""
+    copy = tmp_path / "repo"
+    (copy / "images").mkdir(parents=True)
+    for f in IMAGES.iterdir():
+        (copy / "images" / f.name).write_text(f.read_text())
+    dockerfile = copy / "images" / "trainer.Dockerfile"
+    dockerfile.write_text(re.sub(r"^FROM \S+", "FROM nvcr.io/nvidia/pytorch:27.01-py3", dockerfile.read_text(),
+                                 flags=re.M))
+    res = subprocess.run(["bash", str(copy / "images" / "check_deps.sh")], capture_output=True, text=True, timeout=60)
+    assert res.returncode == 1 and "27.01-py3" in res.stderr and "update this script" in res.stderr, res.stderr
+
+
+def _installed_and_another() -> list[tuple[str, bool]]:
+    from trainer import compat
+
+    installed = str(compat.installed_version())
+    other = next(v for v in reversed(compat.CHECKED) if v != installed)
+    return [(installed, True), (other, False), ("0.8.0", False), ("0.3.0", False)]
+
+
+@pytest.mark.parametrize("release, ok", _installed_and_another())
 def test_the_trainer_image_build_refuses_an_nvrx_it_did_not_install_or_the_gate_does_not_know(release, ok):
-    """The build's own check, run here (NVRx 0.4.1 installed) with the build arg set to ``release``: an image
-    whose installed NVRx is not the labelled one, or one the launch command is not checked for, fails to build."""
+    """The build's own check, run here (with the NVRx installed here) with the build arg set to ``release``: an
+    image whose installed NVRx is not the labelled one, or one the launch command is not checked for, fails to
+    build."""
     (run,) = [a for op, a in instructions(IMAGES / "trainer.Dockerfile")
               if op == "RUN" and "compat.installed_release()" in a]
     (code,) = [c for c in re.findall(r'python -c "([^"]*)"', run) if "installed_release" in c]

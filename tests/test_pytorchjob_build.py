@@ -19,6 +19,7 @@ from click.testing import CliRunner
 
 from components.pytorchjob import JobSpec, build_pytorchjob, job_manifest, job_name_for
 from pipelines.cli import main
+from trainer import compat
 from trainer.launch import LaunchConfig
 
 SCHEMAS = Path(os.environ.get("GOODPUT_SHARED") or Path(__file__).resolve().parents[1].parent / "shared") / "schemas"
@@ -102,7 +103,7 @@ IMG = "123456789012.dkr.ecr.us-west-2.amazonaws.com/goodput-trainer:0.1.0"
 VARIANTS = {
     "single-node": dict(nodes=1),
     "multi-node": dict(nodes=4, node_group="p5-48xl", priority_class="training-high", service_account="trainer"),
-    "elastic": dict(nodes=8, min_nodes=4),
+    "elastic": dict(nodes=8, min_nodes=4, nvrx_release="0.5.0"),     # elastic jobs end with NVRx 0.5
     "volcano-gang": dict(nodes=16, scheduler="volcano", queue="research", priority_class="high"),
     "scheduler-plugins": dict(nodes=2, scheduler="scheduler-plugins"),
     "custom-scheduler-name": dict(nodes=2, scheduler="volcano", scheduler_name="volcano-gpu"),
@@ -234,7 +235,8 @@ def test_pod_command_is_ft_launcher_with_a_c10d_rendezvous_on_replica_0():
     """Parsed by ft_launcher's own argument parser (the installed NVRx), as in the pod."""
     from nvidia_resiliency_ext.fault_tolerance.launcher import get_args_parser
 
-    fixed = spec(name="exp", nodes=4, trainer_args=["--max-steps", "50"])
+    installed = str(compat.installed_version())
+    fixed = spec(name="exp", nodes=4, trainer_args=["--max-steps", "50"], nvrx_release=installed)
     cmd = _pod(job_manifest(fixed))["containers"][0]["command"]
     # ft_launcher runs behind the warm-start zygote (ranks are forked from one process that imported torch).
     assert cmd[:4] == ["python", "-m", "trainer.warmstart", "ft_launcher"]
@@ -245,14 +247,17 @@ def test_pod_command_is_ft_launcher_with_a_c10d_rendezvous_on_replica_0():
     assert args.module and args.training_script == "trainer"
     assert args.training_script_args == ["--max-steps", "50", "--data", "/fsx/datasets/pystdlib/3.11",
                                          "--out", "/fsx/runs/exp", "--metrics-port", "9500"]
-    # Elastic: workers only, MIN:MAX nodes, the store on worker 0.
-    elastic = job_manifest(spec(name="el", nodes=8, min_nodes=2))
-    assert set(elastic["spec"]["pytorchReplicaSpecs"]) == {"Worker"}
-    assert elastic["spec"]["elasticPolicy"]["minReplicas"] == 2 and elastic["spec"]["elasticPolicy"]["maxReplicas"] == 8
-    args = get_args_parser().parse_args(_pod(elastic, "Worker")["containers"][0]["command"][4:])
-    assert (args.nnodes, args.rdzv_endpoint) == ("2:8", "el-worker-0:23456")
+    # Elastic (up to NVRx 0.5; from 0.6 MIN:MAX means hot spares): workers only, MIN:MAX nodes, the store on worker 0.
+    if not compat.installed_release().hot_spares:
+        elastic = job_manifest(spec(name="el", nodes=8, min_nodes=2, nvrx_release=installed))
+        assert set(elastic["spec"]["pytorchReplicaSpecs"]) == {"Worker"}
+        policy = elastic["spec"]["elasticPolicy"]
+        assert policy["minReplicas"] == 2 and policy["maxReplicas"] == 8
+        args = get_args_parser().parse_args(_pod(elastic, "Worker")["containers"][0]["command"][4:])
+        assert (args.nnodes, args.rdzv_endpoint) == ("2:8", "el-worker-0:23456")
     # One node: a local store, nothing to resolve.
-    args = get_args_parser().parse_args(_pod(job_manifest(spec(nodes=1)))["containers"][0]["command"][4:])
+    one = spec(nodes=1, nvrx_release=installed)
+    args = get_args_parser().parse_args(_pod(job_manifest(one))["containers"][0]["command"][4:])
     assert args.standalone
 
 

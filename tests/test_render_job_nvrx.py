@@ -97,7 +97,8 @@ def test_a_cpu_trainjob_for_each_release_on_a_cpu_runtime(version):
     job = trainjob_manifest(JobSpec(image=IMG, nodes=3, gpus_per_node=0, nproc_per_node=2, nvrx_release=version,
                                     trainer_args=TRAINER), runtime)
     _pod_runs_for(version, job, runtime, 2)
-    assert ("command" in job["spec"]["trainer"]) == (version != compat.IMAGE_RELEASE)
+    runs = launcher_options(trainjob_command(job, runtime_manifest(runtime), 3, 2))
+    assert ("--ft-enable-nic-healthcheck" in runs) == compat.release(version).nic_link_state_check
 
 
 def test_the_pinned_release_is_the_default():

@@ -108,11 +108,15 @@ def test_run_parameters_are_checked_before_submitting():
 
 
 def test_the_trainer_images_nvrx_release_reaches_the_job_and_gates_what_it_offers():
-    """Hot spares exist from NVRx 0.6: asked of the pinned 0.4.1 image they are refused before submitting;
-    for a 0.7 image they reach the job's settings, which the PyTorchJob builder reads."""
+    """Hot spares exist from NVRx 0.6: asked of a 0.5 image they are refused before submitting; for a 0.7 image
+    they reach the job's settings, which the PyTorchJob builder reads."""
+    from trainer import compat
+
     good = {"fsx_root": "/fsx", "dataset_name": "corpus", "dataset_version": "latest", "nodes": 2,
             "trainer_image": "ecr.example/goodput-trainer:0.1.0", "instance_type": "p5.48xlarge"}
-    with pytest.raises(ValueError, match="0.4.1"):
+    with pytest.raises(ValueError, match="0.5.0"):
+        check_run_parameters({**good, "hot_spares": 1, "nvrx_release": "0.5.0"})
+    if compat.image_release().hot_spares:          # the default image's release (compat.IMAGE_RELEASE)
         check_run_parameters({**good, "hot_spares": 1})
     check_run_parameters({**good, "hot_spares": 1, "nvrx_release": "0.7.0"})
     with pytest.raises(ValueError, match="nvrx_release"):

@@ -1,6 +1,6 @@
 """What the trainer uses of NVRx (nvidia-resiliency-ext), by release, and every private torch/NVRx API it touches.
 
-Checked on 0.4.1 (installed here: the tests run against it), 0.5.0, 0.6.0 and 0.7.0 (read from their PyPI
+Checked on 0.4.1 (what the tests install: constraints.txt), 0.5.0, 0.6.0 and 0.7.0 (read from their PyPI
 wheels and the NVIDIA/nvidia-resiliency-ext tags; the launchers' argument tables with their provenance are
 ``tests/data/nvrx/launcher-<version>.json``, the per-release table is ``docs/nvrx.md``). A release newer
 than 0.7 is treated as 0.7 and said so in ``Release.checked``; one older than 0.4.1 is refused.
@@ -33,9 +33,10 @@ VERSION_ENV = "GOODPUT_NVRX_VERSION"
 CHECKED = ("0.4.1", "0.5.0", "0.6.0", "0.7.0")
 _OLDEST, _NEWEST = Version(CHECKED[0]), Version(CHECKED[-1])
 # The release images/trainer.Dockerfile installs unless built with another NVRX_RELEASE (tests/test_images.py
-# ties the two; the image carries it as the label IMAGE_RELEASE_LABEL): the one the GPU path was checked on.
-# Pods' launch commands are built for it unless a job names its image's release.
-IMAGE_RELEASE = "0.4.1"
+# ties the two; the image carries it as the label IMAGE_RELEASE_LABEL): the newest checked one (0.4.1 has no
+# wheel for the image's Python 3.12; docs/nvrx.md). Pods' launch commands are built for it unless a job names
+# its image's release.
+IMAGE_RELEASE = "0.7.0"
 IMAGE_RELEASE_LABEL = "io.goodput.nvrx-release"
 # NCCL releases in which aborting a communicator (what in-process restart does) segfaults: NVRx 0.5 notes.
 _NCCL_ABORT_SEGFAULT = ((2, 28, 3), (2, 28, 9))

@@ -257,6 +257,9 @@ class MetricsConfig:
     data_wait_window: int = _f(50, "steps per data-starvation window")
     data_wait_warn: float = _f(0.25, "warn once per window when waiting for batches takes at least this share "
                                      "of the step time (0 = off)")
+    status_every_s: float = _f(10.0, "rank 0 reports the run's progress (step, ETA, loss, tokens/s, goodput, restarts, "
+                                     "last committed step) this often, in seconds: progress.json in --out, and a "
+                                     "TrainJob's status or the pod's annotation on a cluster (0 = off)")
     straggler_report_s: float = _f(0.0, "GPU only: every this many seconds NVRx's straggler detection scores each "
                                         "rank's CUDA kernels against the fastest rank's and its own best, and rank 0 "
                                         "records ranks below 0.75 as a 'straggler' event and metric (0 = off)")
@@ -268,6 +271,8 @@ def _metrics_problems(m: MetricsConfig) -> list[str]:
         problems.append(f"--metrics-port must be 0 (off) or a port number, got {m.metrics_port}")
     if m.straggler_report_s < 0:
         problems.append(f"--straggler-report-s must be 0 (off) or a number of seconds, got {m.straggler_report_s}")
+    if m.status_every_s < 0:
+        problems.append(f"--status-every-s must be 0 (off) or a number of seconds, got {m.status_every_s}")
     if m.data_wait_window < 1 or not 0 <= m.data_wait_warn <= 1 or m.run_refresh_s < 0:
         problems.append("--data-wait-window must be at least 1, --data-wait-warn in [0, 1] and "
                         "--metrics-refresh-s not negative")

@@ -46,6 +46,7 @@ from .parallel import Dist, init_distributed
 from .recovery import Recovery, exit_if_recurring, run_under_layers
 from .restart import iteration_store
 from .session import Session
+from .status_report import StatusReporter, build_status_reporter
 from .straggler import straggler_hooks
 from .summary import summarize, write_summary
 
@@ -132,7 +133,7 @@ class Trainer:
     ``call_wrapper`` is the Wrapper's (None without that layer).
     """
 
-    def __init__(self, session: Session, call_wrapper=None):
+    def __init__(self, session: Session, call_wrapper=None, status: StatusReporter | None = None):
         cfg = self.cfg = session.cfg
         self.session, self.spec, self.events = session, session.spec, session.events
         self.recovery = Recovery(session.ft, session.sigterm, call_wrapper, session.events, is_main=session.rank == 0)
@@ -167,6 +168,7 @@ class Trainer:
             self.update_hooks: list[StepHook] = [self.checkpointer, session.faults]
             self.step_hooks: list[StepHook] = [self.checkpointer, self.recovery, session.metrics,
                                                StepLog(self.events, cfg.run.max_steps, cfg.run.log_every, d.is_main)]
+            self.step_hooks += [status] if status is not None else []
             self.step_hooks += straggler_hooks(cfg.metrics, self, d, self.events, session.metrics)   # GPU only
 
             # ---- restore: from memory or a checkpoint; else a fresh start
@@ -334,9 +336,13 @@ def run(cfg: TrainConfig) -> dict | None:
     gc.freeze()
     try:
         session = Session(cfg)
+        # Rank 0's progress reports outlive in-process restarts, as the session does.
+        status = build_status_reporter(rank=session.rank, out=session.out, events_path=session.events_path,
+                                       max_steps=cfg.run.max_steps, every_s=cfg.metrics.status_every_s)
         try:
-            return run_under_layers(cfg, lambda call_wrapper: Trainer(session, call_wrapper).train())
+            return run_under_layers(cfg, lambda call_wrapper: Trainer(session, call_wrapper, status).train())
         finally:
+            status.close()
             session.close()
     except BaseException as e:
         exit_if_recurring(cfg, e)   # an error every attempt would meet: said once, exit status 2
