@@ -32,6 +32,7 @@ from typing import Any
 from components import peer_secret
 from trainer import compat
 from trainer.launch import LaunchConfig, launcher_command
+from trainer.status_report import POD_NAME_ENV
 
 __all__ = ["JobSpec", "build_pytorchjob", "job_manifest", "job_name_for", "label_value", "image_ref_problem",
            "INSTANCE_TYPES", "NodeShape", "node_allocatable", "node_requests", "quantity",
@@ -690,7 +691,11 @@ def build_pytorchjob(spec: JobSpec):
         # The peer secret is the job's own (the launcher makes it): ranks of other jobs cannot talk to these.
         env=[m.V1EnvVar(name=k, value=v) for k, v in env.items()] + [m.V1EnvVar(
             name=peer_secret.ENV, value_from=m.V1EnvVarSource(secret_key_ref=m.V1SecretKeySelector(
-                name=peer_secret.secret_name(spec.name), key=peer_secret.KEY)))],
+                name=peer_secret.secret_name(spec.name), key=peer_secret.KEY)))] + [
+            # Rank 0 annotates its own pod with its progress (trainer/status_report.py); a JobSet pod's
+            # hostname is not its name.
+            m.V1EnvVar(name=POD_NAME_ENV, value_from=m.V1EnvVarSource(
+                field_ref=m.V1ObjectFieldSelector(field_path="metadata.name")))],
         ports=[m.V1ContainerPort(name=PORT_NAME, container_port=spec.master_port, protocol="TCP"),
                *_metrics_ports(spec, m)],
         resources=m.V1ResourceRequirements(requests=requests, limits=limits),

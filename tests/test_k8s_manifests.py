@@ -119,7 +119,8 @@ def test_yunikorn_task_group_asks_for_what_each_pod_requests(admin_ns):
 
 FSX = {"FSX_FILE_SYSTEM_ID": "fs-0123456789abcdef0", "FSX_DNS_NAME": "fs-0123.fsx.us-west-2.amazonaws.com",
        "FSX_MOUNT_NAME": "abcdefgh", "FSX_SUBNET_ID": "subnet-0123", "FSX_SECURITY_GROUP_ID": "sg-0123"}
-DRY_RUN = ["rbac.yaml", "fsx/pvc-dynamic.yaml", "fsx/static-pv.yaml", "fsx/storageclass.yaml", "fsx/init-job.yaml",
+DRY_RUN = ["rbac.yaml", "rbac-trainer.yaml", "fsx/pvc-dynamic.yaml",
+           "fsx/static-pv.yaml", "fsx/storageclass.yaml", "fsx/init-job.yaml",
            "device-plugins/nvidia-device-plugin.yaml", "device-plugins/efa-device-plugin.yaml",
            "profile/profile.yaml", "kueue/queues/queues.yaml"]
 

@@ -30,13 +30,8 @@ except ImportError:          # tests/ is not a package: pytest put it on sys.pat
     from test_status_report import Receiver
 
 TRAINER_SA = "goodput-trainer"
-# What the trainer's service account needs for its progress annotation (the rule deploy/rbac.yaml is to grant it):
-# patch, on pods of its namespace. Kubernetes RBAC cannot narrow it to the pod's own name (pods' names are made
-# by the job's controller), so the Role is for the trainer's account only.
-TRAINER_ROLE = {
-    "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-    "metadata": {"name": "goodput-trainer-progress"},
-    "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["patch"]}]}
+# What the trainer's service account needs for its progress annotation, as deploy/rbac-trainer.yaml grants it.
+TRAINER_ROLE = yaml.safe_load((Path(__file__).resolve().parents[1] / "deploy" / "rbac-trainer.yaml").read_text())
 
 
 def trainer_identity(ns, tmp: Path, *, role: bool = True) -> Path:

@@ -302,7 +302,10 @@ def test_cpu_job_and_overrides():
     assert "nvidia.com/gpu" not in c["resources"]["requests"]
     assert "vpc.amazonaws.com/efa" not in c["resources"]["limits"]
     assert "tolerations" not in _pod(m)
-    assert {e["name"]: e.get("value") for e in c["env"]} == {"NCCL_DEBUG": "INFO", "GOODPUT_PEER_SECRET": None}
+    assert {e["name"]: e.get("value") for e in c["env"]} == {"NCCL_DEBUG": "INFO", "GOODPUT_PEER_SECRET": None,
+                                                             "POD_NAME": None}
+    # Rank 0 annotates its own pod with its progress: the downward API gives it the pod's name.
+    assert {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}} in c["env"]
     assert m["spec"]["nprocPerNode"] == "1"
     m = job_manifest(spec(env={"NCCL_DEBUG": "INFO"}))
     env = {e["name"]: e.get("value") for e in _pod(m)["containers"][0]["env"]}

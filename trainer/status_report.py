@@ -44,6 +44,7 @@ log = logging.getLogger("trainer")
 
 STATUS_FILE = "progress.json"
 ANNOTATION = "goodput.dev/progress"
+POD_NAME_ENV = "POD_NAME"                         # the pod's name, from the downward API (the job builders)
 SERVER_URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"    # injected by Kubeflow Trainer (TrainJobStatus feature gate)
 SDK_MIN_INTERVAL_S = 5.0                          # update_trainjob_status drops updates closer than this
 SA_DIR = Path("/var/run/secrets/kubernetes.io/serviceaccount")
@@ -163,7 +164,7 @@ class PodAnnotationSink(Sink):
         is the pod's name unless its spec sets another); None elsewhere."""
         host, port = env.get("KUBERNETES_SERVICE_HOST"), env.get("KUBERNETES_SERVICE_PORT", "443")
         token, namespace = sa_dir / "token", sa_dir / "namespace"
-        pod = env.get("POD_NAME") or env.get("HOSTNAME")
+        pod = env.get(POD_NAME_ENV) or env.get("HOSTNAME")
         if not host or not pod or not token.is_file() or not namespace.is_file():
             return None
         host = f"[{host}]" if ":" in host else host
