@@ -50,7 +50,10 @@ PROCESS_SERIES = ("goodput_step", "goodput_steps_total", "goodput_step_seconds",
                   "goodput_checkpoint_blocking_last_seconds", "goodput_data_wait_seconds_total",
                   "goodput_data_wait_ratio", "goodput_data_starved_windows_total", "goodput_rank_info")
 STRAGGLER_SERIES = ("goodput_straggler_score",)   # rank 0, once a straggler report came (GPU only)
-RUN_SERIES = ("goodput_ratio", "goodput_restarts", "goodput_lost_steps", "goodput_last_committed_step")
+RUN_SERIES = ("goodput_ratio", "goodput_restarts", "goodput_lost_steps", "goodput_last_committed_step",
+              "goodput_integrity_refusals")
+# Events of copies of the state or peer messages that were refused (trainer.checkpoint.integrity, trainer.peer).
+INTEGRITY_EVENTS = ("checksum_mismatch", "peer_refused")
 
 
 class DataWaitMonitor:
@@ -124,6 +127,8 @@ class RunCollector:
             "goodput_restarts": {layer: acc[f"restarts_{layer}"] for layer in RESTART_LAYERS},
             "goodput_lost_steps": acc["lost_steps"],
             "goodput_last_committed_step": max(committed) if committed else -1,
+            "goodput_integrity_refusals": {kind: sum(e.get("event") == kind for e in self._events)
+                                           for kind in INTEGRITY_EVENTS},
         }
         self._at = time.monotonic()
         return self._values
@@ -148,6 +153,12 @@ class RunCollector:
                                 value=v["goodput_lost_steps"])
         yield GaugeMetricFamily("goodput_last_committed_step", "step of the newest committed checkpoint "
                                 "(-1 = none yet)", value=v["goodput_last_committed_step"])
+        refusals = GaugeMetricFamily("goodput_integrity_refusals", "copies of the state that failed their "
+                                     "checksums (checksum_mismatch) and peer messages refused (peer_refused), so far",
+                                     labels=["kind"])
+        for kind, n in v["goodput_integrity_refusals"].items():
+            refusals.add_metric([kind], n)
+        yield refusals
 
 
 class MetricsExporter(StepHook):

@@ -23,7 +23,7 @@ from ..events import EventLog
 from ..layout import COMMITTED, committed_steps, fsync_dir, step_dir, step_of, write_atomic
 from ..mirror import CheckpointMirror
 from ..parallel import Dist
-from .integrity import ALGORITHM
+from .integrity import marker_fields
 
 log = logging.getLogger(__name__)
 
@@ -105,7 +105,7 @@ class Commits:
             checksums.update(json.loads((path / f".rank{r}.sums").read_text()))
         marker = {"step": p.step, "world_size": self.d.world_size, "committed_at": time.time(),
                   "files": sorted(f.name for f in path.iterdir() if not f.name.startswith(".rank")),
-                  "checksum": ALGORITHM, "checksums": checksums}
+                  **marker_fields(checksums)}
         write_atomic(path / COMMITTED, json.dumps(marker).encode())
         self.events.emit("ckpt_committed", step=p.step, commit_s=round(time.monotonic() - p.started, 4))
         if self.mirror is not None:

@@ -69,6 +69,11 @@ def planned_digests(planner) -> dict[str, str]:
     return out
 
 
+def marker_fields(checksums: dict[str, str]) -> dict:
+    """What ``COMMITTED`` records of a checkpoint's checksums (``planned_digests`` of every rank, merged)."""
+    return {"checksum": ALGORITHM, "checksums": checksums}
+
+
 def verify_planned(planner, digests: dict[str, str]) -> None:
     """The staging copy (as ``planner`` resolves it) still holds the bytes ``digests`` were taken of."""
     _compare(planned_digests(planner), digests, "the staging copy")

@@ -159,13 +159,13 @@ class CheckpointManager:
         self.finish_snapshot()   # a fault can come while a snapshot is copied: the copy still completes
         self._verify_staging_snapshot()
         self.replica.read_back(state)
-        self._report_rejected()
         newest = self.commits.newest() if self.d.is_main else None
         held = [None] * self.d.world_size
         # Sync point: which snapshot steps each rank holds in memory (the replica's with the run that made
         # them), its node and that node's peer store, and rank 0's run and newest committed step.
         dist.all_gather_object(held, (self.snapshot_step, self.replica.offers(state), self.run_id, newest,
                                       _node_index(), os.environ.get(PEER_ENV)))
+        self._report_rejected()   # the newest snapshot's read-back, and the one before it when offered
         self.run_id, committed = held[0][2], held[0][3]
         tag = self._replica_run
         own = [({h[0]} | {s for s, run in h[1] if run == tag}) - {None} for h in held]

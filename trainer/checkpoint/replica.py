@@ -365,18 +365,21 @@ class MemorySnapshots:
     def read_back(self, state: dict) -> None:
         """A snapshot left by an earlier process or attempt: read it back against the live ``state``'s structure,
         and verified: one whose bytes failed their checksums is forgotten (``rejected``)."""
-        if self.step is None:
-            return
-        try:
-            if self.snapshot is None:
-                loaded = self.node.load(state)
-                self.step, self.slot, self.snapshot = loaded or (None, self.slot, None)
-            else:   # this process's own (an in-process restart): verified where it lies
-                verify_state(self.snapshot, self.checksums, f"memory snapshot of step {self.step}")
-        except ChecksumMismatch as e:
-            self.rejected.append((self.step, str(e)))
-            self.node.demote()   # the one before it, if any, is the newest now (verified when offered)
-            self.step, self.snapshot = None, None
+        while self.step is not None:
+            try:
+                if self.snapshot is None:
+                    loaded = self.node.load(state)
+                    self.step, self.slot, self.snapshot = loaded or (None, self.slot, None)
+                else:   # this process's own (an in-process restart): verified where it lies
+                    verify_state(self.snapshot, self.checksums, f"memory snapshot of step {self.step}")
+                return
+            except ChecksumMismatch as e:
+                self.rejected.append((self.step, str(e)))
+                # The one before it, if any, is the newest now: read back in turn.
+                self.node.demote()
+                marker = self.node.marked()
+                self.step, self.snapshot = (marker["step"], None) if marker else (None, None)
+                self.run = marker.get("run") if marker else None
 
     def unmap(self) -> None:
         """Forget this attempt's mappings (a new process group needs new ones); the marker still names the
