@@ -334,3 +334,15 @@ def test_a_peer_daemon_without_the_jobs_secret_does_not_start(tmp_path, monkeypa
     out = subprocess.run([sys.executable, "-m", "trainer.peer", "--listen-fd", "0", "--replica-dir", str(tmp_path)],
                          capture_output=True, text=True, timeout=120)
     assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("python -m trainer.peer: GOODPUT")
+
+
+def test_a_multi_node_peer_run_without_a_secret_stops_before_anything_starts(tmp_path, monkeypatch, capfd):
+    from trainer.warmstart import run_with_zygote
+
+    monkeypatch.delenv(peer.SECRET_ENV, raising=False)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29500",
+               "-m", "trainer", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "data")]
+    assert run_with_zygote(command) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warm start: GOODPUT_PEER_SECRET must hold")
+    assert not (tmp_path / "run").exists()
