@@ -13,6 +13,7 @@ import json
 import os
 import pickle
 import random
+import shutil
 import socket
 import subprocess
 import sys
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from tests.conftest import until
+from tests.s3_stand_in import CREDENTIALS, MotoS3
 from trainer import peer
 from trainer.checkpoint import CheckpointManager, step_dir
 from trainer.checkpoint.integrity import ChecksumMismatch, state_digests, verify_files
@@ -188,6 +190,15 @@ def test_every_item_of_a_committed_checkpoint_is_verified_from_its_files(tmp_pat
     assert {"model.w@0,0", "optim.step@", "train.step", "train.betas"} <= set(sums)
 
 
+@pytest.fixture
+def s3(monkeypatch):
+    """moto on loopback, its credentials in the environment."""
+    for k, v in {**CREDENTIALS, "AWS_EC2_METADATA_DISABLED": "true", "NO_PROXY": "127.0.0.1"}.items():
+        monkeypatch.setenv(k, v)
+    with MotoS3() as server:
+        yield server
+
+
 # ---- peer copies ----------------------------------------------------------------------------------------
 
 @pytest.fixture
@@ -346,3 +357,39 @@ def test_a_multi_node_peer_run_without_a_secret_stops_before_anything_starts(tmp
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warm start: GOODPUT_PEER_SECRET must hold")
     assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_corrupted_in_the_s3_mirror_is_refused_after_its_download(tmp_path, process_group, s3):
+    """FSx lost, the mirror's copy of the newest checkpoint corrupted: fetched through the same restore path, it
+    fails its checksums and is not loaded (the run stops naming it rather than starting over)."""
+    from dataclasses import replace
+
+    from trainer.mirror import CheckpointMirror
+
+    s3.client().create_bucket(Bucket="ckpt")
+    cfg = replace(CheckpointConfig(memory_dir=str(tmp_path / "shm"), sync=True), mirror="s3://ckpt/runs/a",
+                  mirror_endpoint_url=s3.url)
+    mgr = _manager(tmp_path, process_group, sync=True)
+    try:
+        _save(mgr, 2)
+    finally:
+        mgr.close()
+    mirror = CheckpointMirror(tmp_path / "ckpt", cfg, EventLog(tmp_path / "events.jsonl", 0))
+    mirror.enqueue(2, json.loads((step_dir(tmp_path / "ckpt", 2) / "COMMITTED").read_text())["committed_at"])
+    mirror.drain(120)
+    mirror.close(0)
+    key = f"runs/a/checkpoints/{step_dir(tmp_path / 'ckpt', 2).name}/__0_0.distcp"
+    data = bytearray(s3.client().get_object(Bucket="ckpt", Key=key)["Body"].read())
+    start = bytes(data).index(_state(2)["model"]["w"].view(torch.uint8).numpy().tobytes()[:64])
+    data[start + random.Random(3).randrange(W_BYTES)] ^= 0xFF
+    s3.client().put_object(Bucket="ckpt", Key=key, Body=bytes(data))
+    shutil.rmtree(tmp_path / "ckpt")
+    mgr = CheckpointManager(tmp_path / "ckpt", cfg, process_group, EventLog(tmp_path / "events.jsonl", 0))
+    try:
+        with pytest.raises(RuntimeError, match=r"steps \[2\] failed their checksums"):
+            mgr.restore(_zeros())
+    finally:
+        mgr.close()
+    events = read_events(tmp_path / "events.jsonl")
+    assert {e["step"] for e in events if e["event"] == "resumed_from_mirror"} == {2}
+    assert {(e["source"], e["step"]) for e in _mismatches(tmp_path)} == {("checkpoint", 2)}

@@ -312,7 +312,7 @@ class CheckpointManager:
         rejected = []
         while True:
             step = self._newest_committed()
-            if step is None:
+            if step is None or step in rejected:   # the S3 mirror's copy of a step refused here: as corrupt
                 if rejected:
                     raise RuntimeError(f"no committed checkpoint holds the bytes that were staged (steps {rejected} "
                                        f"failed their checksums; see the checksum_mismatch events): refusing to "
