@@ -393,3 +393,24 @@ def test_a_checkpoint_corrupted_in_the_s3_mirror_is_refused_after_its_download(t
     events = read_events(tmp_path / "events.jsonl")
     assert {e["step"] for e in events if e["event"] == "resumed_from_mirror"} == {2}
     assert {(e["source"], e["step"]) for e in _mismatches(tmp_path)} == {("checkpoint", 2)}
+
+
+def test_a_checkpoint_owed_to_a_cold_writer_is_not_written_from_a_copy_that_changed(tmp_path, process_group):
+    """The copy a checkpoint owed to a booting writer is written from must still be the one taken at its step:
+    had anything copied into its slot since, the checkpoint would hold another step's state under this one's
+    name, with checksums that match (they are taken of the staging copy)."""
+    mgr = _manager(tmp_path, process_group, sync=True)
+    try:
+        whole = mgr.snapshot_to_memory(4, _state(4), keep=True)
+        mgr.finish_snapshot()
+        assert mgr.save_owed(4, whole)
+        verify_files(step_dir(tmp_path / "ckpt", 4))
+        mgr.release(whole)
+        changed = mgr.snapshot_to_memory(6, _state(6), keep=True)
+        mgr.finish_snapshot()
+        changed["model"]["w"].add_(1.0)        # what a copy of a later step into its slot would do
+        assert not mgr.save_owed(6, changed)
+        assert not step_dir(tmp_path / "ckpt", 6).exists()
+    finally:
+        mgr.close()
+    assert [(e["source"], e["step"]) for e in _mismatches(tmp_path)] == [("owed copy", 6)]

@@ -413,6 +413,22 @@ class CheckpointManager:
             self.wait()
             self._snapshot_taken(step, time.monotonic() - t0, sync=True, interval=False)
 
+    def save_owed(self, step: int, copy: dict) -> bool:
+        """Checkpoint ``copy`` (a memory copy kept for it by ``snapshot_to_memory(keep=True)``) as step ``step``,
+        if every rank's copy still holds the bytes it was copied with; else write nothing (a ``checksum_mismatch``
+        event on the rank whose copy changed) and return False. Collective."""
+        try:
+            self.replica.verify_kept(copy)
+            ok = 1.0
+        except ChecksumMismatch as e:
+            self.checksum_mismatch("owed copy", step, str(e))
+            ok = 0.0
+        flag = torch.tensor([ok], device=self.d.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)   # sync point: every rank writes it, or none
+        if flag.item() > 0:
+            self.save(step, copy)
+        return flag.item() > 0
+
     def _writer_cold(self) -> bool:
         """Whether some rank's writer is not started, or still booting with no write queued (collective).
 

@@ -304,7 +304,8 @@ class MemorySnapshots:
         self.checksums: list[str] | None = None   # of this process's newest snapshot (``completed``)
         # Slots whose copy is a checkpoint owed to a cold writer (``stage(keep=True)``), until ``release``:
         # slot -> (step, snapshot, run), the step and run once the copy is complete.
-        self.kept: dict[int, tuple[int | None, dict, str | None]] = {}
+        # slot -> (step, snapshot, run, checksums), the step, run and checksums once the copy is complete.
+        self.kept: dict[int, tuple[int | None, dict, str | None, list[str] | None]] = {}
         # (step, why) of snapshots on the node whose bytes failed their checksums: not offered (the manager
         # reports them).
         self.rejected: list[tuple[int, str]] = []
@@ -319,14 +320,20 @@ class MemorySnapshots:
                 raise RuntimeError("both memory snapshot slots hold owed checkpoints: none is free for a copy")
             slot = self.slot
             self.node.demote()
-            self.step, self.snapshot, self.run = self.kept[1 - slot]
+            self.step, self.snapshot, self.run, self.checksums = self.kept[1 - slot]
             self.slot = 1 - slot
         self.node.overwriting(slot)
         self.buffers[slot], snapshot, pairs = staged_into(state, self.buffers[slot],
                                                           lambda s: self.node.buffer(s, slot))
         if keep:
-            self.kept[slot] = (None, snapshot, None)
+            self.kept[slot] = (None, snapshot, None, None)
         return slot, snapshot, pairs
+
+    def verify_kept(self, snapshot: dict) -> None:
+        """A kept copy (a checkpoint owed to a cold writer) still holds the bytes it was copied with: nothing wrote
+        into its slot since. Raises ``ChecksumMismatch``."""
+        step, _, _, checksums = next(k for k in self.kept.values() if k[1] is snapshot)
+        verify_state(snapshot, checksums, f"the memory copy of step {step} owed to the writer")
 
     def release(self, snapshot: dict) -> None:
         """``snapshot``'s slot is no longer kept (its checkpoint was written or superseded)."""
@@ -340,7 +347,7 @@ class MemorySnapshots:
         self.snapshot, self.step, self.slot, self.run, self.copy_s = snapshot, step, slot, run, copy_s
         self.checksums = checksums
         if slot in self.kept:
-            self.kept[slot] = (step, snapshot, run)
+            self.kept[slot] = (step, snapshot, run, checksums)
 
     def offers(self, state: dict) -> list[tuple[int, str | None]]:
         """(step, run) of the snapshots on the node that a restore of ``state`` could read back: the newest
