@@ -15,8 +15,9 @@ the last step; absent on CPU and GPUs of unknown peak), ``goodput_checkpoint_blo
 ``trainer.straggler``): ``goodput_straggler_score{rank,kind}`` (each rank's NVRx GPU score at the last
 report, 0..1, ``kind`` relative or individual). Per run (global rank 0, from ``events.jsonl`` at scrape time, so the
 numbers span every attempt and survive restarts of the process): ``goodput_ratio`` (productive step time /
-wall time so far, ``trainer.goodput.account``), ``goodput_restarts{layer}``, ``goodput_lost_steps`` and
-``goodput_last_committed_step``.
+wall time so far, ``trainer.goodput.account``), ``goodput_restarts{layer}``, ``goodput_lost_steps``,
+``goodput_last_committed_step`` and ``goodput_integrity_refusals{kind}`` (copies of the state that failed their
+checksums, peer messages refused).
 
 Data starvation (the seed lesson: GPU utilisation swinging between 100% and 5%): the loop's batch source
 is timed; when waiting for batches takes ``--data-wait-warn`` or more of the step time over a window of
