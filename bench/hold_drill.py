@@ -130,8 +130,10 @@ def _worker(args) -> tuple[int, list]:
     done = 0
     for r in range(rounds):
         with tempfile.TemporaryDirectory(prefix="hold-drill-") as tmp:
-            found += [(seed, r, *b) for b in _round(Path(tmp), hold, steps_between + (r % 3))]
+            bad = [(seed, r, *b) for b in _round(Path(tmp), hold, steps_between + (r % 3))]
+        found += bad
         done += 1
+        print(f"proc {seed} round {r}: {len(bad)} mismatches", flush=True)   # counts survive a cut-off run
     dist.destroy_process_group()
     return done, found
 
