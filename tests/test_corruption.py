@@ -414,3 +414,16 @@ def test_a_checkpoint_owed_to_a_cold_writer_is_not_written_from_a_copy_that_chan
     finally:
         mgr.close()
     assert [(e["source"], e["step"]) for e in _mismatches(tmp_path)] == [("owed copy", 6)]
+
+
+def test_refused_copies_and_peer_messages_are_counted_in_the_run_metrics(tmp_path):
+    from trainer.metrics import RunCollector
+
+    events = EventLog(tmp_path / "events.jsonl", 0)
+    events.emit("run_start")
+    events.emit("step", step=1, step_s=0.1)
+    for source in ("checkpoint", "memory"):
+        events.emit("checksum_mismatch", source=source, step=1, rank=0, reason="x")
+    events.emit("peer_refused", role="store", peer="10.0.0.9", reason="forged")
+    values = RunCollector(tmp_path / "events.jsonl", refresh_s=0).values()
+    assert values["goodput_integrity_refusals"] == {"checksum_mismatch": 2, "peer_refused": 1}
