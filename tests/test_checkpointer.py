@@ -40,6 +40,10 @@ class RecordingManager:
         source = state if isinstance(state, dict) else "live"
         self.calls.append(("save", step, source, blocking))
 
+    def save_owed(self, step, copy):
+        self.save(step, copy)   # its copy verified (tests/test_corruption.py checks the refusal)
+        return True
+
     def finish_snapshot(self, report=True):
         return 0.0
 

@@ -10,8 +10,9 @@ import pytest
 import torch
 
 from trainer import peer
-from trainer.peer import PeerSender, PeerStore, holder_of, peer_steps, restore_from_peer
+from trainer.checkpoint.integrity import state_digests
 from trainer.checkpoint.replica import NodeReplica
+from trainer.peer import PeerSender, PeerStore, holder_of, peer_steps, restore_from_peer
 
 from tests.conftest import until
 
@@ -27,7 +28,7 @@ def snapshot(replica: NodeReplica, step: int) -> None:
     buf = replica.buffer(_state(step), slot)
     for k, t in _state(step)["model"].items():
         buf["model"][k].copy_(t)
-    replica.mark(step, slot, {**buf, "step": step}, run="r1")
+    replica.mark(step, slot, {**buf, "step": step}, run="r1", checksums=state_digests(buf))
 
 
 def restored_step(directory, rank: int) -> int | None:
@@ -38,6 +39,13 @@ def restored_step(directory, rank: int) -> int | None:
     step, _, state = loaded
     assert torch.equal(state["model"]["w"], torch.full((64, 64), float(step))) and state["step"] == step
     return step
+
+
+@pytest.fixture(autouse=True)
+def job_secret(monkeypatch):
+    """The job's peer secret and identity, as the launcher gives them to every rank and daemon."""
+    monkeypatch.setenv(peer.SECRET_ENV, "ab" * 32)
+    monkeypatch.setenv(peer.JOB_ENV, "job-1")
 
 
 @pytest.fixture
@@ -82,14 +90,14 @@ def test_a_copy_torn_at_the_source_is_dropped(tmp_path, store, monkeypatch):
     snapshot(replica, 4)
     real_stream = peer._stream
 
-    def stream_then_trainer_moves_on(sock, f, size):
-        digest = real_stream(sock, f, size)
+    def stream_then_trainer_moves_on(sock, f, size, h=None):
+        digest = real_stream(sock, f, size, h)
         snapshot(replica, 5)           # marker replaced mid-read: slot 0 (step 4) may be being overwritten
         return digest
 
     monkeypatch.setattr(peer, "_stream", stream_then_trainer_moves_on)
     assert sender.send_once() == []
-    monkeypatch.undo()
+    monkeypatch.setattr(peer, "_stream", real_stream)
     assert peer_steps(store.address, 0) == {0: [3]}
     assert sender.send_once() == [(0, 5)]          # the next round ships the newer, whole one
     assert restore_from_peer(store.address, 0, [0], tmp_path / "new") == 5
@@ -107,8 +115,8 @@ def test_a_sender_killed_mid_copy_leaves_the_holders_older_copies_whole(tmp_path
     raw = replica.marker_path.read_bytes()
     data = replica._slot_path(replica.marked()["slot"]).read_bytes()
     with socket.create_connection(store.address, timeout=5) as sock:
-        peer._send_json(sock, {"op": "put", "node": 0, "rank": 0, "step": 3, "size": len(data),
-                               "marker_len": len(raw)})
+        peer._send_json(sock, peer.Auth.from_env().seal({"op": "put", "node": 0, "rank": 0, "step": 3,
+                                                         "size": len(data), "marker_len": len(raw)}))
         sock.sendall(raw + data[:len(data) // 2])
     # The slot it was overwriting (step 1's) is struck from the index; step 2's is whole and restorable.
     assert until(lambda: peer_steps(store.address, 0) == {0: [2]}, 10)
@@ -123,7 +131,7 @@ def test_a_holder_that_dies_or_stalls_mid_copy_costs_that_copy_not_a_hang(tmp_pa
     replica = NodeReplica(src, 0)
     replica_size = 64 << 20      # larger than the socket buffers, so a holder that stops reading blocks the send
     buf = replica.buffer({"x": torch.zeros(replica_size // 4)}, 0)
-    replica.mark(1, 0, buf, run="r1")
+    replica.mark(1, 0, buf, run="r1", checksums=state_digests(buf))
     stalled = socket.create_server(("127.0.0.1", 0))
     address = stalled.getsockname()
     accepted: list[socket.socket] = []

@@ -22,6 +22,7 @@ import torch.distributed.checkpoint as dcp
 from tests.conftest import until
 from trainer.checkpoint import CheckpointManager, committed_steps, step_dir
 from trainer.checkpoint import writer as writer_module
+from trainer.checkpoint.integrity import verify_files
 from trainer.config import CheckpointConfig
 from trainer.events import EventLog, read_events
 
@@ -84,6 +85,7 @@ def test_a_save_during_the_boot_is_handed_over_once_when_the_writer_is_warm(tmp_
         assert queue.call_idx == 1 and mgr.writer.writes_done == 1
         assert committed_steps(mgr.root) == [4]
         assert torch.equal(_saved(mgr.root, 4)["model"]["w"], _state(4)["model"]["w"])
+        verify_files(step_dir(mgr.root, 4))   # every item holds the bytes staged when the save was taken
     handed = [e for e in read_events(tmp_path / "e") if e["event"] == "ckpt_handed_over"]
     assert len(handed) == 1 and handed[0]["booted"] and handed[0]["deferred_s"] > 0
 
@@ -119,4 +121,6 @@ def test_a_save_held_during_the_boot_is_written_at_exit(tmp_path, process_group,
             assert committed_steps(mgr.root) == [4, 6]
             assert torch.equal(_saved(mgr.root, 6)["model"]["w"], _state(6)["model"]["w"])
         assert torch.equal(_saved(mgr.root, 4)["model"]["w"], _state(4)["model"]["w"])
+        for step in committed_steps(mgr.root):
+            verify_files(step_dir(mgr.root, step))
         assert mgr.writer.queue.call_idx == (1 if then == "wait" else 2) and mgr.writes_in_flight == 0

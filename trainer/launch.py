@@ -17,6 +17,7 @@ import os
 import shutil
 import signal
 import socket
+import secrets
 import subprocess
 import sys
 import tempfile
@@ -27,6 +28,7 @@ from pathlib import Path
 from . import compat
 from .config import parse_config
 from .data import default_dataset_dir, ensure_default_dataset
+from .peer import SECRET_ENV as PEER_SECRET_ENV
 from .signals import STOP_SIGNALS, parent_death_preexec
 from .warmstart import STOPPED_S, process_state, wait_unless_stopped
 
@@ -421,6 +423,9 @@ class LocalCluster:
         # from the same ranks on one node.
         ranks = n * compat.count(launch.nproc_per_node, "nproc_per_node")
         self.env.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // ranks)))
+        # The run's peer secret (every node's daemon and ranks authenticate their messages with it): one per run
+        # unless the caller gave one.
+        self.env.setdefault(PEER_SECRET_ENV, secrets.token_hex(32))
         # Named after the run, so a run killed whole (SIGKILL leaves the node directories: each node's janitor
         # removes only the snapshots in it) leaves nothing the next one does not reuse; emptied at the start:
         # new nodes, empty memory.

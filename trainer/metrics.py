@@ -16,7 +16,8 @@ the last step; absent on CPU and GPUs of unknown peak), ``goodput_checkpoint_blo
 report, 0..1, ``kind`` relative or individual). Per run (global rank 0, from ``events.jsonl`` at scrape time, so the
 numbers span every attempt and survive restarts of the process): ``goodput_ratio`` (productive step time /
 wall time so far, ``trainer.goodput.account``), ``goodput_restarts{layer}``, ``goodput_lost_steps``,
-``goodput_last_committed_step`` and, with an S3 mirror, ``goodput_mirror_errors{phase}`` (its failures so far:
+``goodput_last_committed_step``, ``goodput_integrity_refusals{kind}`` (copies of the state that failed their
+checksums, peer messages refused) and, with an S3 mirror, ``goodput_mirror_errors{phase}`` (its failures so far:
 client, thread, upload, retention, download; ``trainer.mirror``).
 
 Data starvation (the seed lesson: GPU utilisation swinging between 100% and 5%): the loop's batch source
@@ -52,7 +53,9 @@ PROCESS_SERIES = ("goodput_step", "goodput_steps_total", "goodput_step_seconds",
                   "goodput_data_wait_ratio", "goodput_data_starved_windows_total", "goodput_rank_info")
 STRAGGLER_SERIES = ("goodput_straggler_score",)   # rank 0, once a straggler report came (GPU only)
 RUN_SERIES = ("goodput_ratio", "goodput_restarts", "goodput_lost_steps", "goodput_last_committed_step",
-              "goodput_mirror_errors")
+              "goodput_integrity_refusals", "goodput_mirror_errors")
+# Events of copies of the state or peer messages that were refused (trainer.checkpoint.integrity, trainer.peer).
+INTEGRITY_EVENTS = ("checksum_mismatch", "peer_refused")
 
 
 class DataWaitMonitor:
@@ -127,6 +130,8 @@ class RunCollector:
             "goodput_restarts": {layer: acc[f"restarts_{layer}"] for layer in RESTART_LAYERS},
             "goodput_lost_steps": acc["lost_steps"],
             "goodput_last_committed_step": max(committed) if committed else -1,
+            "goodput_integrity_refusals": {kind: sum(e.get("event") == kind for e in self._events)
+                                           for kind in INTEGRITY_EVENTS},
         }
         mirror = mirror_stats(self._events)
         if self._values and mirror is not None:
@@ -154,6 +159,12 @@ class RunCollector:
                                 value=v["goodput_lost_steps"])
         yield GaugeMetricFamily("goodput_last_committed_step", "step of the newest committed checkpoint "
                                 "(-1 = none yet)", value=v["goodput_last_committed_step"])
+        refusals = GaugeMetricFamily("goodput_integrity_refusals", "copies of the state that failed their "
+                                     "checksums (checksum_mismatch) and peer messages refused (peer_refused), so far",
+                                     labels=["kind"])
+        for kind, n in v["goodput_integrity_refusals"].items():
+            refusals.add_metric([kind], n)
+        yield refusals
         if "goodput_mirror_errors" in v:
             from .mirror import ERROR_PHASES
 

@@ -43,6 +43,8 @@ from typing import Callable
 
 from .layout import replica_dir
 from .peer import ENV as PEER_ENV
+from .peer import JOB_ENV as PEER_JOB_ENV
+from .peer import secret_from_env
 from .peer import start_daemon as peer_daemon
 from .signals import STOPPED_S, parent_death_preexec
 
@@ -76,18 +78,29 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
     With more than one node and memory snapshots on, it also runs the node's peer daemon (``trainer.peer``).
     A rank's ``fatal`` event (an error no restart changes) stops the launcher: exit status 2.
     """
+    cfg = _trainer_config(command)
+    wants_peer = (cfg is not None and cfg.checkpoint.peer_snapshots and cfg.checkpoint.memory_every_s > 0
+                  and _multinode(command))
+    if wants_peer:
+        try:   # before anything starts: peer snapshots never run unauthenticated
+            secret_from_env()
+        except ValueError as e:
+            print(f"warm start: {e}", file=sys.stderr)
+            return 2
     workdir = tempfile.mkdtemp(prefix="goodput-warmstart-")
     path = os.path.join(workdir, "zygote.sock")
-    cfg = _trainer_config(command)
     replicas = [str(replica_dir(Path(cfg.checkpoint.memory_dir), Path(cfg.run.out) / "checkpoints"))] if cfg else []
     fatal = _FatalWatch(Path(cfg.run.out) / "events.jsonl" if cfg else None)
     # The node's peer daemon (trainer/peer.py): keeps the ring predecessor's memory snapshots, ships this
     # node's; a child of this process, so it outlives in-job restarts and dies with the node.
     peer = peer_env = None
-    if cfg is not None and cfg.checkpoint.peer_snapshots and cfg.checkpoint.memory_every_s > 0 and _multinode(command):
+    if wants_peer:
+        # The job's identity in every peer message: the rendezvous id its nodes share.
+        job = {PEER_JOB_ENV: os.environ.get(PEER_JOB_ENV) or _flag(_split(command)[0], "--rdzv-id") or "none"}
         try:
-            peer, address = peer_daemon(Path(replicas[0]), _peer_host(command))
-            peer_env = {PEER_ENV: address}
+            peer, address = peer_daemon(Path(replicas[0]), _peer_host(command), env={**os.environ, **job},
+                                        events=Path(cfg.run.out) / "events.jsonl")
+            peer_env = {PEER_ENV: address, **job}
         except OSError as e:     # no address to listen on or to give: a node loss then resumes from FSx
             print(f"warm start: no peer memory snapshots on this node: {e}", file=sys.stderr)
     # Bound and listening before the zygote has finished importing: workers that connect early queue in

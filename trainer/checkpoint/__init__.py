@@ -3,6 +3,7 @@
 Layout under ``<out>/checkpoints/``::
 
     step_000000100/   __<rank>_<i>.distcp   shards (written and fsynced by each rank's NVRx worker)
+                      .rank<r>.sums          rank r's checksums of the items it staged (integrity)
                       .rank<r>.done          rank r's write results, written when its worker finished
                       .metadata              DCP metadata (rank 0, once every rank is done)
                       COMMITTED              JSON marker, written last through a rename
@@ -19,6 +20,7 @@ The package, one concern a module:
     writer        NVRx's writer process and its helpers: start, watch, end with the rank
     staging       the staging copy a save writes from, its kept DCP plan, the background copy
     replica       memory snapshots in node-local shared memory (they survive the rank)
+    integrity     checksums of every copy as staged, verified before any restore uses it
 
 and ``trainer.mirror``, the S3 mirror of committed checkpoints.
 """

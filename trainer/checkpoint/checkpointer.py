@@ -149,7 +149,7 @@ class Checkpointer(StepHook):
         elif self.owed and not (self.writers_busy and self.writers_cold):
             owed_step, copy = self.owed[0]
             with self.guard.saving():
-                m.save(owed_step, copy)
+                m.save_owed(owed_step, copy)
             self._release_owed(1)
         elif self.to_memory:
             with self.guard.atomic():
@@ -168,8 +168,8 @@ class Checkpointer(StepHook):
     def _save_owed(self, guard: Callable[[], contextlib.AbstractContextManager]) -> None:
         for step, copy in self.owed:   # due before the end: taken from their copies in memory
             with guard():
-                self.manager.save(step, copy)
-                self.manager.finish_snapshot()
+                if self.manager.save_owed(step, copy):
+                    self.manager.finish_snapshot()
         self._release_owed()
 
     def save_on_stop(self, step: int) -> None:

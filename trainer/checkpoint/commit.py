@@ -23,6 +23,7 @@ from ..events import EventLog
 from ..layout import COMMITTED, committed_steps, fsync_dir, step_dir, step_of, write_atomic
 from ..mirror import CheckpointMirror
 from ..parallel import Dist
+from .integrity import marker_fields
 
 log = logging.getLogger(__name__)
 
@@ -67,9 +68,15 @@ class Commits:
     def add(self, p: Pending) -> None:
         self.pending.append(p)
 
-    def record_done(self, step: int, results: Any) -> None:
-        """This rank's part of ``step`` is on disk: its write results, durably."""
+    def record_done(self, step: int, results: Any, checksums: dict[str, str]) -> None:
+        """This rank's part of ``step`` is on disk: the checksums of what it staged, then its write results,
+        durably (the done file is what the commit waits for)."""
+        self.record_checksums(step, checksums)
         write_atomic(step_dir(self.root, step) / f".rank{self.d.rank}.done", pickle.dumps(results))
+
+    def record_checksums(self, step: int, checksums: dict[str, str]) -> None:
+        """This rank's checksums of the items it wrote for ``step`` (``integrity.planned_digests``)."""
+        write_atomic(step_dir(self.root, step) / f".rank{self.d.rank}.sums", json.dumps(checksums).encode())
 
     def maybe_commit(self) -> None:
         """Rank 0: commit every pending step whose parts are all done; other ranks forget their done steps."""
@@ -93,8 +100,12 @@ class Commits:
         path = step_dir(self.root, p.step)
         if results is not None:
             p.writer.finish(p.metadata, results)   # writes .metadata (tmp + rename, fsynced)
+        checksums: dict[str, str] = {}
+        for r in range(self.d.world_size):
+            checksums.update(json.loads((path / f".rank{r}.sums").read_text()))
         marker = {"step": p.step, "world_size": self.d.world_size, "committed_at": time.time(),
-                  "files": sorted(f.name for f in path.iterdir() if not f.name.startswith(".rank"))}
+                  "files": sorted(f.name for f in path.iterdir() if not f.name.startswith(".rank")),
+                  **marker_fields(checksums)}
         write_atomic(path / COMMITTED, json.dumps(marker).encode())
         self.events.emit("ckpt_committed", step=p.step, commit_s=round(time.monotonic() - p.started, 4))
         if self.mirror is not None:

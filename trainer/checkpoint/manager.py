@@ -32,6 +32,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from .. import compat
 from ..config import CheckpointConfig
@@ -40,9 +41,10 @@ from ..layout import peer_file, read_marker, replica_dir, step_dir, write_atomic
 from ..mirror import CheckpointMirror, maybe_fetch_from_mirror
 from ..parallel import Dist
 from ..peer import ENV as PEER_ENV
-from ..peer import holder_of, parse_address, peer_steps, restore_from_peer
+from ..peer import PeerRefused, holder_of, parse_address, peer_steps, restore_from_peer
 from ..peer import wake as wake_peer_daemon
-from .commit import Commits, Pending
+from .commit import Commits, Pending, delete_checkpoint
+from .integrity import ChecksumMismatch, planned_digests, state_digests, verify_files, verify_planned
 from .replica import MemorySnapshots
 from .staging import Copier, Staging
 from .writer import Writer
@@ -72,6 +74,7 @@ class _Snapshot:
     blocked_s: float        # how long the call that started it held the caller
     phases: dict
     slot: int = 0           # a memory snapshot's replica slot
+    sums: Future | None = None   # the checksums of the copy, taken once it is whole (integrity)
 
 
 class CheckpointManager:
@@ -104,6 +107,7 @@ class CheckpointManager:
         # The staging copy's snapshot, while it holds the last save's state (in-process restarts resume from it).
         self.snapshot: dict | None = None
         self.snapshot_step: int | None = None
+        self.snapshot_sums: Future | None = None   # its checksums (planned_digests)
         self.copying: _Snapshot | None = None
         # Called with the blocking seconds of every interval save (the interval policy, the metrics).
         self.on_snapshot: Callable[[float], None] | None = None
@@ -153,6 +157,7 @@ class CheckpointManager:
         every rank.
         """
         self.finish_snapshot()   # a fault can come while a snapshot is copied: the copy still completes
+        self._verify_staging_snapshot()
         self.replica.read_back(state)
         newest = self.commits.newest() if self.d.is_main else None
         held = [None] * self.d.world_size
@@ -160,6 +165,7 @@ class CheckpointManager:
         # them), its node and that node's peer store, and rank 0's run and newest committed step.
         dist.all_gather_object(held, (self.snapshot_step, self.replica.offers(state), self.run_id, newest,
                                       _node_index(), os.environ.get(PEER_ENV)))
+        self._report_rejected()   # the newest snapshot's read-back, and the one before it when offered
         self.run_id, committed = held[0][2], held[0][3]
         tag = self._replica_run
         own = [({h[0]} | {s for s, run in h[1] if run == tag}) - {None} for h in held]
@@ -210,6 +216,8 @@ class CheckpointManager:
         if wanted - mine:
             try:
                 copies = set(peer_steps(holder, node, run=tag).get(self.d.rank, ())) & wanted
+            except PeerRefused as e:
+                self.peer_refused(holder, str(e))
             except (OSError, ValueError, KeyError) as e:   # a holder gone or silent: no copies, not a hang
                 log.warning("rank %d: the holder of node %d's memory snapshots (%s:%d) did not answer: %s",
                             self.d.rank, node, *holder, e)
@@ -243,10 +251,15 @@ class CheckpointManager:
         has it; return whether every rank has it now (collective)."""
         ok = True
         if step not in mine:
-            got = restore_from_peer(holder, _node_index(), [self.d.rank], self.replica.node.dir,
-                                    among={step}, run=tag)
+            try:
+                got = restore_from_peer(holder, _node_index(), [self.d.rank], self.replica.node.dir,
+                                        among={step}, run=tag)
+            except PeerRefused as e:
+                self.peer_refused(holder, str(e))
+                got = None
             self.replica = MemorySnapshots(self.replica.node.dir, self.d.rank, pin=self.replica.node.pin)
             self.replica.read_back(state)
+            self._report_rejected(source="peer")
             ok = got == step and self.replica.step == step and self.replica.run == tag
         flags = [None] * self.d.world_size
         # Sync point: whether every rank could read the chosen step (else all fall back to the checkpoint).
@@ -255,6 +268,32 @@ class CheckpointManager:
             log.warning("restore: ranks %s could not fetch step %d from their holder; falling back to the "
                         "newest committed checkpoint", [r for r, f in enumerate(flags) if not f], step)
         return all(flags)
+
+    def _verify_staging_snapshot(self) -> None:
+        """The staging copy's snapshot (an in-process restart resumes from it) is used only if it still holds
+        the bytes its save staged."""
+        if self.snapshot_step is None:
+            return
+        try:
+            verify_planned(self.staging.planner, self.snapshot_sums.result())
+        except ChecksumMismatch as e:
+            self.checksum_mismatch("staging", self.snapshot_step, str(e))
+            self.snapshot = self.snapshot_step = self.snapshot_sums = None
+
+    def _report_rejected(self, source: str = "memory") -> None:
+        for step, why in self.replica.rejected:
+            self.checksum_mismatch(source, step, why)
+        self.replica.rejected = []
+
+    def peer_refused(self, holder: tuple[str, int], why: str) -> None:
+        """A reply from the holder was not authentic: nothing of it is used."""
+        log.error("rank %d: refused a reply of the peer holder %s:%d: %s", self.d.rank, *holder, why)
+        self.events.emit("peer_refused", role="rank", peer=f"{holder[0]}:{holder[1]}", reason=why[:400])
+
+    def checksum_mismatch(self, source: str, step: int, why: str) -> None:
+        """A copy of ``step`` in ``source`` does not hold the bytes that were staged: it is not used."""
+        log.error("rank %d: the %s copy of step %d is not used: %s", self.d.rank, source, step, why)
+        self.events.emit("checksum_mismatch", source=source, step=step, rank=self.d.rank, reason=why[:400])
 
     def _memory_snapshot(self, step: int, state: dict) -> dict:
         """This rank's snapshot of ``step`` in memory: the staging copy's, the replica's, or the one before."""
@@ -270,6 +309,35 @@ class CheckpointManager:
         Rank 0 picks the step and deletes torn directories first; the choice is broadcast so every rank
         loads the same checkpoint.
         """
+        rejected = []
+        while True:
+            step = self._newest_committed()
+            if step is None or step in rejected:   # the S3 mirror's copy of a step refused here: as corrupt
+                if rejected:
+                    raise RuntimeError(f"no committed checkpoint holds the bytes that were staged (steps {rejected} "
+                                       f"failed their checksums; see the checksum_mismatch events): refusing to "
+                                       f"start over from scratch")
+                return None
+            path = step_dir(self.root, step)
+            if self._verified(path, step):
+                break
+            rejected.append(step)
+            if self.d.is_main:
+                # Un-committed, then deleted: the next round takes the next older one (or the S3 mirror's copy,
+                # fetched when FSx has none left).
+                delete_checkpoint(path)
+            dist.barrier()   # sync point: every rank sees it gone before the next choice
+        written_by = read_marker(path)["world_size"]
+        if written_by != self.d.world_size:
+            self._reshard(state, path, step, written_by)
+        t0 = time.monotonic()
+        dcp.load(state, checkpoint_id=str(path))
+        self.events.emit("ckpt_loaded", step=step, source="checkpoint", load_s=round(time.monotonic() - t0, 4))
+        return step
+
+    def _newest_committed(self) -> int | None:
+        """Rank 0's newest committed checkpoint (fetched from the S3 mirror first when FSx has none), the same on
+        every rank. Collective."""
         if self.cfg.mirror:
             # Collective: with no committed checkpoint on FSx, rank 0 first fetches the newest mirrored one.
             maybe_fetch_from_mirror(self.root, self.cfg, self.d, self.events)
@@ -280,17 +348,23 @@ class CheckpointManager:
             self.commits.delete_torn(older_than=None if not pending else pending[0].step)
         # Sync point: every rank waits for rank 0's choice (and its clean-up of torn directories).
         dist.broadcast_object_list(choice, src=0)
-        step = choice[0]
-        if step is None:
-            return None
-        path = step_dir(self.root, step)
-        written_by = read_marker(path)["world_size"]
-        if written_by != self.d.world_size:
-            self._reshard(state, path, step, written_by)
+        return choice[0]
+
+    def _verified(self, path: Path, step: int) -> bool:
+        """Whether every item of the checkpoint at ``path`` holds the bytes that were staged: each rank reads back
+        and hashes its share of the shard files (the loads that follow read them from the page cache). Collective."""
         t0 = time.monotonic()
-        dcp.load(state, checkpoint_id=str(path))
-        self.events.emit("ckpt_loaded", step=step, source="checkpoint", load_s=round(time.monotonic() - t0, 4))
-        return step
+        try:
+            verify_files(path, share=(self.d.rank, self.d.world_size))
+            ok = True
+        except ChecksumMismatch as e:
+            self.checksum_mismatch("checkpoint", step, str(e))
+            ok = False
+        flags = [None] * self.d.world_size
+        dist.all_gather_object(flags, ok)   # sync point: the checkpoint is used only if every share verified
+        if self.d.is_main and all(flags):
+            self.events.emit("ckpt_verified", step=step, verify_s=round(time.monotonic() - t0, 4))
+        return all(flags)
 
     def _reshard(self, state: dict, path: Path, step: int, written_by: int) -> None:
         """A checkpoint of another world size (an elastic job re-formed with fewer or more nodes): DCP
@@ -320,7 +394,11 @@ class CheckpointManager:
         if self.d.is_main:
             self.events.emit("ckpt_start", step=step)
         if self.cfg.sync or (blocking and self._writer_cold()):
-            dcp.save(state, checkpoint_id=str(path))
+            planner = DefaultSavePlanner()
+            dcp.save(state, checkpoint_id=str(path), planner=planner)
+            # The state has not changed since: the checksums are of the bytes written (before the barrier, for
+            # the commit).
+            self.commits.record_checksums(step, planned_digests(planner))
             if self.on_write_started:
                 self.on_write_started(step)
             # Sync point: every rank's shards are on disk before rank 0 commits.
@@ -334,6 +412,22 @@ class CheckpointManager:
             self.finish_snapshot(report=False)
             self.wait()
             self._snapshot_taken(step, time.monotonic() - t0, sync=True, interval=False)
+
+    def save_owed(self, step: int, copy: dict) -> bool:
+        """Checkpoint ``copy`` (a memory copy kept for it by ``snapshot_to_memory(keep=True)``) as step ``step``,
+        if every rank's copy still holds the bytes it was copied with; else write nothing (a ``checksum_mismatch``
+        event on the rank whose copy changed) and return False. Collective."""
+        try:
+            self.replica.verify_kept(copy)
+            ok = 1.0
+        except ChecksumMismatch as e:
+            self.checksum_mismatch("owed copy", step, str(e))
+            ok = 0.0
+        flag = torch.tensor([ok], device=self.d.device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN)   # sync point: every rank writes it, or none
+        if flag.item() > 0:
+            self.save(step, copy)
+        return flag.item() > 0
 
     def _writer_cold(self) -> bool:
         """Whether some rank's writer is not started, or still booting with no write queued (collective).
@@ -367,7 +461,7 @@ class CheckpointManager:
         t_commit = time.monotonic()
         snapshot, pairs = self.staging.stage(state)
         # The staging copy is about to be overwritten: it no longer holds the previous snapshot.
-        self.snapshot = self.snapshot_step = None
+        self.snapshot = self.snapshot_step = self.snapshot_sums = None
         t_stage = time.monotonic()
         rel = compat.installed_release()
         # Up to 0.6 planning reads the staging tensors' metadata only, so it runs before the copy, which runs on
@@ -385,20 +479,25 @@ class CheckpointManager:
         compat.trust_save_plan(self.staging.plan_cache, metadata)
         t_plan = time.monotonic()
 
+        planner = self.staging.planner
+        sums: Future | None = None
+
         def finalize() -> None:
-            # Runs on this rank once its worker finished: record the write results durably.
-            self.commits.record_done(step, writer.retrieve_write_results())
+            # Runs on this rank once its worker finished: record the checksums and write results durably.
+            self.commits.record_done(step, writer.retrieve_write_results(), sums.result())
             self.writer.written()
 
         request = compat.save_request(writer, [finalize], rel)
         copy = copy or self.copier.start(pairs)
+        sums = self.copier.checksum(copy, lambda: planned_digests(planner))
         now = time.monotonic()
         phases = {"wait_s": t_wait - t0, "commit_s": t_commit - t_wait, "stage_s": t_stage - t_commit,
                   "plan_s": t_plan - t_copy, "start_s": now - t_plan}
         if rel.plan_copies_cpu_tensors:
             phases["copy_before_plan_s"] = t_copy - t_stage
         self.copying = _Snapshot(step, snapshot, copy, request,
-                                 Pending(step, t0, writer if self.d.is_main else None, metadata), now - t0, phases)
+                                 Pending(step, t0, writer if self.d.is_main else None, metadata), now - t0, phases,
+                                 sums=sums)
 
     def finish_snapshot(self, *, report: bool = True) -> float:
         """Wait for the copy ``save`` started and hand the write to NVRx's worker; return the seconds waited.
@@ -412,15 +511,16 @@ class CheckpointManager:
         t0 = time.monotonic()
         copy_s = s.copy.result()
         if s.request is None:   # kept in memory only
+            # Marked with its checksums (taken on the checksum thread once the copy was whole).
+            self.replica.completed(s.step, s.slot, s.state, self._replica_run, copy_s, s.sums.result())
             waited = time.monotonic() - t0
-            self.replica.completed(s.step, s.slot, s.state, self._replica_run, copy_s)
             if self.peer_ring:
                 wake_peer_daemon(self.replica.node.dir)
             if self.d.is_main:
                 self.events.emit("memory_snapshot", step=s.step, block_s=round(s.blocked_s + waited, 4),
                                  copy_s=round(copy_s, 4))
             return waited
-        self.snapshot, self.snapshot_step = s.state, s.step
+        self.snapshot, self.snapshot_step, self.snapshot_sums = s.state, s.step, s.sums
         self.writer.schedule(s.request)
         self.commits.add(s.pending)
         waited = time.monotonic() - t0
@@ -445,7 +545,8 @@ class CheckpointManager:
         state = state() if callable(state) else state
         slot, snapshot, pairs = self.replica.stage(state, keep=keep)   # never a slot a restart may read
         copy = self.copier.start(pairs)
-        self.copying = _Snapshot(step, snapshot, copy, None, None, time.monotonic() - t0, {}, slot)
+        sums = self.copier.checksum(copy, lambda: state_digests(snapshot))
+        self.copying = _Snapshot(step, snapshot, copy, None, None, time.monotonic() - t0, {}, slot, sums)
         return snapshot   # whole once finish_snapshot returned; kept until the next copy but one, or released
 
     def release(self, copy: dict) -> None:

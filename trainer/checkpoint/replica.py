@@ -28,9 +28,9 @@ newest complete snapshot (and of which run), and reading it back after a restart
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
 import os
-import pickle
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from .. import compat
 from ..layout import replica_marker, replica_previous, replica_slot, write_atomic
+from .integrity import ChecksumMismatch, verify_state
 from .staging import staged_into
 
 log = logging.getLogger(__name__)
@@ -47,10 +48,57 @@ _ALIGN = 64
 
 
 class _Leaf:
-    """Stands for the i-th tensor of a snapshot in the pickled marker."""
+    """Stands for the i-th tensor of a snapshot in the marker."""
 
     def __init__(self, index: int):
         self.index = index
+
+
+def encode_values(value: Any) -> Any:
+    """A snapshot's structure and non-tensor values (tensors: ``_Leaf``) as plain JSON data: the marker is read
+    by the node's peer daemon and sent to another node, so it must never need unpickling. Tuples, and dicts
+    whose keys are not all strings, are tagged to come back as they were."""
+    if isinstance(value, _Leaf):
+        return {"__tensor__": value.index}
+    if isinstance(value, dict):
+        if all(isinstance(k, str) for k in value):
+            return {"__dict__": {k: encode_values(v) for k, v in value.items()}}
+        return {"__items__": [[encode_values(k), encode_values(v)] for k, v in value.items()]}
+    if isinstance(value, (list, tuple)):
+        return {"__tuple__" if isinstance(value, tuple) else "__list__": [encode_values(v) for v in value]}
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    raise TypeError(f"a memory snapshot holds only tensors and plain values: {type(value).__name__} is neither")
+
+
+def decode_values(data: Any) -> Any:
+    """``encode_values`` undone (tensors: ``_Leaf``). Raises ValueError on anything it did not write."""
+    if not isinstance(data, dict):
+        if data is None or isinstance(data, (bool, int, float, str)):
+            return data
+        raise ValueError(f"not an encoded value: {type(data).__name__}")
+    (tag, inner), = data.items()
+    if tag == "__tensor__":
+        return _Leaf(int(inner))
+    if tag == "__dict__":
+        return {k: decode_values(v) for k, v in inner.items()}
+    if tag == "__items__":
+        return {decode_values(k): decode_values(v) for k, v in inner}
+    if tag in ("__tuple__", "__list__"):
+        values = [decode_values(v) for v in inner]
+        return tuple(values) if tag == "__tuple__" else values
+    raise ValueError(f"not an encoded value: {tag!r}")
+
+
+def read_marker_file(path: Path) -> dict | None:
+    """A replica marker (plain JSON: step, slot, run, layout, checksums, values), or None when there is none or
+    it is not one."""
+    try:
+        marker = json.loads(path.read_bytes())
+        int(marker["step"]), int(marker["slot"])
+        return marker
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
 
 
 def _tensors(state: Any, out: list) -> list:
@@ -123,11 +171,8 @@ class NodeReplica:
 
     def marked(self, previous: bool = False) -> dict | None:
         """The marker of the newest complete snapshot (``previous``: of the one before it, while its slot is
-        untouched): step, slot, run, layout, values; None if there is none."""
-        try:
-            return pickle.loads((self.previous_path if previous else self.marker_path).read_bytes())
-        except (OSError, EOFError, pickle.UnpicklingError, AttributeError, ImportError):
-            return None
+        untouched): step, slot, run, layout, checksums, values; None if there is none."""
+        return read_marker_file(self.previous_path if previous else self.marker_path)
 
     def overwriting(self, slot: int) -> None:
         """A copy into ``slot`` begins: the previous snapshot's marker, which names it, goes first."""
@@ -164,7 +209,7 @@ class NodeReplica:
         if self.persistent:
             path = self._slot_path(slot)
             try:
-                self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)   # markers are unpickled: ours only
+                self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)   # this node's ranks only
                 fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
                 try:
                     os.ftruncate(fd, size)
@@ -196,29 +241,37 @@ class NodeReplica:
         if flat is not None:
             torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(flat.data_ptr()))
 
-    def mark(self, step: int, slot: int, snapshot: dict, run: str | None) -> None:
-        """Record ``snapshot`` (copied into slot ``slot`` by run ``run``) as the newest complete one."""
+    def mark(self, step: int, slot: int, snapshot: dict, run: str | None, checksums: list[str]) -> None:
+        """Record ``snapshot`` (copied into slot ``slot`` by run ``run``, its tensors' ``checksums``) as the newest
+        complete one."""
         if self.persistent:
             # The snapshot this one supersedes stays usable until a copy into its slot begins: a restore that
             # needs a step some other rank also has (a peer copy lags by its transfer) may find it there.
-            with contextlib.suppress(OSError, EOFError, pickle.UnpicklingError, KeyError, TypeError):
-                old = self.marker_path.read_bytes()
-                if pickle.loads(old)["slot"] != slot:
-                    write_atomic(self.previous_path, old)
-            write_atomic(self.marker_path, pickle.dumps({"step": step, "slot": slot, "run": run,
-                                                         "layout": self.layouts[slot],
-                                                         "values": _strip(snapshot, [0])}))
+            old = read_marker_file(self.marker_path)
+            if old is not None and old["slot"] != slot:
+                with contextlib.suppress(OSError):
+                    write_atomic(self.previous_path, self.marker_path.read_bytes())
+            write_atomic(self.marker_path, json.dumps({"step": step, "slot": slot, "run": run,
+                                                       "layout": self.layouts[slot], "checksums": checksums,
+                                                       "values": encode_values(_strip(snapshot, [0]))}).encode())
 
     def load(self, state: dict, previous: bool = False) -> tuple[int, int, dict] | None:
         """(step, slot, snapshot) of the marked snapshot (``previous``: the one before it), read from its slot
-        and arranged like the live ``state``; None if there is none or its layout is not ``state``'s."""
+        and arranged like the live ``state``; None if there is none or its layout is not ``state``'s. Raises
+        ``ChecksumMismatch`` when the slot does not hold the bytes the marker's checksums were taken of."""
         marker = self.marked(previous)
-        if marker is None or marker["layout"] != _layout(state):
+        if marker is None or [[d, list(s)] for d, s in _layout(state)] != marker["layout"]:
             return None
         # Read once, host to device, on the restart's critical path: page-locking it first would cost more
         # (about 0.5 s per GB) than the pageable copy saves.
         views = self._views(state, marker["slot"], pin=False)
-        return marker["step"], marker["slot"], _rebuild(marker["values"], state, views, [0])
+        try:
+            values = decode_values(marker["values"])
+        except (ValueError, TypeError) as e:
+            raise ChecksumMismatch(f"the marker of step {marker['step']} does not decode: {e}") from e
+        verify_state(views, marker.get("checksums"),
+                     f"memory snapshot of step {marker['step']} (slot {marker['slot']})")
+        return marker["step"], marker["slot"], _rebuild(values, state, views, [0])
 
     def discard(self) -> None:
         """Delete this rank's marker (first: the slots are then never read) and slots."""
@@ -248,9 +301,14 @@ class MemorySnapshots:
         # afresh): it is used only by the run that made it.
         self.run: str | None = marker.get("run") if marker else None
         self.copy_s = 0.0   # how long the last copy took (the interval policy spaces them)
+        self.checksums: list[str] | None = None   # of this process's newest snapshot (``completed``)
         # Slots whose copy is a checkpoint owed to a cold writer (``stage(keep=True)``), until ``release``:
         # slot -> (step, snapshot, run), the step and run once the copy is complete.
-        self.kept: dict[int, tuple[int | None, dict, str | None]] = {}
+        # slot -> (step, snapshot, run, checksums), the step, run and checksums once the copy is complete.
+        self.kept: dict[int, tuple[int | None, dict, str | None, list[str] | None]] = {}
+        # (step, why) of snapshots on the node whose bytes failed their checksums: not offered (the manager
+        # reports them).
+        self.rejected: list[tuple[int, str]] = []
 
     def stage(self, state: dict, *, keep: bool = False) -> tuple[int, dict, list]:
         """(slot, snapshot, pairs) for a copy of ``state`` into the slot that does not hold the newest snapshot,
@@ -262,45 +320,73 @@ class MemorySnapshots:
                 raise RuntimeError("both memory snapshot slots hold owed checkpoints: none is free for a copy")
             slot = self.slot
             self.node.demote()
-            self.step, self.snapshot, self.run = self.kept[1 - slot]
+            self.step, self.snapshot, self.run, self.checksums = self.kept[1 - slot]
             self.slot = 1 - slot
         self.node.overwriting(slot)
         self.buffers[slot], snapshot, pairs = staged_into(state, self.buffers[slot],
                                                           lambda s: self.node.buffer(s, slot))
         if keep:
-            self.kept[slot] = (None, snapshot, None)
+            self.kept[slot] = (None, snapshot, None, None)
         return slot, snapshot, pairs
+
+    def verify_kept(self, snapshot: dict) -> None:
+        """A kept copy (a checkpoint owed to a cold writer) still holds the bytes it was copied with: nothing wrote
+        into its slot since. Raises ``ChecksumMismatch``."""
+        step, _, _, checksums = next(k for k in self.kept.values() if k[1] is snapshot)
+        verify_state(snapshot, checksums, f"the memory copy of step {step} owed to the writer")
 
     def release(self, snapshot: dict) -> None:
         """``snapshot``'s slot is no longer kept (its checkpoint was written or superseded)."""
         self.kept = {slot: k for slot, k in self.kept.items() if k[1] is not snapshot}
 
-    def completed(self, step: int, slot: int, snapshot: dict, run: str | None, copy_s: float) -> None:
-        """The copy into ``slot`` is whole: it is now the newest snapshot (marked on the node)."""
-        self.node.mark(step, slot, snapshot, run)
+    def completed(self, step: int, slot: int, snapshot: dict, run: str | None, copy_s: float,
+                  checksums: list[str]) -> None:
+        """The copy into ``slot`` is whole (its tensors' ``checksums``): it is now the newest snapshot (marked on
+        the node)."""
+        self.node.mark(step, slot, snapshot, run, checksums)
         self.snapshot, self.step, self.slot, self.run, self.copy_s = snapshot, step, slot, run, copy_s
+        self.checksums = checksums
         if slot in self.kept:
-            self.kept[slot] = (step, snapshot, run)
+            self.kept[slot] = (step, snapshot, run, checksums)
 
     def offers(self, state: dict) -> list[tuple[int, str | None]]:
         """(step, run) of the snapshots on the node that a restore of ``state`` could read back: the newest
         (once ``read_back``), and the one before it."""
-        previous = self.node.marked(previous=True)
         offers = [(self.step, self.run)] if self.step is not None else []
-        if offers and previous is not None and previous["layout"] == _layout(state):
+        if offers and self.read_previous(state) is not None:
+            previous = self.node.marked(previous=True)
             offers.append((previous["step"], previous.get("run")))
         return offers
 
     def read_previous(self, state: dict) -> dict | None:
-        """The snapshot before the newest, read back against the live ``state``'s structure (None: gone)."""
-        loaded = self.node.load(state, previous=True)
+        """The snapshot before the newest, read back against the live ``state``'s structure and verified (None:
+        gone, or its bytes failed their checksums)."""
+        try:
+            loaded = self.node.load(state, previous=True)
+        except ChecksumMismatch as e:
+            self.rejected.append((self.node.marked(previous=True)["step"], str(e)))
+            self.node.previous_path.unlink(missing_ok=True)
+            return None
         return loaded[2] if loaded else None
 
     def read_back(self, state: dict) -> None:
-        """A snapshot left by an earlier process or attempt: read it back against the live ``state``'s structure."""
-        if self.step is not None and self.snapshot is None:
-            loaded = self.node.load(state)
-            self.step, self.slot, self.snapshot = loaded or (None, self.slot, None)
+        """A snapshot left by an earlier process or attempt: read it back against the live ``state``'s structure,
+        and verified: one whose bytes failed their checksums is forgotten (``rejected``)."""
+        while self.step is not None:
+            try:
+                if self.snapshot is None:
+                    loaded = self.node.load(state)
+                    self.step, self.slot, self.snapshot = loaded or (None, self.slot, None)
+                else:   # this process's own (an in-process restart): verified where it lies
+                    verify_state(self.snapshot, self.checksums, f"memory snapshot of step {self.step}")
+                return
+            except ChecksumMismatch as e:
+                self.rejected.append((self.step, str(e)))
+                # The one before it, if any, is the newest now: read back in turn.
+                self.node.demote()
+                marker = self.node.marked()
+                self.step, self.snapshot = (marker["step"], None) if marker else (None, None)
+                self.run = marker.get("run") if marker else None
 
     def unmap(self) -> None:
         """Forget this attempt's mappings (a new process group needs new ones); the marker still names the

@@ -139,11 +139,13 @@ class Staging:
 
 
 class Copier:
-    """Copies (live, staging) tensor pairs on a background thread; on CUDA through a side stream."""
+    """Copies (live, staging) tensor pairs on a background thread; on CUDA through a side stream. Checksums
+    the copies on another thread once they are whole."""
 
     def __init__(self, device: torch.device):
         self.device = device
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy")
+        self.hasher = ThreadPoolExecutor(1, thread_name_prefix="ckpt-checksum")
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def start(self, pairs: list) -> Future:
@@ -173,5 +175,15 @@ class Copier:
             self.stream.synchronize()
         return time.monotonic() - t0
 
+    def checksum(self, copy: Future, of: Callable[[], Any]) -> Future:
+        """``of()`` (the copy's checksums) once ``copy`` is whole, on the checksum thread: nothing can change the
+        copy before then, and the copy thread is free for the next one meanwhile."""
+        def run() -> Any:
+            copy.result()
+            return of()
+
+        return self.hasher.submit(run)
+
     def close(self) -> None:
         self.pool.shutdown()
+        self.hasher.shutdown()

@@ -311,9 +311,16 @@ def export_checkpoint(checkpoint_dir: str | Path, spec: ModelSpec, out_dir: str 
                       progress: Callable[[str], None] = log.info) -> Path:
     """Write the ``model.*`` weights of a DCP checkpoint directory (any world size, FSDP2 or DDP) as a
     Hugging Face directory, one output file in memory at a time and without a process group. Arguments
-    as ``export_state_dict``."""
+    as ``export_state_dict``. The checkpoint's bytes are verified against the checksums its commit recorded
+    first: ``HFError`` unless they are the bytes that were staged."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
+    from ..checkpoint.integrity import ChecksumMismatch, verify_files
+
+    try:
+        verify_files(Path(checkpoint_dir))
+    except ChecksumMismatch as e:
+        raise HFError(f"{checkpoint_dir} is not exported: {e}") from None
     meta = dcp.FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata
     entries = [(k[len("model."):], tuple(m.size), m.properties.dtype) for k, m in meta.items()
                if k.startswith("model.") and isinstance(m, TensorStorageMetadata)]

@@ -1,0 +1,429 @@
+"""Corrupted copies of the training state are never used, and peers that are not the job's are never heard.
+
+Bytes are flipped between a save and the restore in a checkpoint's shard, a memory snapshot (newest or the
+one before), the staging copy an in-process restart resumes from, or a peer's copy; the restore detects it
+(a ``checksum_mismatch`` event), takes the next source, and restores the exact state of that source's step.
+Peer messages that are forged, replayed or another job's are refused and counted, by a store in this
+process and by a real peer daemon process; so is a marker that is not plain JSON (never unpickled).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pickle
+import random
+import shutil
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import until
+from tests.s3_stand_in import CREDENTIALS, MotoS3
+from trainer import peer
+from trainer.checkpoint import CheckpointManager, step_dir
+from trainer.checkpoint.integrity import ChecksumMismatch, state_digests, verify_files
+from trainer.checkpoint.replica import NodeReplica
+from trainer.config import CheckpointConfig
+from trainer.events import EventLog, read_events
+from trainer.layout import replica_dir, replica_marker, replica_previous, replica_slot
+from trainer.peer import Auth, PeerRefused, PeerSender, PeerStore, peer_steps, restore_from_peer
+
+
+def _state(seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    return {"model": {"w": torch.randn(64, 64, generator=g), "b": torch.randn(64, generator=g)},
+            "optim": {"step": torch.tensor(float(seed)), "m": torch.randn(64, 64, generator=g)},
+            "train": {"step": seed, "betas": (0.9, 0.95)}}
+
+
+def _zeros() -> dict:
+    return {"model": {"w": torch.zeros(64, 64), "b": torch.zeros(64)},
+            "optim": {"step": torch.tensor(0.0), "m": torch.zeros(64, 64)}, "train": {"step": -1, "betas": (0, 0)}}
+
+
+def _equal(a: dict, b: dict) -> bool:
+    return (all(torch.equal(a[k][n], b[k][n]) for k in ("model", "optim") for n in a[k])
+            and a["train"] == b["train"])
+
+
+W_BYTES = 64 * 64 * 4   # model.w: the first tensor of a replica slot
+
+
+def _flip(path, rng: random.Random, within: tuple[int, int] | None = None) -> None:
+    """Flip one byte of ``path`` at a random offset (``within``: [start, end) of the file)."""
+    data = bytearray(path.read_bytes())
+    i = rng.randrange(*(within or (0, len(data))))
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _flip_tensor(path, tensor: torch.Tensor, rng: random.Random) -> None:
+    """Flip a byte of ``tensor``'s data where a shard file holds it (bytes a load reads, not padding)."""
+    raw = tensor.contiguous().view(torch.uint8).numpy().tobytes()
+    start = path.read_bytes().index(raw[:64])
+    _flip(path, rng, (start, start + len(raw)))
+
+
+def _mismatches(tmp_path) -> list[dict]:
+    return [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "checksum_mismatch"]
+
+
+def _manager(tmp_path, process_group, **cfg) -> CheckpointManager:
+    cfg = CheckpointConfig(memory_dir=str(tmp_path / "shm"), **cfg)
+    return CheckpointManager(tmp_path / "ckpt", cfg, process_group, EventLog(tmp_path / "events.jsonl", 0),
+                             run_id="run-1")
+
+
+def _save(mgr: CheckpointManager, step: int) -> None:
+    """An interval checkpoint as the loop takes it; the live state then changes (the optimizer step)."""
+    live = _state(step)
+    mgr.save(step, live)
+    mgr.finish_snapshot()
+    live["model"]["w"].add_(1.0)
+    mgr.maybe_finalize()
+
+
+def _memory(mgr: CheckpointManager, step: int) -> None:
+    mgr.snapshot_to_memory(step, _state(step))
+    mgr.finish_snapshot()
+
+
+# The corruption chaos: each seed flips a random byte of a random copy; the restore must take the next source.
+TARGETS = ("newest checkpoint", "newest memory snapshot", "previous memory snapshot", "staging copy")
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_corrupted_copy_is_detected_and_the_next_source_restores_the_exact_state(tmp_path, process_group, seed):
+    rng = random.Random(seed)
+    target = TARGETS[seed % len(TARGETS)] if seed < len(TARGETS) else rng.choice(TARGETS)
+    # Synchronous saves where the staging copy is not the target: the same checksums and restore, no writer
+    # process to boot per seed.
+    mgr = _manager(tmp_path, process_group, keep=3, sync=target != "staging copy")
+    try:
+        for step in (2, 4):
+            _save(mgr, step)
+        mgr.wait()
+        if target == "staging copy":
+            # An in-process restart resumes from the staging copy of the last save, unless it changed since.
+            _save(mgr, 6)
+            mgr.wait()
+            mgr.snapshot["model"]["w"].view(-1)[rng.randrange(64 * 64)] += 1.0
+            expected = (6, "checkpoint")       # its write had completed: the committed step 6 is the next source
+            step, source, restored = mgr.restore(_zeros())
+        else:
+            if target != "newest checkpoint":
+                _memory(mgr, 5)
+                _memory(mgr, 6)
+            mgr.close()
+            shm = replica_dir(tmp_path / "shm", tmp_path / "ckpt")
+            if target == "newest checkpoint":
+                shard = sorted(step_dir(tmp_path / "ckpt", 4).glob("*.distcp"))[0]
+                part, name = rng.choice([("model", "w"), ("model", "b"), ("optim", "m")])
+                _flip_tensor(shard, _state(4)[part][name], rng)
+                expected = (2, "checkpoint")
+            elif target == "newest memory snapshot":
+                slot = json.loads(replica_marker(shm, 0).read_text())["slot"]
+                _flip(replica_slot(shm, 0, slot), rng, (0, W_BYTES))
+                expected = (5, "memory")   # the one before it is whole, and newer than the checkpoint
+            else:
+                _flip(replica_slot(shm, 0, json.loads(replica_previous(shm, 0).read_text())["slot"]), rng,
+                      (0, W_BYTES))
+                expected = (6, "memory")   # the newest is whole: it is what the restore takes
+            mgr = _manager(tmp_path, process_group)
+            step, source, restored = mgr.restore(_zeros())
+    finally:
+        mgr.close()
+    assert (step, source) == expected
+    assert _equal(restored, _state(step)), "a restore used bytes other than the step's"
+    where = {"newest checkpoint": "checkpoint", "staging copy": "staging"}.get(target, "memory")
+    assert [e["source"] for e in _mismatches(tmp_path)] == [where]
+
+
+def test_a_checkpoint_with_a_shard_corrupted_everywhere_is_refused_not_started_over(tmp_path, process_group):
+    """Nothing unverified loads: with every committed checkpoint corrupt the restore fails, naming them, rather
+    than training from scratch over them."""
+    mgr = _manager(tmp_path, process_group)
+    try:
+        _save(mgr, 2)
+        mgr.wait()
+    finally:
+        mgr.close()
+    _flip_tensor(sorted(step_dir(tmp_path / "ckpt", 2).glob("*.distcp"))[0], _state(2)["model"]["b"],
+                 random.Random(0))
+    mgr = _manager(tmp_path, process_group)
+    try:
+        with pytest.raises(RuntimeError, match=r"steps \[2\] failed their checksums"):
+            mgr.restore(_zeros())
+    finally:
+        mgr.close()
+
+
+def test_a_checkpoint_without_checksums_is_not_verified_so_not_used(tmp_path, process_group):
+    mgr = _manager(tmp_path, process_group)
+    try:
+        _save(mgr, 2)
+        mgr.wait()
+    finally:
+        mgr.close()
+    marker = step_dir(tmp_path / "ckpt", 2) / "COMMITTED"
+    marker.write_text(json.dumps({k: v for k, v in json.loads(marker.read_text()).items() if k != "checksums"}))
+    with pytest.raises(ChecksumMismatch, match="records no xxh3_64 checksums"):
+        verify_files(step_dir(tmp_path / "ckpt", 2))
+
+
+@pytest.mark.parametrize("sync", [False, True])
+def test_every_item_of_a_committed_checkpoint_is_verified_from_its_files(tmp_path, process_group, sync):
+    """Async and synchronous saves both record a checksum of every item (tensors and values) as staged."""
+    mgr = _manager(tmp_path, process_group, sync=sync)
+    try:
+        _save(mgr, 2)
+        mgr.wait()
+    finally:
+        mgr.close()
+    path = step_dir(tmp_path / "ckpt", 2)
+    verify_files(path)
+    sums = json.loads((path / "COMMITTED").read_text())["checksums"]
+    assert {"model.w@0,0", "optim.step@", "train.step", "train.betas"} <= set(sums)
+
+
+@pytest.fixture
+def s3(monkeypatch):
+    """moto on loopback, its credentials in the environment."""
+    for k, v in {**CREDENTIALS, "AWS_EC2_METADATA_DISABLED": "true", "NO_PROXY": "127.0.0.1"}.items():
+        monkeypatch.setenv(k, v)
+    with MotoS3() as server:
+        yield server
+
+
+# ---- peer copies ----------------------------------------------------------------------------------------
+
+@pytest.fixture
+def job(monkeypatch):
+    monkeypatch.setenv(peer.SECRET_ENV, "cd" * 32)
+    monkeypatch.setenv(peer.JOB_ENV, "job-1")
+    return Auth.from_env()
+
+
+def _snapshot(replica: NodeReplica, step: int) -> None:
+    slot = 1 - replica.marked()["slot"] if replica.marked() else 0
+    buf = replica.buffer(_state(step), slot)
+    for k in ("model", "optim"):
+        for n, t in _state(step)[k].items():
+            buf[k][n].copy_(t)
+    replica.mark(step, slot, buf, run="r1", checksums=state_digests(buf))
+
+
+def test_a_peer_copy_corrupted_at_its_source_or_its_holder_is_never_restored(tmp_path, job):
+    src, store = tmp_path / "node0", PeerStore(tmp_path / "holder").start()
+    try:
+        replica = NodeReplica(src, 0)
+        _snapshot(replica, 3)
+        assert PeerSender(src, 0, store.address).send_once() == [(0, 3)]
+        _snapshot(replica, 4)
+        # Flipped in node memory after the copy was marked: the transfer is whole, the bytes are not the staged.
+        _flip(replica_slot(src, 0, replica.marked()["slot"]), random.Random(1), (0, W_BYTES))
+        assert PeerSender(src, 0, store.address).send_once() == [(0, 4)]
+        assert restore_from_peer(store.address, 0, [0], tmp_path / "new", among={4}) == 4
+        with pytest.raises(ChecksumMismatch, match="differ from the bytes staged"):
+            NodeReplica(tmp_path / "new", 0).load(_zeros())
+        # Flipped at the holder: the fetch itself fails its transfer checksum, nothing is written.
+        index = json.loads((tmp_path / "holder" / "node0" / "rank0.index").read_text())
+        slot = next(int(s) for s, e in index.items() if e["step"] == 3)
+        _flip(tmp_path / "holder" / "node0" / f"rank0.slot{slot}", random.Random(2), (0, W_BYTES))
+        assert restore_from_peer(store.address, 0, [0], tmp_path / "again", among={3}) is None
+        assert NodeReplica(tmp_path / "again", 0).load(_zeros()) is None
+    finally:
+        store.close()
+
+
+def _steps_request(auth: Auth) -> dict:
+    return auth.seal({"op": "steps", "node": 0})
+
+
+def _send(address, message: dict) -> dict | None:
+    """Send one message; the reply, or None when the store hung up without one (refused)."""
+    with socket.create_connection(address, timeout=10) as sock:
+        peer._send_json(sock, message)
+        try:
+            return peer._recv_json(sock)
+        except (ConnectionError, OSError):
+            return None
+
+
+def test_forged_replayed_and_other_jobs_peer_messages_are_refused_and_counted(tmp_path, job):
+    events = EventLog(tmp_path / "events.jsonl", -1)
+    store = PeerStore(tmp_path / "holder", events=events).start()
+    try:
+        genuine = _steps_request(job)
+        assert job.open(_send(store.address, genuine), reply_to=genuine["nonce"])["ranks"] == {}
+        assert _send(store.address, genuine) is None                                     # replayed
+        assert _send(store.address, _steps_request(Auth(b"\x01" * 32, "job-1"))) is None    # forged: other secret
+        assert _send(store.address, _steps_request(Auth(job.secret, "job-2"))) is None      # another job's
+        assert _send(store.address, {**_steps_request(job), "node": 1}) is None            # altered in transit
+        assert _send(store.address, {"op": "steps", "node": 0}) is None                    # unauthenticated
+        assert until(lambda: store.refused == 5, 10)
+    finally:
+        store.close()
+    refused = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "peer_refused"]
+    assert len(refused) == 5 and all(e["role"] == "store" for e in refused)
+
+
+def test_a_reply_that_is_not_the_holders_is_refused(tmp_path, job):
+    """A rank asking a holder that is not the job's (or a replayed reply) refuses the answer."""
+    fake = socket.create_server(("127.0.0.1", 0))
+
+    def answer(auth: Auth, reply_to) -> None:
+        conn, _ = fake.accept()
+        with conn:
+            request = peer._recv_json(conn)
+            peer._send_json(conn, auth.seal({"ranks": {"0": [9]}}, reply_to=reply_to(request)))
+
+    import threading
+    for auth, reply_to in ((Auth(b"\x02" * 32, "job-1"), lambda r: r["nonce"]),    # another secret
+                           (job, lambda r: "an-older-nonce")):                      # a replayed reply
+        t = threading.Thread(target=answer, args=(auth, reply_to))
+        t.start()
+        with pytest.raises(PeerRefused):
+            peer_steps(fake.getsockname(), 0, timeout_s=10)
+        t.join()
+    fake.close()
+
+
+def test_a_marker_that_is_not_plain_json_is_never_unpickled(tmp_path, job):
+    """A pickled marker (one that would run code when unpickled) is no marker: not read, not shipped, not kept."""
+    witness = tmp_path / "ran"
+
+    class Evil:
+        def __reduce__(self):
+            return (os.system, (f"touch {witness}",))
+
+    src = tmp_path / "node0"
+    replica = NodeReplica(src, 0)
+    _snapshot(replica, 3)
+    replica_marker(src, 0).write_bytes(pickle.dumps({"step": 4, "slot": 0, "run": "r1", "x": Evil()}))
+    assert replica.marked() is None and NodeReplica(src, 0).load(_zeros()) is None
+    store = PeerStore(tmp_path / "holder").start()
+    try:
+        assert PeerSender(src, 0, store.address).send_once() == []
+        # Sent by hand, authenticated: the holder refuses to keep it.
+        raw, data = replica_marker(src, 0).read_bytes(), replica_slot(src, 0, 0).read_bytes()
+        with socket.create_connection(store.address, timeout=10) as sock:
+            request = job.seal({"op": "put", "node": 0, "rank": 0, "step": 4, "size": len(data),
+                                "marker_len": len(raw)})
+            peer._send_json(sock, request)
+            sock.sendall(raw)
+            with pytest.raises((ConnectionError, OSError)):
+                peer._recv_json(sock)
+        assert peer_steps(store.address, 0) == {}
+    finally:
+        store.close()
+    assert not witness.exists()
+
+
+def test_a_real_peer_daemon_refuses_a_forged_message_and_records_it(tmp_path, job):
+    events = tmp_path / "events.jsonl"
+    proc, address = peer.start_daemon(tmp_path / "node1", "127.0.0.1", events=events)
+    try:
+        host, port = peer.parse_address(address)
+        assert _send((host, port), _steps_request(Auth(b"\x03" * 32, "job-1"))) is None
+        genuine = _steps_request(job)
+        assert job.open(_send((host, port), genuine), reply_to=genuine["nonce"])["ranks"] == {}
+        assert until(lambda: any(e["event"] == "peer_refused" for e in read_events(events)), 30)
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_a_peer_daemon_without_the_jobs_secret_does_not_start(tmp_path, monkeypatch):
+    monkeypatch.delenv(peer.SECRET_ENV, raising=False)
+    with pytest.raises(ValueError, match="GOODPUT_PEER_SECRET"):
+        peer.start_daemon(tmp_path / "node1", "127.0.0.1")
+    out = subprocess.run([sys.executable, "-m", "trainer.peer", "--listen-fd", "0", "--replica-dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and out.stderr.strip().splitlines()[-1].startswith("python -m trainer.peer: GOODPUT")
+
+
+def test_a_multi_node_peer_run_without_a_secret_stops_before_anything_starts(tmp_path, monkeypatch, capfd):
+    from trainer.warmstart import run_with_zygote
+
+    monkeypatch.delenv(peer.SECRET_ENV, raising=False)
+    command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29500",
+               "-m", "trainer", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "data")]
+    assert run_with_zygote(command) == 2
+    err = capfd.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("warm start: GOODPUT_PEER_SECRET must hold")
+    assert not (tmp_path / "run").exists()
+
+
+def test_a_checkpoint_corrupted_in_the_s3_mirror_is_refused_after_its_download(tmp_path, process_group, s3):
+    """FSx lost, the mirror's copy of the newest checkpoint corrupted: fetched through the same restore path, it
+    fails its checksums and is not loaded (the run stops naming it rather than starting over)."""
+    from dataclasses import replace
+
+    from trainer.mirror import CheckpointMirror
+
+    s3.client().create_bucket(Bucket="ckpt")
+    cfg = replace(CheckpointConfig(memory_dir=str(tmp_path / "shm"), sync=True), mirror="s3://ckpt/runs/a",
+                  mirror_endpoint_url=s3.url)
+    mgr = _manager(tmp_path, process_group, sync=True)
+    try:
+        _save(mgr, 2)
+    finally:
+        mgr.close()
+    mirror = CheckpointMirror(tmp_path / "ckpt", cfg, EventLog(tmp_path / "events.jsonl", 0))
+    mirror.enqueue(2, json.loads((step_dir(tmp_path / "ckpt", 2) / "COMMITTED").read_text())["committed_at"])
+    mirror.drain(120)
+    mirror.close(0)
+    key = f"runs/a/checkpoints/{step_dir(tmp_path / 'ckpt', 2).name}/__0_0.distcp"
+    data = bytearray(s3.client().get_object(Bucket="ckpt", Key=key)["Body"].read())
+    start = bytes(data).index(_state(2)["model"]["w"].view(torch.uint8).numpy().tobytes()[:64])
+    data[start + random.Random(3).randrange(W_BYTES)] ^= 0xFF
+    s3.client().put_object(Bucket="ckpt", Key=key, Body=bytes(data))
+    shutil.rmtree(tmp_path / "ckpt")
+    mgr = CheckpointManager(tmp_path / "ckpt", cfg, process_group, EventLog(tmp_path / "events.jsonl", 0))
+    try:
+        with pytest.raises(RuntimeError, match=r"steps \[2\] failed their checksums"):
+            mgr.restore(_zeros())
+    finally:
+        mgr.close()
+    events = read_events(tmp_path / "events.jsonl")
+    assert {e["step"] for e in events if e["event"] == "resumed_from_mirror"} == {2}
+    assert {(e["source"], e["step"]) for e in _mismatches(tmp_path)} == {("checkpoint", 2)}
+
+
+def test_a_checkpoint_owed_to_a_cold_writer_is_not_written_from_a_copy_that_changed(tmp_path, process_group):
+    """The copy a checkpoint owed to a booting writer is written from must still be the one taken at its step:
+    had anything copied into its slot since, the checkpoint would hold another step's state under this one's
+    name, with checksums that match (they are taken of the staging copy)."""
+    mgr = _manager(tmp_path, process_group, sync=True)
+    try:
+        whole = mgr.snapshot_to_memory(4, _state(4), keep=True)
+        mgr.finish_snapshot()
+        assert mgr.save_owed(4, whole)
+        verify_files(step_dir(tmp_path / "ckpt", 4))
+        mgr.release(whole)
+        changed = mgr.snapshot_to_memory(6, _state(6), keep=True)
+        mgr.finish_snapshot()
+        changed["model"]["w"].add_(1.0)        # what a copy of a later step into its slot would do
+        assert not mgr.save_owed(6, changed)
+        assert not step_dir(tmp_path / "ckpt", 6).exists()
+    finally:
+        mgr.close()
+    assert [(e["source"], e["step"]) for e in _mismatches(tmp_path)] == [("owed copy", 6)]
+
+
+def test_refused_copies_and_peer_messages_are_counted_in_the_run_metrics(tmp_path):
+    from trainer.metrics import RunCollector
+
+    events = EventLog(tmp_path / "events.jsonl", 0)
+    events.emit("run_start")
+    events.emit("step", step=1, step_s=0.1)
+    for source in ("checkpoint", "memory"):
+        events.emit("checksum_mismatch", source=source, step=1, rank=0, reason="x")
+    events.emit("peer_refused", role="store", peer="10.0.0.9", reason="forged")
+    values = RunCollector(tmp_path / "events.jsonl", refresh_s=0).values()
+    assert values["goodput_integrity_refusals"] == {"checksum_mismatch": 2, "peer_refused": 1}
