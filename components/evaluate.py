@@ -198,8 +198,11 @@ def load_checkpoint_model(path: Path, spec):
     """The spec's model, whole on the CPU, with the weights of one committed checkpoint (no process group)."""
     import torch.distributed.checkpoint as dcp
 
+    from trainer.checkpoint.integrity import verify_files
     from trainer.models import build_local
 
+    # Nothing unverified is scored: bytes other than those staged raise ChecksumMismatch (the step fails).
+    verify_files(Path(path))
     # build_local also fills what a checkpoint does not hold (non-persistent buffers such as RoPE tables).
     model = build_local(spec)
     state = {"model": model.state_dict()}

@@ -13,7 +13,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
 from click.testing import CliRunner
 from kfp import dsl
@@ -23,9 +22,11 @@ from components.evaluate_op import evaluate_op
 from components.register import RegistrationError, registered_model
 from pipelines.cli import main as cli
 from trainer.data import Split, ensure_default_dataset, eval_windows
-from trainer.layout import COMMITTED, step_dir
+from trainer.layout import step_dir
 from trainer.models import build_local, resolve_model
 from trainer.models.hf import INDEX, export_state_dict
+
+from .committed import save_committed
 
 transformers = pytest.importorskip("transformers")
 # Checkpoints are written and read in one process, as evaluate and export read them.
@@ -73,10 +74,7 @@ def llama_run(root: Path, name: str, data: Path, states: dict[int, dict]) -> Pat
         "data": str(data), "seq_len": SEQ, "eval_windows": WINDOWS}}))
     for step, state in states.items():
         path = step_dir(run / "checkpoints", step)
-        dcp.save({"model": state, "optim": {"step": torch.tensor(float(step))}}, checkpoint_id=str(path),
-                 no_dist=True)
-        (path / COMMITTED).write_text(json.dumps({"step": step, "world_size": 1, "files": sorted(
-            f.name for f in path.iterdir())}))
+        save_committed(path, {"model": state, "optim": {"step": torch.tensor(float(step))}}, step)
     return run
 
 

@@ -10,17 +10,15 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed.checkpoint as dcp
 from click.testing import CliRunner
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from pipelines.cli.export import export
-from trainer.checkpoint.integrity import marker_fields, planned_digests
-from trainer.layout import COMMITTED, step_dir
+from trainer.layout import step_dir
 from trainer.models import ParallelPlan, build_local, build_meta, build_model, resolve_model
 from trainer.models.hf import INDEX, HFError, export_state_dict, load_hf_weights, spec_for_hf_dir
 from trainer.parallel import Dist
 
+from .committed import save_committed
 from .test_llama import spawn_ranks
 
 transformers = pytest.importorskip("transformers")
@@ -152,11 +150,7 @@ def _committed_run(tmp_path: Path, spec, state: dict, steps: list[int]) -> Path:
     for step in steps:
         path = step_dir(run / "checkpoints", step)
         scaled = {n: t * step for n, t in state.items()}
-        planner = DefaultSavePlanner()   # its items' checksums, as the trainer's commit records them
-        dcp.save({"model": scaled, "optim": {"m": torch.ones(3)}}, checkpoint_id=str(path), no_dist=True,
-                 planner=planner)
-        (path / COMMITTED).write_text(json.dumps({"step": step, "world_size": 1,
-                                                  **marker_fields(planned_digests(planner))}))
+        save_committed(path, {"model": scaled, "optim": {"m": torch.ones(3)}}, step)
     return run
 
 
