@@ -59,6 +59,9 @@ def train_config_op(
     train_timeout_s: float = 7 * 86400.0,
     stage_parallelism: int = 4,
     extra_trainer_args: list = [],
+    eval_tasks: str = "",
+    eval_limit: int = 0,
+    promote_on: str = "val_loss",
 ) -> NamedTuple("TrainConfig", [("trainer_args", list), ("job_options", dict), ("run_dir", str),
                                 ("init_from_source", str), ("init_from_dir", str), ("model_name", str),
                                 ("baseline_dir", str), ("evaluate_accelerator", str), ("evaluate_gpus", int)]):
@@ -111,6 +114,9 @@ def train_config_op(
         train_timeout_s: the train step's deadline in seconds.
         stage_parallelism: most stage worker pods.
         extra_trainer_args: further trainer arguments.
+        eval_tasks: evaluate's lm-evaluation-harness tasks (checked: names and task files; their data by evaluate).
+        eval_limit: examples per task (0: all).
+        promote_on: val_loss or task:<task>/<metric> (a task of eval_tasks).
     """
     from collections import namedtuple
 
@@ -129,6 +135,7 @@ def train_config_op(
         node_health_check_endpoint=node_health_check_endpoint, registry=registry, model_name=model_name,
         endpoint_url=endpoint_url,
         evaluate_gpu_resource=evaluate_gpu_resource, baseline=baseline, require_beat_baseline=require_beat_baseline,
-        train_timeout_s=train_timeout_s, stage_parallelism=stage_parallelism)
+        train_timeout_s=train_timeout_s, stage_parallelism=stage_parallelism, eval_tasks=eval_tasks,
+        eval_limit=eval_limit, promote_on=promote_on)
     print("trainer arguments:", " ".join(settings.trainer_args))
     return namedtuple("TrainConfig", settings._fields)(*settings)
