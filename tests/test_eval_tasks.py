@@ -10,11 +10,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from click.testing import CliRunner
 from kfp import dsl
 
 from components.eval_tasks import TaskError, byte_tokenizer, check_task_settings, parse_promote_on
 from components.evaluate import EvaluationError, evaluate_run
 from components.evaluate_op import evaluate_op
+from pipelines.cli import main as cli
 from tests.eval_task_files import LL_TASK, MC_DOCS, MC_TASK, write_task_files
 from tests.test_evaluate_models import SMALL, llama_run, trained_state
 from trainer.data import ensure_default_dataset
@@ -140,6 +142,11 @@ def test_a_task_whose_data_cannot_be_read_fails_the_step_by_name_before_scoring(
         evaluate_run(run, out_dir=tmp_path / "out", registry=str(tmp_path / "registry"), eval_tasks=str(mc),
                      threshold=100.0)
     assert not (tmp_path / "registry").exists()
+    res = CliRunner().invoke(cli, ["evaluate", "--run", str(run), "--out", str(tmp_path / "cli"), "--tasks", str(mc),
+                                   "--limit", "2", "--threshold", "100"])
+    assert res.exit_code == 1 and f"eval task '{mc}' cannot be loaded" in res.output, res.output
+    res = CliRunner().invoke(cli, ["evaluate", "--run", str(run), "--promote-on", "task:py_mc/acc"])
+    assert res.exit_code == 2 and "needs eval_tasks" in res.output, res.output
     with pytest.raises(EvaluationError, match=f"the task 'other' is not among the evaluated tasks .*{LL_TASK}"):
         evaluate_run(run, out_dir=tmp_path / "out", eval_tasks=str(tmp_path / "evals" / "ll.yaml"),
                      promote_on="task:other/acc")

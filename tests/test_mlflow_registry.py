@@ -88,7 +88,7 @@ def data(tmp_path_factory) -> Path:
 @pytest.fixture(scope="module")
 def states(data) -> dict[str, dict]:
     spec = resolve_model("llama", "debug", SMALL)
-    return {"early": trained_state(spec, data, 4), "late": trained_state(spec, data, 30)}
+    return {"early": trained_state(spec, data, 0), "late": trained_state(spec, data, 10)}
 
 
 @pytest.fixture
