@@ -157,6 +157,7 @@ def _copy_s3_task_dir(uri: str, dest: Path, endpoint_url: str | None) -> Path:
     from components.stage import parse_source, unsafe_reason
 
     bucket, key = parse_source(uri)
+    key = key.rstrip("/")              # parse_source reads a prefix; this names a file
     prefix = key.rpartition("/")[0] + "/" if "/" in key else ""
     client = s3_client(endpoint_url, retry_mode="standard", max_attempts=5)
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):

@@ -150,3 +150,17 @@ def test_a_task_whose_data_cannot_be_read_fails_the_step_by_name_before_scoring(
     with pytest.raises(EvaluationError, match=f"the task 'other' is not among the evaluated tasks .*{LL_TASK}"):
         evaluate_run(run, out_dir=tmp_path / "out", eval_tasks=str(tmp_path / "evals" / "ll.yaml"),
                      promote_on="task:other/acc")
+
+
+def test_task_files_on_s3_are_loaded_with_the_data_beside_them(s3, tmp_path):
+    from components.eval_tasks import load_tasks
+
+    write_task_files(tmp_path / "evals")
+    client = s3.client()
+    client.create_bucket(Bucket="evals")
+    for f in (tmp_path / "evals").iterdir():
+        client.upload_file(str(f), "evals", f"suite/{f.name}")
+    suite = load_tasks(["s3://evals/suite/mc.yaml", "s3://evals/suite/ll.yaml"], 2, tmp_path / "scratch", s3.url)
+    assert suite.names == [MC_TASK, LL_TASK]
+    with pytest.raises(TaskError, match="'s3://evals/suite/none.yaml': no such object"):
+        load_tasks(["s3://evals/suite/none.yaml"], 2, tmp_path / "scratch2", s3.url)

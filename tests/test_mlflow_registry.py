@@ -149,7 +149,7 @@ def test_a_promoted_run_is_a_version_transformers_loads_and_the_alias_moves_only
 
     # A worse run (production re-scored from its MLflow artifacts) is refused: no version, the alias stays.
     worse = llama_run(tmp_path, "worse-run", data, {30: states["early"]})
-    refused = evaluate_run(worse, out_dir=tmp_path / "worse", registry=server, model_name=MODEL)
+    refused = evaluate_run(worse, out_dir=tmp_path / "worse", registry=server, model_name=MODEL, threshold=10.0)
     assert not refused.promoted and "worse than production" in refused.gate["reason"]
     assert refused.gate["production"]["val_loss"] == pytest.approx(r.best["val_loss"], rel=1e-6)
     assert client.get_model_version_by_alias(MODEL, "production").version == "1"
