@@ -13,7 +13,7 @@ import torch
 from click.testing import CliRunner
 from kfp import dsl
 
-from components.eval_tasks import TaskError, byte_tokenizer, check_task_settings, parse_promote_on
+from components.eval_tasks import TaskError, byte_tokenizer, check_task_settings, gate_on_task, parse_promote_on
 from components.evaluate import EvaluationError, evaluate_run
 from components.evaluate_op import evaluate_op
 from pipelines.cli import main as cli
@@ -86,6 +86,24 @@ def test_settings_are_checked_before_anything_runs():
         check_task_settings("arc easy", 0, "val_loss")
     with pytest.raises(TaskError, match="s3://BUCKET"):
         check_task_settings("https://example.com/t.yaml", 0, "val_loss")
+
+
+def test_the_task_gate_compares_the_best_score_with_production_s_recorded_one():
+    promote = parse_promote_on("task:mc/acc")
+    best = {"step": 20, "tasks": {"mc": {"acc": 0.5}}}
+
+    def decide(production, tolerance=0.0, passed=True):
+        gate = {"passed": passed, "reason": "loss ok"}
+        gate_on_task(gate, best, promote, production, tolerance)
+        return gate
+
+    prod = {"version": "v1", "tasks": {"mc": {"acc": 0.6}}}
+    refused = decide(prod)
+    assert not refused["passed"] and "below production v1 (0.6000)" in refused["reason"]
+    assert decide(prod, tolerance=0.1)["passed"] and decide(dict(prod, tasks={"mc": {"acc": 0.5}}))["passed"]
+    unrecorded = decide({"version": "v0", "tasks": {}})
+    assert unrecorded["passed"] and "has no recorded task:mc/acc, so it is not compared" in unrecorded["reason"]
+    assert decide(None)["passed"] and not decide(prod, passed=False)["passed"]     # the loss gate comes first
 
 
 def test_tasks_score_each_checkpoint_report_it_and_decide_promotion(data, tasks, states, tmp_path):
