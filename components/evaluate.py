@@ -32,6 +32,9 @@ directory (``config.json``, safetensors, the dataset's tokenizer files) that ``t
 as it lands, or ``model.pt`` for a model without a Hugging Face adapter (bytegpt); then ``metadata.json``,
 then ``production.json``. ``version`` is ``<run name>-step<N>``. Outputs in ``out_dir`` (default
 ``<run>/evaluation``): ``evaluation.json`` and ``report.html`` (the run's story: ``components.report``).
+``eval_tasks`` adds lm-evaluation-harness scores per checkpoint and ``promote_on=task:<task>/<metric>`` gates on
+one (``components.eval_tasks``); ``registry=mlflow://HOST:PORT`` registers in MLflow
+(``components.mlflow_registry``).
 This module imports torch only inside functions; the KFP component is ``components.evaluate_op.evaluate_op``.
 """
 
@@ -276,7 +279,7 @@ def _production_loss_mlflow(registry, model_name: str, windows_for, seq_len: int
     where = registry.location(model_name, record["mlflow_version"])
     try:
         hf_dir = registry.download(model_name, record["mlflow_version"], tmp / "production")
-        spec, model = load_baseline_model(hf_dir, "llama")
+        spec, model = load_baseline_model(hf_dir, (record.get("model") or {}).get("name", "llama"))
         loss, _ = validation_loss(spec, model, windows_for(min(seq_len, spec.max_seq_len)))
     except Exception as e:
         raise EvaluationError(f"the production model {where} cannot be evaluated ({type(e).__name__}: {e}); "

@@ -119,7 +119,7 @@ class MlflowRegistry:
         return {"version": mv.tags.get(f"{TAG}version", str(mv.version)), "mlflow_version": str(mv.version),
                 "model_uri": f"models:/{model_name}/{mv.version}", "val_loss": metrics.get("val_loss"),
                 "tasks": tasks, "step": int(mv.tags[f"{TAG}step"]) if f"{TAG}step" in mv.tags else None,
-                "source_run": mv.tags.get(f"{TAG}run_id")}
+                "source_run": mv.tags.get(f"{TAG}run_id"), "model": json.loads(mv.tags.get(f"{TAG}model", "null"))}
 
     def download(self, model_name: str, mlflow_version: str, dest: Path) -> Path:
         """The version's Hugging Face directory, downloaded under ``dest``."""
