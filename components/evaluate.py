@@ -34,6 +34,9 @@ directory (``config.json``, safetensors, the dataset's tokenizer files) that ``t
 as it lands, or ``model.pt`` for a model without a Hugging Face adapter (bytegpt); then ``metadata.json``,
 then ``production.json``. ``version`` is ``<run name>-step<N>``. Outputs in ``out_dir`` (default
 ``<run>/evaluation``): ``evaluation.json`` and ``report.html`` (the run's story: ``components.report``).
+``eval_tasks`` adds lm-evaluation-harness scores per checkpoint and ``promote_on=task:<task>/<metric>`` gates on
+one (``components.eval_tasks``); ``registry=mlflow://HOST:PORT`` registers in MLflow
+(``components.mlflow_registry``).
 This module imports torch only inside functions; the KFP component is ``components.evaluate_op.evaluate_op``.
 """
 
@@ -51,7 +54,10 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from components.register import METADATA_FILE, PRODUCTION_FILE, Registry, load_registered_model, publish_model
+from components.eval_tasks import (TaskError, check_task_settings, gate_on_task, parse_eval_tasks,
+                                   parse_promote_on)
+from components.register import (METADATA_FILE, PRODUCTION_FILE, Registry, load_registered_model, open_registry,
+                                 publish_model)
 from components.report import render_report
 
 log = logging.getLogger(__name__)
@@ -277,6 +283,8 @@ def _check_reads(spec, data_dir: Path, seq_len: int, what: str) -> None:
 def _production_loss(registry: Registry, model_name: str, windows_for, seq_len: int, tmp: Path,
                      bytes_per_token: float) -> tuple[dict | None, str]:
     """(production record with its loss on these windows, or None; a note for the report)."""
+    if not isinstance(registry, Registry):
+        return _production_loss_mlflow(registry, model_name, windows_for, seq_len, tmp, bytes_per_token)
     pointer = registry.location(f"{model_name}/{PRODUCTION_FILE}")
     try:
         record = registry.read_json(f"{model_name}/{PRODUCTION_FILE}")
@@ -297,7 +305,61 @@ def _production_loss(registry: Registry, model_name: str, windows_for, seq_len: 
         raise EvaluationError(f"the production model {version!r} named by {pointer} cannot be evaluated "
                               f"({type(e).__name__}: {e}); repair the registry or remove {PRODUCTION_FILE}") from e
     return {"version": version, "val_loss": loss, "bpb": bits_per_byte(loss, bytes_per_token),
-            "source_run": meta.get("source_run"), "step": meta.get("step")}, f"production is {version}"
+            "source_run": meta.get("source_run"), "step": meta.get("step"),
+            "tasks": record.get("tasks") or (meta.get("metrics") or {}).get("tasks")}, f"production is {version}"
+
+
+def _production_loss_mlflow(registry, model_name: str, windows_for, seq_len: int, tmp: Path,
+                            bytes_per_token: float) -> tuple[dict | None, str]:
+    """``_production_loss`` for an MLflow registry: the version the alias ``production`` names, re-scored from
+    its artifacts; its recorded task scores are its run's metrics. An unreachable server fails here."""
+    registry.check_reachable()
+    record = registry.production(model_name)
+    if record is None:
+        return None, f"no production alias on {registry.location(model_name)}"
+    where = registry.location(model_name, record["mlflow_version"])
+    try:
+        hf_dir = registry.download(model_name, record["mlflow_version"], tmp / "production")
+        spec, model = load_baseline_model(hf_dir, (record.get("model") or {}).get("name", "llama"))
+        loss, _ = validation_loss(spec, model, windows_for(min(seq_len, spec.max_seq_len)))
+    except Exception as e:
+        raise EvaluationError(f"the production model {where} cannot be evaluated ({type(e).__name__}: {e}); "
+                              f"repair it or remove its alias production") from e
+    return dict(record, val_loss=loss, bpb=bits_per_byte(loss, bytes_per_token),
+                recorded_val_loss=record["val_loss"]), f"production is {where}"
+
+
+def _load_tasks(items: list[str], limit: int | None, promote, tmp: Path, endpoint_url: str | None):
+    """The tasks, loaded once before any checkpoint is scored (``components.eval_tasks.load_tasks``)."""
+    from components.eval_tasks import load_tasks
+
+    try:
+        suite = load_tasks(items, limit, tmp, endpoint_url)
+        suite.check_promote_on(promote)
+    except TaskError as e:
+        raise EvaluationError(str(e)) from e
+    return suite
+
+
+def _score_tasks(result: EvaluationResult, suite, promote, spec, root: Path, data_dir: Path, tmp: Path) -> None:
+    """Each scored checkpoint's task metrics (``components.eval_tasks``); with ``promote_on`` a task, the best
+    checkpoint is the one with the highest score, and its weights are the ones kept for registering."""
+    from components.eval_tasks import best_on_task, score_checkpoints
+    from trainer.data import read_manifest
+    from trainer.layout import step_dir
+    from trainer.models.hf import dataset_tokenizer
+
+    byte_vocab = (read_manifest(data_dir).get("tokenizer") or {"kind": "bytes"}).get("kind") == "bytes"
+    try:
+        score_checkpoints(suite, result, spec, root, tmp, tokenizer_dir=dataset_tokenizer(data_dir),
+                          byte_vocab=byte_vocab, device=eval_device().type)
+        best = best_on_task(result, promote) if promote.on_task else \
+            next(c for c in result.checkpoints if c["step"] == result.best["step"])
+    except TaskError as e:
+        raise EvaluationError(str(e)) from e
+    if best["step"] != result.best["step"]:
+        result.best_state = load_checkpoint_model(step_dir(root, best["step"]), spec).state_dict()
+    result.best = dict(best, params_sha256=params_sha256(result.best_state))
 
 
 def _score_baseline(hf_dir: Path, run_spec_, data_dir: Path, windows: list, seq_len: int, batch_size: int,
@@ -343,6 +405,9 @@ def evaluate_run(
     baseline: str | Path | None = None,
     require_beat_baseline: bool = False,
     max_shard_bytes: int | None = None,
+    eval_tasks: str | list[str] = "",
+    eval_limit: int | None = None,
+    promote_on: str = "val_loss",
 ) -> EvaluationResult:
     """Evaluate the committed checkpoints of a ``goodput train`` run and gate the best one.
 
@@ -365,6 +430,11 @@ def evaluate_run(
         baseline: a Hugging Face model directory scored on the same windows (e.g. the run's ``--init-from``).
         require_beat_baseline: promote only if the best loss is below the baseline's.
         max_shard_bytes: a registered Hugging Face directory is sharded above this (default 5 GB).
+        eval_tasks: lm-evaluation-harness tasks scored on each checkpoint, comma-separated: task names and task
+            files (``components.eval_tasks``); empty: none.
+        eval_limit: examples per task (None or 0: all).
+        promote_on: ``val_loss``, or ``task:<task>/<metric>`` (higher is better): picks the best checkpoint
+            and is compared with the production model's recorded score.
 
     Returns:
         The evaluation; ``evaluation.json`` and ``report.html`` are written to ``out_dir``.
@@ -384,6 +454,9 @@ def evaluate_run(
         raise ValueError(f"tolerance must not be negative, got {tolerance}")
     if require_beat_baseline and not baseline:
         raise ValueError("require_beat_baseline needs a baseline model directory (--baseline DIR)")
+    check_task_settings(eval_tasks if isinstance(eval_tasks, str) else ",".join(eval_tasks), eval_limit or 0,
+                        promote_on)
+    task_items, promote = parse_eval_tasks(eval_tasks), parse_promote_on(promote_on)
     if baseline and not Path(baseline).is_dir():
         raise ValueError(f"--baseline {baseline}: no such directory (give a Hugging Face model directory)")
     spec = run_spec(run_config)
@@ -392,7 +465,7 @@ def evaluate_run(
     if not str(data_dir) or data_dir == Path("."):
         raise EvaluationError(f"{run_dir}/config.json names no dataset; give the dataset directory (--data)")
     out_dir = Path(out_dir) if out_dir else run_dir / "evaluation"
-    reg = Registry(registry, endpoint_url) if registry else None
+    reg = open_registry(registry, endpoint_url) if registry else None
     val = Split.open(data_dir, "val")       # a bad dataset fails here, before any work
     bpt = bytes_per_token(read_manifest(data_dir), "val")
     seq_len = seq_len or training_seq_len(run_config, spec)
@@ -436,13 +509,20 @@ def evaluate_run(
             result.baseline = _score_baseline(Path(baseline), spec, data_dir, windows, seq_len, batch_size, bpt)
         production, note = (None, "no registry given") if reg is None else \
             _production_loss(reg, model_name, windows_for, seq_len, tmp, bpt)
+        suite = _load_tasks(task_items, eval_limit, promote, tmp, endpoint_url) if task_items else None
         _score(result, spec, root, steps, windows, batch_size, step_dir)
         if not result.checkpoints:
             _finish(result, run_dir, out_dir)
             reasons = "; ".join(f"step {s['step']}: {s['reason']}" for s in result.skipped)
             raise EvaluationError(f"none of the {len(steps)} committed checkpoints under {root} could be "
                                   f"evaluated: {reasons}")
-        _gate(result, threshold, tolerance, production, note, require_beat_baseline)
+        if suite is not None and result.checkpoints:
+            _score_tasks(result, suite, promote, spec, root, data_dir, tmp)
+        _gate(result, threshold, tolerance, None if promote.on_task else production, note, require_beat_baseline)
+        if promote.on_task:
+            gate_on_task(result.gate, result.best, promote, production, tolerance)
+            result.gate["production"], result.promoted = production, bool(result.gate["passed"])
+        result.gate["promote_on"] = str(promote)
         if result.promoted and reg is not None:
             result.registered = _register(reg, model_name, run_dir, data_dir, spec, result, tmp,
                                           dataset_tokenizer(data_dir), max_shard_bytes)
@@ -525,8 +605,16 @@ def _register(reg: Registry, model_name: str, run_dir: Path, data_dir: Path, spe
     production.json at them (``components.register.publish_model``)."""
     import torch
 
+    from components.eval_tasks import byte_tokenizer_dir, has_transformers
+    from components.register import publish_model_mlflow
+    from trainer.data import read_manifest
+
     best = result.best
     version = f"{run_dir.name}-step{best['step']:09d}"
+    tokenizer = read_manifest(data_dir).get("tokenizer") or {"kind": "bytes"}
+    tokenizer_spec = tokenizer.get("spec") or tokenizer["kind"]
+    if tokenizer_dir is None and tokenizer["kind"] == "bytes" and spec.hf is not None and has_transformers():
+        tokenizer_dir = byte_tokenizer_dir(tmp)     # so the registered directory loads with AutoTokenizer too
     manifest_sha = None
     if (data_dir / "manifest.json").is_file():
         manifest_sha = hashlib.sha256((data_dir / "manifest.json").read_bytes()).hexdigest()
@@ -537,11 +625,12 @@ def _register(reg: Registry, model_name: str, run_dir: Path, data_dir: Path, spe
         "source_run": str(run_dir.resolve()),
         "step": best["step"],
         "metrics": {"val_loss": best["val_loss"], "bpb": best["bpb"], "windows": best["windows"],
-                    "seq_len": result.seq_len},
+                    "seq_len": result.seq_len, "tasks": best.get("tasks")},
         "baseline": result.gate.get("baseline"),
         "params_sha256": best["params_sha256"],
         "data": {"dir": str(data_dir), "manifest_sha256": manifest_sha,
-                 "tokenizer": str(tokenizer_dir) if tokenizer_dir else None},
+                 "tokenizer": str(tokenizer_dir) if tokenizer_dir else None, "tokenizer_spec": tokenizer_spec},
+        "promote_on": result.gate.get("promote_on"),
         "run_summary": result.summary,
         "gate": {k: v for k, v in result.gate.items() if k != "passed"},
         "created_at": time.time(),
@@ -549,9 +638,16 @@ def _register(reg: Registry, model_name: str, run_dir: Path, data_dir: Path, spe
     }
     if spec.name == "bytegpt":
         metadata["model_config"] = spec.describe()["config"]      # what registries before plug-ins read
+    if not isinstance(reg, Registry):
+        report = render_report(dict(result.to_dict(), promoted=True), run_dir)
+        return publish_model_mlflow(reg, model_name, version, spec, result.best_state, metadata, tmp,
+                                    tokenizer_dir=tokenizer_dir, max_shard_bytes=max_shard_bytes,
+                                    checkpoints=result.checkpoints,
+                                    files={"report.html": report,
+                                           "evaluation.json": json.dumps(result.to_dict(), indent=1)})
     return publish_model(reg, model_name, version, spec, result.best_state, metadata, tmp,
                          tokenizer_dir=tokenizer_dir, max_shard_bytes=max_shard_bytes,
-                         production_extra={"val_loss": best["val_loss"]})
+                         production_extra={"val_loss": best["val_loss"], "tasks": best.get("tasks")})
 
 
 def _finish(result: EvaluationResult, run_dir: Path, out_dir: Path) -> None:

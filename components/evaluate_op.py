@@ -25,6 +25,9 @@ def evaluate_op(
     endpoint_url: str = "",
     baseline: str = "",
     require_beat_baseline: bool = False,
+    eval_tasks: str = "",
+    eval_limit: int = 0,
+    promote_on: str = "val_loss",
     *,
     dataset: Input[Dataset] = None,
     metrics: Output[Metrics],
@@ -45,14 +48,21 @@ def evaluate_op(
             a uniform guess over bytes).
         tolerance: promote only if the best loss is at most the production model's loss plus this.
         model_name: the model's name in the registry.
-        registry: model registry, a directory or ``s3://bucket/prefix``; empty: decide, write nothing.
+        registry: model registry, a directory, ``s3://bucket/prefix`` or an MLflow server (``mlflow://HOST:PORT``,
+            ``mlflow+https://HOST``); empty: decide, write nothing.
         endpoint_url: S3-compatible endpoint for an ``s3://`` registry; empty for AWS (IRSA credentials).
         baseline: a Hugging Face model directory on FSx (e.g. the run's init_from) scored on the same
             validation windows; empty: none.
         require_beat_baseline: promote only if the best loss is below the baseline's (needs ``baseline``).
+        eval_tasks: lm-evaluation-harness tasks scored on each checkpoint's Hugging Face export, comma-separated:
+            harness task names, task files (.yaml) on FSx, or s3://.../FILE.yaml; empty: none.
+        eval_limit: examples per task; 0: all.
+        promote_on: val_loss, or task:<task>/<metric> (higher is better, e.g. task:arc_easy/acc_norm).
         dataset: optional, the stage component's output; its URI is the dataset directory.
         metrics: output; validation loss (nats per token) and bits per byte of each checkpoint, of the best
-            and of the baseline, and the dataset's bytes per token (bits per byte compare across tokenizers).
+            and of the baseline, and the dataset's bytes per token (bits per byte compare across tokenizers);
+            each task metric of each checkpoint (``step_<N>_<task>_<metric>``) and of the best
+            (``best_<task>_<metric>``).
         report: output; the HTML report (loss against step, the run's goodput and faults, the gate).
 
     Returns:
@@ -68,10 +78,19 @@ def evaluate_op(
     result = evaluate_run(run_dir, data, out_dir or None, last_n=last_n or None, threshold=threshold,
                           tolerance=tolerance, registry=registry or None, endpoint_url=endpoint_url or None,
                           model_name=model_name, baseline=baseline or None,
-                          require_beat_baseline=require_beat_baseline)
+                          require_beat_baseline=require_beat_baseline, eval_tasks=eval_tasks,
+                          eval_limit=eval_limit or None, promote_on=promote_on or "val_loss")
+
+    def log_tasks(prefix: str, entry: dict) -> None:
+        for task, values in (entry.get("tasks") or {}).items():
+            for name, value in values.items():
+                metrics.log_metric(f"{prefix}_{task}_{name}".replace(",", "_").replace("/", "_"), value)
+
     for c in result.checkpoints:
         metrics.log_metric(f"step_{c['step']}_val_loss", c["val_loss"])
         metrics.log_metric(f"step_{c['step']}_bpb", c["bpb"])
+        log_tasks(f"step_{c['step']}", c)
+    log_tasks("best", result.best)
     metrics.log_metric("best_step", result.best["step"])
     metrics.log_metric("best_val_loss", result.best["val_loss"])
     metrics.log_metric("best_bpb", result.best["bpb"])

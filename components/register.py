@@ -38,6 +38,7 @@ from typing import Any, Callable
 MODEL_FILE = "model.pt"
 METADATA_FILE = "metadata.json"
 PRODUCTION_FILE = "production.json"
+MODEL_CARD = "README.md"
 HF_FORMAT = "huggingface"
 TORCH_FORMAT = "torch.save(state_dict)"
 
@@ -46,10 +47,32 @@ class RegistrationError(RuntimeError):
     """The registry does not hold what evaluate says it registered."""
 
 
+def check_registry_uri(uri: str) -> str:
+    """``uri`` if it is a registry we serve: a directory, ``s3://bucket/prefix``, ``mlflow://HOST:PORT`` or
+    ``mlflow+https://HOST[/PATH]``; any other scheme is refused (it would otherwise become a local directory)."""
+    from components.mlflow_registry import is_mlflow, tracking_uri
+
+    scheme, sep, _ = uri.partition("://")
+    if is_mlflow(uri):
+        tracking_uri(uri)           # a host is given
+    elif sep and scheme != "s3":
+        raise ValueError(f"registry {uri!r}: the scheme {scheme}:// is not served; give a directory, "
+                         f"s3://BUCKET/PREFIX, mlflow://HOST:PORT or mlflow+https://HOST")
+    return uri
+
+
+def open_registry(uri: str, endpoint_url: str | None = None):
+    """The registry at ``uri``: a ``Registry`` (directory, S3) or a ``components.mlflow_registry.MlflowRegistry``."""
+    from components.mlflow_registry import MlflowRegistry, is_mlflow
+
+    return MlflowRegistry(check_registry_uri(uri)) if is_mlflow(uri) else Registry(uri, endpoint_url)
+
+
 class Registry:
     """A model registry location: a directory or ``s3://bucket/prefix`` (boto3, standard credentials)."""
 
     def __init__(self, uri: str, endpoint_url: str | None = None):
+        check_registry_uri(uri)
         self.uri = uri.rstrip("/")
         self.s3 = self.uri.startswith("s3://")
         if self.s3:
@@ -171,6 +194,7 @@ def publish_model(reg: Registry, model_name: str, version: str, spec: Any, state
         local.mkdir(parents=True, exist_ok=True)
         torch.save(state_dict, local / MODEL_FILE)
         fmt, model_uri = TORCH_FORMAT, reg.location(f"{base}/{MODEL_FILE}")
+    (local / MODEL_CARD).write_text(model_card(model_name, version, metadata, fmt))
     files = sorted(p.name for p in local.iterdir())
     for name in files:
         reg.put_file(local / name, f"{base}/{name}")
@@ -182,6 +206,68 @@ def publish_model(reg: Registry, model_name: str, version: str, spec: Any, state
     metadata_uri = reg.put_json(meta, f"{base}/{METADATA_FILE}")
     _point_production(reg, model_name, version, model_uri, metadata_uri, fmt, production_extra)
     return {"version": version, "model_uri": model_uri, "metadata_uri": metadata_uri, "format": fmt}
+
+
+def model_card(model_name: str, version: str, metadata: dict, fmt: str = HF_FORMAT, mlflow_uri: str = "") -> str:
+    """The README.md of a registered version: what it was trained on, how far, how well, and how to load it."""
+    data, metrics = metadata.get("data") or {}, metadata.get("metrics") or {}
+    summary = metadata.get("run_summary") or {}
+    model = metadata.get("model") or {}
+    goodput = summary.get("goodput")
+    lines = [f"# {model_name} {version}", "",
+             f"{model.get('name', model_name)} {model.get('flavor', '')}".rstrip() + f", trained by goodput-pipelines "
+             f"from the run `{metadata.get('source_run')}` (checkpoint of step {metadata.get('step')}).", "",
+             "## Training", "",
+             f"- data: `{data.get('dir')}` (manifest sha256 `{data.get('manifest_sha256')}`)",
+             f"- tokenizer: {data.get('tokenizer_spec') or data.get('tokenizer') or 'bytes (one token per byte)'}",
+             f"- steps: {summary.get('steps', metadata.get('step'))}, tokens: {summary.get('tokens', '-')}",
+             f"- goodput: {goodput:.1%}" if isinstance(goodput, (int, float)) else "- goodput: -",
+             f"- weights sha256: `{metadata.get('params_sha256')}`", "",
+             "## Evaluation", "",
+             f"- validation loss: {metrics.get('val_loss', float('nan')):.4f} nats/token, "
+             f"{metrics.get('bpb', float('nan')):.4f} bits/byte ({metrics.get('windows')} windows of "
+             f"{metrics.get('seq_len')} tokens)"]
+    tasks = metrics.get("tasks") or {}
+    if tasks:
+        lines += ["", "| task | metric | value |", "| --- | --- | --- |"]
+        lines += [f"| {t} | {m} | {v:.4f} |" for t, values in sorted(tasks.items()) for m, v in sorted(values.items())]
+    gate = metadata.get("gate") or {}
+    lines += ["", f"Promoted on {metadata.get('promote_on') or 'val_loss'}: {gate.get('reason', '')}", "",
+              "## Load it", ""]
+    if fmt == HF_FORMAT and mlflow_uri:
+        lines += ["```python", "import mlflow, transformers", "",
+                  f"mlflow.set_tracking_uri({mlflow_uri!r})",
+                  f"# this version: models:/{model_name}/<version> (its tag goodput.version is {version})",
+                  f"path = mlflow.artifacts.download_artifacts('models:/{model_name}@production')",
+                  "model = transformers.AutoModelForCausalLM.from_pretrained(path)", "```"]
+    elif fmt == HF_FORMAT:
+        lines += ["```python", "import transformers", "",
+                  "model = transformers.AutoModelForCausalLM.from_pretrained('DIR')  # this directory", "```",
+                  "", "vLLM serves the directory as it is: `vllm serve DIR`."]
+    else:
+        lines += ["```python", "import torch", "from trainer.models import build_local, resolve_model", "",
+                  "spec = resolve_model(**metadata['model'])  # metadata.json beside this file",
+                  "model = build_local(spec); model.load_state_dict(torch.load('model.pt'))", "```"]
+    return "\n".join(lines) + "\n"
+
+
+def publish_model_mlflow(reg, model_name: str, version: str, spec: Any, state_dict: dict, metadata: dict, tmp: Path,
+                         *, tokenizer_dir: Path | None = None, max_shard_bytes: int | None = None,
+                         checkpoints: list[dict] = (), files: dict[str, str] | None = None) -> dict:
+    """``publish_model`` for an MLflow registry (``components.mlflow_registry``): the Hugging Face directory with
+    its model card becomes a new version, ``production`` moves to it last. Arguments as ``publish_model``;
+    ``checkpoints`` (every scored one) and ``files`` (report.html, evaluation.json) go to the version's run."""
+    from trainer.models.hf import DEFAULT_MAX_SHARD_BYTES, export_state_dict
+
+    if spec.hf is None:
+        raise RegistrationError(f"an MLflow registry takes Hugging Face directories; {spec.name} has no Hugging Face "
+                                f"layout (its spec sets no `hf`): register it in a directory or s3:// registry")
+    from components.mlflow_registry import tracking_uri
+
+    local = export_state_dict(state_dict, spec, tmp / "hf", tokenizer_dir=tokenizer_dir, overwrite=True,
+                              max_shard_bytes=max_shard_bytes or DEFAULT_MAX_SHARD_BYTES)
+    (local / MODEL_CARD).write_text(model_card(model_name, version, metadata, HF_FORMAT, tracking_uri(reg.uri)))
+    return reg.publish(model_name, version, local, metadata, list(checkpoints), files or {})
 
 
 def _point_production(reg: Registry, model_name: str, version: str, model_uri: str, metadata_uri: str, fmt: str,
@@ -221,6 +307,12 @@ def registered_model(model_uri: str, registry: str, model_name: str, endpoint_ur
         RegistrationError: ``model_uri`` is empty or not in ``registry``, or its metadata or any file the
             metadata lists is missing.
     """
+    from components.mlflow_registry import is_mlflow
+
+    if is_mlflow(registry):
+        from components.mlflow_registry import registered_model as mlflow_registered_model
+
+        return mlflow_registered_model(model_uri, registry, model_name, log)
     reg = Registry(registry, endpoint_url)
     prefix = reg.location(f"{model_name}/")
     version = model_uri[len(prefix):].removesuffix(f"/{MODEL_FILE}") if model_uri.startswith(prefix) else ""

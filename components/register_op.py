@@ -18,8 +18,11 @@ def register_op(model_uri: str, registry: str, model_name: str, endpoint_url: st
 
     Args:
         model_uri: where evaluate registered the model (its ``model_uri`` output): a Hugging Face directory
-            (``config.json``, safetensors, tokenizer files) or, for a model without one, its ``model.pt``.
-        registry: the model registry evaluate wrote to, a directory or ``s3://bucket/prefix``.
+            (``config.json``, safetensors, tokenizer files, README.md model card), for a model without one its
+            ``model.pt``, or ``models:/<name>/<version>`` in MLflow.
+        registry: the model registry evaluate wrote to: a directory, ``s3://bucket/prefix``, or an MLflow server
+            (``mlflow://HOST:PORT``, ``mlflow+https://HOST``; the token from ``MLFLOW_TRACKING_TOKEN``), where the
+            version must exist with its artifacts.
         model_name: the model's name in the registry.
         endpoint_url: S3-compatible endpoint for an ``s3://`` registry; empty for AWS.
         model: output; metadata = the registry record (version, format, step, loss, params_sha256), file = a

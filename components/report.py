@@ -315,6 +315,69 @@ def loss_svg(train: list[tuple[int, float]], val: list[tuple[int, float]], best_
     return p.svg("loss against step")
 
 
+TASK_COLORS = ("#1f6fb2", "#d1382f", "#2e8b57", "#f0a030", "#6b4fa0", "#9aa5b1")
+
+
+def task_metrics(evaluation: dict) -> dict[str, list[str]]:
+    """task -> its metrics, over the evaluated checkpoints (``components.eval_tasks``), in a stable order."""
+    out: dict[str, list[str]] = {}
+    for c in evaluation.get("checkpoints") or []:
+        for task, values in sorted((c.get("tasks") or {}).items()):
+            out.setdefault(task, [])
+            out[task] += [m for m in sorted(values) if m not in out[task]]
+    return out
+
+
+def tasks_table(evaluation: dict) -> str:
+    """One row per evaluated checkpoint, one column per task metric; the best checkpoint's row highlighted."""
+    metrics = task_metrics(evaluation)
+    best = (evaluation.get("best") or {}).get("step")
+    promote_on = (evaluation.get("gate") or {}).get("promote_on") or ""
+    head = "".join(f'<th{" class=promote" if promote_on == f"task:{t}/{m}" else ""}>{_E(t)}<br><small>{_E(m)}'
+                   f'</small></th>' for t, ms in metrics.items() for m in ms)
+    rows = []
+    for c in evaluation.get("checkpoints") or []:
+        cells = "".join(f'<td>{_loss((c.get("tasks") or {}).get(t), m)}</td>' for t, ms in metrics.items() for m in ms)
+        rows.append(f'<tr{" class=best" if c["step"] == best else ""}><td>{c["step"]:,}</td>{cells}'
+                    f'<td>{fmt_s(c.get("tasks_s"))}</td></tr>')
+    return (f'<table><thead><tr><th>step</th>{head}<th>harness took</th></tr></thead><tbody>{"".join(rows)}'
+            f'</tbody></table>')
+
+
+def task_svg(evaluation: dict, task: str, metrics: list[str], width: int = 960, height: int = 240) -> str:
+    """A task's metrics against step: one line (with points) per metric."""
+    series = {m: [(c["step"], c["tasks"][task][m]) for c in evaluation.get("checkpoints") or []
+                  if isinstance(((c.get("tasks") or {}).get(task) or {}).get(m), (int, float))] for m in metrics}
+    points = [p for line in series.values() for p in line]
+    if not points:
+        return f'<p class="note">No scores of {_E(task)} recorded.</p>'
+    ys = [v for _, v in points]
+    pad = (max(ys) - min(ys)) * 0.06 or 0.01
+    p = _Plot(width, height, (min(s for s, _ in points), max(s for s, _ in points)),
+              (min(ys) - pad, max(ys) + pad), "step", task)
+    for i, (metric, line) in enumerate(series.items()):
+        color = TASK_COLORS[i % len(TASK_COLORS)]
+        if len(line) > 1:
+            p.add(_polyline([(p.px(s), p.py(v)) for s, v in line], color, title=f"{task} {metric}"))
+        for s, v in line:
+            p.add(f'<circle cx="{p.px(s):.1f}" cy="{p.py(v):.1f}" r="4" fill="{color}"><title>step {s}: {_E(task)} '
+                  f'{_E(metric)} {v:.4f}</title></circle>')
+    legend = "".join(f'<span><i class="key line" style="--c:{TASK_COLORS[i % len(TASK_COLORS)]}"></i>{_E(m)}</span>'
+                     for i, m in enumerate(series))
+    return p.svg(f"{task} against step") + f'<div class="legend">{legend}</div>'
+
+
+def tasks_section(evaluation: dict) -> str:
+    """The benchmark tasks (lm-evaluation-harness) of each checkpoint: a table, and a plot per task; empty
+    when no task was evaluated."""
+    metrics = task_metrics(evaluation)
+    if not metrics:
+        return ""
+    plots = "".join(f"<h3>{_E(task)}</h3>{task_svg(evaluation, task, ms)}" for task, ms in metrics.items())
+    return (f'<section><h2>Benchmark tasks <small>lm-evaluation-harness, higher is better except perplexity'
+            f'</small></h2>{tasks_table(evaluation)}{plots}</section>')
+
+
 def train_curve(events: list[dict]) -> list[tuple[int, float]]:
     """The training loss of each step as kept (a step redone after a restart counts once, its last run)."""
     curve = {e["step"]: e["loss"] for e in events if e.get("event") == "step" and e.get("rank", 0) == 0
@@ -443,6 +506,8 @@ def _gate(evaluation: dict) -> str:
     items = [f"threshold {gate['threshold']:.4f} nats/byte" if isinstance(gate.get("threshold"), (int, float))
              else "", f"tolerance {gate['tolerance']:.4f}" if isinstance(gate.get("tolerance"), (int, float)) else "",
              f"production {prod['version']} at {prod['val_loss']:.4f}" if prod else "no production model yet"]
+    if gate.get("promote_on"):
+        items.insert(0, f"promoted on {gate['promote_on']}")
     text = f"<p>{_E(one_line(gate.get('reason', 'not decided')))}</p>"
     text += f'<p class="muted">{_E(" · ".join(i for i in items if i))}</p>'
     if registered:
@@ -461,6 +526,7 @@ header{display:flex;align-items:center;gap:14px;flex-wrap:wrap}h1{font-size:22px
 section p{font-size:14px;margin:4px 0}
 section{background:#fff;border:1px solid var(--line);border-radius:10px;padding:16px 18px;margin:14px 0}
 h2{font-size:15px;margin:0 0 10px;font-weight:650}h2 small{font-weight:400;color:var(--muted);margin-left:6px}
+h3{font-size:14px;margin:14px 0 4px;font-weight:600}th.promote{color:#1e6b3f}
 .cards{display:grid;grid-template-columns:repeat(5,1fr);gap:10px;margin:0 0 4px}
 .card{background:#fff;border:1px solid var(--line);border-radius:10px;padding:12px 14px}
 .card .label{font-size:12px;color:var(--muted);text-transform:uppercase;letter-spacing:.05em}
@@ -533,6 +599,7 @@ run <code>{_E(str(evaluation.get("run_dir") or run_dir))}</code>
 <section><h2>Loss <small>training loss per step; validation loss of each evaluated checkpoint</small></h2>
 {loss_svg(train_curve(events), [(c["step"], c["val_loss"]) for c in evaluation.get("checkpoints") or []],
           best.get("step"))}</section>
+{tasks_section(evaluation)}
 <section><h2>Summary <small>summary.json</small></h2>{summary_table(summary)}</section>"""
     return (f'<!doctype html>\n<html lang="en"><head><meta charset="utf-8">'
             f'<meta name="viewport" content="width=device-width,initial-scale=1">'

@@ -85,6 +85,11 @@ def resolve_init_from(init_from: str, *, fsx_root: str, registry: str, model_nam
     if not init_from:
         return "", ""
     if init_from == PRODUCTION:
+        from components.mlflow_registry import is_mlflow
+
+        if is_mlflow(registry):
+            raise ValueError(f"init_from=production reads a directory or s3:// registry, not {registry}: give the "
+                             f"production model's Hugging Face directory (s3:// or on FSx) as init_from")
         if not reachable:
             return "", ""
         from components.register import HF_FORMAT, PRODUCTION_FILE, Registry
@@ -206,6 +211,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
                        evaluate_gpu_resource: str = "", baseline: str = "", require_beat_baseline: bool = False,
                        train_timeout_s: float = 7 * 86400.0, admission_timeout_s: float = 86400.0,
                        stage_parallelism: int = 4,
+                       eval_tasks: str = "", eval_limit: int = 0, promote_on: str = "val_loss",
                        reachable: bool = True) -> TrainSettings:
     """The train step's inputs (``TrainSettings``), validated as the trainer and the job builder will.
 
@@ -261,7 +267,8 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         hot_spares: standby nodes beyond ``nodes`` (NVRx 0.6+, PyTorchJob only).
         node_health_check_endpoint: Unix socket of the node health daemon (NVRx 0.6+); empty = none.
         spot: spot nodes allowed (checked for the cluster backends).
-        registry: the model registry (a directory or ``s3://bucket/prefix``), for ``init_from=production``.
+        registry: the model registry (a directory, ``s3://bucket/prefix``, ``mlflow://HOST:PORT`` or
+            ``mlflow+https://HOST``), for ``init_from=production`` and evaluate; another scheme is refused.
         model_name: the model's name in the registry; empty = the model's (``registry_name``).
         endpoint_url: S3-compatible endpoint for ``s3://`` init_from and registry; empty for AWS S3.
         evaluate_gpu_resource: the evaluate pod's GPU: ``nvidia.com/gpu``, a MIG slice such as
@@ -273,6 +280,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         admission_timeout_s: scheduler=kueue: how long the job may wait for admission (above 0); past it the
             step fails naming the queue and Kueue's reason.
         stage_parallelism: most stage worker pods (at least 1).
+        eval_tasks: evaluate's lm-evaluation-harness tasks: names and task files (``components.eval_tasks``).
+        eval_limit: examples per task (0: all).
+        promote_on: ``val_loss`` or ``task:<task>/<metric>`` of a task in ``eval_tasks``.
         reachable: FSx, the registry and S3 can be read from here; False (``goodput run`` before submitting)
             leaves what needs them, and a model package installed only in the trainer image, to the step.
 
@@ -310,6 +320,13 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         if not isinstance(fields, dict):
             raise ValueError(f"model_config must be a JSON object of model fields, e.g. {{\"n_layers\": 8}}; got "
                              f"{model_config[:80]!r}")
+    if registry:
+        from components.register import check_registry_uri
+
+        check_registry_uri(registry)
+    from components.eval_tasks import check_task_settings
+
+    check_task_settings(eval_tasks, eval_limit, promote_on)
     root = str(fsx_root).rstrip("/")
     name = registry_name(model, model_name)
     source, init_dir = resolve_init_from(init_from, fsx_root=root, registry=registry, model_name=name,

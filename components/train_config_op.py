@@ -62,6 +62,9 @@ def train_config_op(
     extra_trainer_args: list = [],
     ckpt_mirror: str = "",
     require_mirror: bool = False,
+    eval_tasks: str = "",
+    eval_limit: int = 0,
+    promote_on: str = "val_loss",
 ) -> NamedTuple("TrainConfig", [("trainer_args", list), ("job_options", dict), ("run_dir", str),
                                 ("init_from_source", str), ("init_from_dir", str), ("model_name", str),
                                 ("baseline_dir", str), ("evaluate_accelerator", str), ("evaluate_gpus", int)]):
@@ -117,6 +120,9 @@ def train_config_op(
         extra_trainer_args: further trainer arguments.
         ckpt_mirror: s3://BUCKET/PREFIX the trainer mirrors committed checkpoints to; empty = none.
         require_mirror: any failure of the mirror fails the run (needs ckpt_mirror).
+        eval_tasks: evaluate's lm-evaluation-harness tasks (checked: names and task files; their data by evaluate).
+        eval_limit: examples per task (0: all).
+        promote_on: val_loss or task:<task>/<metric> (a task of eval_tasks).
     """
     from collections import namedtuple
 
@@ -136,6 +142,7 @@ def train_config_op(
         endpoint_url=endpoint_url,
         evaluate_gpu_resource=evaluate_gpu_resource, baseline=baseline, require_beat_baseline=require_beat_baseline,
         train_timeout_s=train_timeout_s, admission_timeout_s=admission_timeout_s,
-        stage_parallelism=stage_parallelism, ckpt_mirror=ckpt_mirror, require_mirror=require_mirror)
+        stage_parallelism=stage_parallelism, ckpt_mirror=ckpt_mirror, require_mirror=require_mirror,
+        eval_tasks=eval_tasks, eval_limit=eval_limit, promote_on=promote_on)
     print("trainer arguments:", " ".join(settings.trainer_args))
     return namedtuple("TrainConfig", settings._fields)(*settings)

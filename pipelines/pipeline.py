@@ -21,7 +21,7 @@ from components.stage_model_op import stage_model_op
 from components.train import TRAINER_IMAGE, train_op
 from components.train_config_op import train_config_op
 from pipelines import PIPELINE_NAME
-from pipelines.pods import FSX_MOUNT, on_fsx, placed, with_s3_secret
+from pipelines.pods import FSX_MOUNT, on_fsx, placed, with_mlflow_secret, with_s3_secret
 from pipelines.stage_pipeline import stage_pipeline
 
 UNIFORM_LOSS = 5.545177444479562       # ln 256: nats per byte of a uniform guess
@@ -84,6 +84,10 @@ def pipeline_parameters(
     evaluate_gpu_resource: str = "",
     model_name: str = "",
     registry: str = FSX_MOUNT + "/models",
+    mlflow_secret: str = "goodput-mlflow",
+    eval_tasks: str = "",
+    eval_limit: int = 0,
+    promote_on: str = "val_loss",
     trainer_image: str = TRAINER_IMAGE,
     nvrx_release: str = "",
     hot_spares: int = 0,
@@ -104,8 +108,9 @@ def pipeline_parameters(
          tokenized by ``tokenizer`` in up to ``stage_parallelism`` pods (plan, partitions, merge); beside it,
          stage init_from: an S3 model directory is copied to <fsx>/pretrained/<bucket>/<prefix> (atomically).
       3. train: {train}; writes <fsx>/runs/<run id>.
-      4. evaluate: every committed checkpoint on the validation split, report, promotion gate; a promoted
-         model is written to ``registry`` as a Hugging Face directory (model.pt for a model without one).
+      4. evaluate: every committed checkpoint on the validation split (and on ``eval_tasks``), report, promotion
+         gate; a promoted model is written to ``registry`` as a Hugging Face directory (model.pt for a model
+         without one), or registered in MLflow.
       5. register (only if promoted): the registered model becomes the run's Model artifact.
       Exit handler, whatever happened: delete a job the run left running.
 
@@ -174,7 +179,15 @@ def pipeline_parameters(
         evaluate_gpu_resource: the evaluate pod's GPU: nvidia.com/gpu, or a MIG slice such as
             nvidia.com/mig-3g.40gb (a whole GPU is waste for scoring); empty = a CPU pod.
         model_name: the model's name in the registry; empty = the model's (llama, bytegpt, your module's name).
-        registry: model registry, a directory on FSx or s3://bucket/prefix.
+        registry: model registry, a directory on FSx, s3://bucket/prefix, or an MLflow server: mlflow://HOST:PORT or
+            mlflow+https://HOST (a registered model version, the alias production moved on promotion).
+        mlflow_secret: Kubernetes secret with MLFLOW_TRACKING_TOKEN for an mlflow+https registry, used if it exists.
+        eval_tasks: lm-evaluation-harness tasks scored on each checkpoint, comma-separated: harness task names
+            (their datasets must be reachable from the evaluate pod), task files (.yaml) on FSx, or
+            s3://bucket/prefix/file.yaml (the prefix is copied with it); empty = none.
+        eval_limit: examples per task; 0 = all.
+        promote_on: val_loss, or task:<task>/<metric> (higher is better, e.g. task:arc_easy/acc_norm): picks the best
+            checkpoint and is compared with the production model's recorded score.
         trainer_image: image of the trainer pods.
         nvrx_release: the NVRx release in trainer_image (its io.goodput.nvrx-release label); the pods' launch
             command is built for it; empty = the release the project's trainer image pins.
@@ -253,7 +266,8 @@ def _wire(backend: str, *, local_nproc=None, local_nodes=None, **p) -> None:
             evaluate_gpu_resource=p["evaluate_gpu_resource"], baseline=p["baseline"],
             require_beat_baseline=p["require_beat_baseline"], train_timeout_s=p["train_timeout_s"],
             admission_timeout_s=p["admission_timeout_s"], stage_parallelism=p["stage_parallelism"],
-            ckpt_mirror=p["ckpt_mirror"], require_mirror=p["require_mirror"])
+            ckpt_mirror=p["ckpt_mirror"], require_mirror=p["require_mirror"], eval_tasks=p["eval_tasks"],
+            eval_limit=p["eval_limit"], promote_on=p["promote_on"])
         # FSx and the S3 secret: it checks that init_from exists and reads the registry's production model.
         step_pod(config).set_display_name("check settings").set_caching_options(False)
 
@@ -295,7 +309,9 @@ def _wire(backend: str, *, local_nproc=None, local_nodes=None, **p) -> None:
         evaluate = evaluate_op(run_dir=config.outputs["run_dir"], threshold=p["promotion_threshold"],
                                tolerance=p["promotion_tolerance"], model_name=config.outputs["model_name"],
                                registry=p["registry"], baseline=config.outputs["baseline_dir"],
-                               require_beat_baseline=p["require_beat_baseline"], endpoint_url=p["s3_endpoint_url"])
+                               require_beat_baseline=p["require_beat_baseline"], endpoint_url=p["s3_endpoint_url"],
+                               eval_tasks=p["eval_tasks"], eval_limit=p["eval_limit"], promote_on=p["promote_on"])
+        with_mlflow_secret(evaluate, p["mlflow_secret"])
         evaluate.after(train)                         # reads the run directory on FSx that train wrote
         step_pod(evaluate).set_display_name("evaluate").set_caching_options(False).set_retry(2, backoff_duration="60s")
         evaluate.set_cpu_request("4").set_memory_request("16Gi")
@@ -307,6 +323,7 @@ def _wire(backend: str, *, local_nproc=None, local_nodes=None, **p) -> None:
             register = register_op(model_uri=evaluate.outputs["model_uri"], registry=p["registry"],
                                    model_name=config.outputs["model_name"], endpoint_url=p["s3_endpoint_url"])
             step_pod(register).set_display_name("register").set_caching_options(False)
+            with_mlflow_secret(register, p["mlflow_secret"])
             register.set_retry(2, backoff_duration="30s")
 
 

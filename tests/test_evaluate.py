@@ -175,8 +175,10 @@ def test_promotion_gate_both_ways(trained, tmp_path, kind, request):
     assert (meta["step"], meta["metrics"]["val_loss"], meta["params_sha256"]) == \
         (best["step"], best["val_loss"], best["params_sha256"])
     assert meta["source_run"] == str(run.resolve()) and meta["model"]["config"]["n_embd"] == 64
-    # bytegpt has no Hugging Face adapter: one model.pt, and the metadata says so.
-    assert meta["format"] == "torch.save(state_dict)" and meta["files"] == ["model.pt"]
+    # bytegpt has no Hugging Face adapter: one model.pt (and its model card), and the metadata says so.
+    assert meta["format"] == "torch.save(state_dict)" and meta["files"] == ["README.md", "model.pt"]
+    card = _read(registry, f"bytegpt/{production['version']}/README.md", s3).decode()
+    assert f"checkpoint of step {best['step']}" in card and "load_state_dict" in card
     assert "no Hugging Face adapter" in meta["format_note"] and production["model_uri"].endswith("/model.pt")
     model_file = tmp_path / "model.pt"
     model_file.write_bytes(_read(registry, f"bytegpt/{production['version']}/model.pt", s3))

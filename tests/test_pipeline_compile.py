@@ -131,10 +131,17 @@ def test_platform_spec_mounts_places_and_uses_secrets(compiled):
         assert mount["mountPath"] == FSX
         # the pipeline's parameter, or the stage sub-pipeline's input it is passed to
         assert mount["pvcNameParameter"]["componentInputParameter"] in ("pipelinechannel--fsx_pvc", "fsx_pvc")
-        (secret,) = ex["secretAsEnv"]
+        secrets = {s["secretNameParameter"]["componentInputParameter"].removeprefix("pipelinechannel--"): s
+                   for s in ex["secretAsEnv"]}
+        # evaluate and register also read an MLflow registry's tracking token
+        assert set(secrets) == ({"s3_secret", "mlflow_secret"} if name in ("exec-evaluate-op", "exec-register-op")
+                                else {"s3_secret"})
+        secret = secrets["s3_secret"]
         assert secret["optional"] is True
-        assert secret["secretNameParameter"]["componentInputParameter"] in ("pipelinechannel--s3_secret", "s3_secret")
         assert {k["envVar"] for k in secret["keyToEnv"]} == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+        if "mlflow_secret" in secrets:
+            assert secrets["mlflow_secret"]["optional"] is True
+            assert [k["envVar"] for k in secrets["mlflow_secret"]["keyToEnv"]] == ["MLFLOW_TRACKING_TOKEN"]
     for name in ("exec-stage-plan-op", "exec-stage-partition-op", "exec-stage-merge-op", "exec-evaluate-op",
                  "exec-register-op", "exec-train-config-op", "exec-cleanup-op"):
         ex = executors[name]

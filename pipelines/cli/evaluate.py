@@ -23,7 +23,8 @@ import click
 @click.option("--tolerance", default=0.0, show_default=True,
               help="Promote only if the best loss is at most the production model's loss plus this.")
 @click.option("--registry", default=None,
-              help="Model registry, a directory or s3://BUCKET/PREFIX; the promoted model is written there and "
+              help="Model registry: a directory, s3://BUCKET/PREFIX, or an MLflow server (mlflow://HOST:PORT, "
+                   "mlflow+https://HOST; token in MLFLOW_TRACKING_TOKEN); the promoted model is written there and "
                    "the current production model is read from there. Without it nothing is written.")
 @click.option("--model-name", default="bytegpt", show_default=True, help="The model's name in the registry.")
 @click.option("--endpoint-url", default=None, help="S3-compatible endpoint for an s3:// registry.")
@@ -36,10 +37,18 @@ import click
                    "scored on the same windows; it must use the dataset's tokenizer.")
 @click.option("--require-beat-baseline", is_flag=True,
               help="Promote only if the best checkpoint's loss is below the baseline's (needs --baseline).")
+@click.option("--tasks", "eval_tasks", default="",
+              help="lm-evaluation-harness tasks scored on each checkpoint, comma-separated: harness task names "
+                   "(arc_easy), task files (.yaml) of your own, or s3://BUCKET/PREFIX/FILE.yaml.")
+@click.option("--limit", "eval_limit", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Examples per task (0: all).")
+@click.option("--promote-on", default="val_loss", show_default=True,
+              help="What picks the best checkpoint and gates it: val_loss, or task:TASK/METRIC (higher is better, "
+                   "compared with the production model's recorded score), e.g. task:arc_easy/acc_norm.")
 def evaluate(run_dir: Path, data_dir: Path | None, out_dir: Path | None, last_n: int, threshold: float,
              tolerance: float, registry: str | None, model_name: str, endpoint_url: str | None,
              max_windows: int | None, seq_len: int | None, baseline: Path | None,
-             require_beat_baseline: bool) -> None:
+             require_beat_baseline: bool, eval_tasks: str, eval_limit: int, promote_on: str) -> None:
     """Evaluate every committed checkpoint of RUN (or the last N), pick the best, gate promotion.
 
     Any model the run trained (bytegpt, llama, your package.module:function) is rebuilt from RUN/config.json.
@@ -52,6 +61,8 @@ def evaluate(run_dir: Path, data_dir: Path | None, out_dir: Path | None, last_n:
     Example:
       goodput evaluate --run fsx/runs/demo --data fsx/datasets/pystdlib/3.11 --registry fsx/models
       goodput evaluate --run fsx/runs/ft --baseline fsx/models/base --require-beat-baseline
+      goodput evaluate --run fsx/runs/demo --tasks evals/mc.yaml --limit 50 --promote-on task:mc/acc \
+        --registry mlflow://127.0.0.1:5000
     """
     if require_beat_baseline and baseline is None:
         raise click.UsageError("--require-beat-baseline needs --baseline DIR")
@@ -59,12 +70,14 @@ def evaluate(run_dir: Path, data_dir: Path | None, out_dir: Path | None, last_n:
     from rich.table import Table
 
     from components.evaluate import evaluate_run
+    from components.report import task_metrics
 
     # A bad argument (exit 2) and an EvaluationError (exit 1) are reported by the `goodput` group, as one line.
     result = evaluate_run(run_dir, data_dir, out_dir, last_n=last_n or None, threshold=threshold,
                           tolerance=tolerance, registry=registry, endpoint_url=endpoint_url,
                           model_name=model_name, max_windows=max_windows, seq_len=seq_len, baseline=baseline,
-                          require_beat_baseline=require_beat_baseline)
+                          require_beat_baseline=require_beat_baseline, eval_tasks=eval_tasks,
+                          eval_limit=eval_limit or None, promote_on=promote_on)
     table = Table(title=f"evaluation of {run_dir}")
     for col in ("step", "val loss", "bits/byte", ""):
         table.add_column(col, justify="right")
@@ -77,6 +90,15 @@ def evaluate(run_dir: Path, data_dir: Path | None, out_dir: Path | None, last_n:
         table.add_row("baseline", f"{result.baseline['val_loss']:.4f}", f"{result.baseline['bpb']:.4f}",
                       str(result.baseline["dir"]))
     Console().print(table)
+    metrics = task_metrics(result.to_dict())
+    if metrics:
+        tasks = Table(title="benchmark tasks (lm-evaluation-harness)")
+        for col in ["step", *(f"{t} {m}" for t, ms in metrics.items() for m in ms)]:
+            tasks.add_column(col, justify="right")
+        for c in result.checkpoints:
+            values = [c["tasks"].get(t, {}).get(m) for t, ms in metrics.items() for m in ms]
+            tasks.add_row(str(c["step"]), *("-" if v is None else f"{v:.4f}" for v in values))
+        Console().print(tasks)
     click.echo(("PROMOTED" if result.promoted else "not promoted") + f": {result.gate['reason']}")
     if result.registered:
         click.echo(f"registered {result.registered['model_uri']}")
