@@ -1,13 +1,14 @@
 """Documents out of staged files: plain text, JSONL (plain, gzip, zstd) and Parquet, read as streams.
 
-    for doc in read_documents(path, "jsonl", text_field="text", bad=counter): ...
+    for piece in read_documents(path, "jsonl", rel="shard-0.jsonl", text_field="text", bad=counter): ...
 
 A file's format is named by the ``data_format`` stage parameter or, with ``auto``, by its name:
 ``*.jsonl``, ``*.jsonl.gz``, ``*.jsonl.zst`` are JSONL, ``*.parquet`` is Parquet, anything else is
 plain text (one document per file). Records that cannot become a document are counted in ``bad`` by
 kind (``BAD_KINDS``) and left out; a file that cannot be read at all raises ``BadFile`` with its kind,
-and the caller drops everything that file produced. Memory stays bounded: JSONL is read a line at a
-time, Parquet a record batch of one column at a time.
+and the caller drops everything that file produced. Memory stays bounded: documents come out as pieces of
+at most ``piece_bytes`` (a JSONL line or a text file longer than that is parsed as it streams), Parquet a
+record batch of one column at a time.
 """
 
 from __future__ import annotations

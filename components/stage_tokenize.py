@@ -9,7 +9,8 @@ the same source and tokenizer always give byte-identical shards and manifest.
 Inside a stage, files are tokenized by a pool of processes (one per core; ``tokenizers`` runs
 single-threaded in each, so the cores are not oversubscribed). A worker streams one file - a batch of
 documents at a time - into a temporary token file; the parent appends those, in path order, to the
-pack's shards. Memory is a batch per worker whatever the file sizes.
+pack's shards. Memory is a batch (``batch_bytes``) per worker whatever the file sizes and document lengths:
+a long document is read and encoded in pieces (``components.stage_formats.Piece``).
 
 The workers run on a faster malloc than glibc's where one is installed (``worker_allocator``): a third of
 ``tokenizers``' encode time is spent in glibc's malloc and free, and mimalloc takes about 30% off a worker's

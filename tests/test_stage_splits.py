@@ -157,6 +157,28 @@ def test_a_dataset_card_names_the_splits(tmp_path):
     assert (src["by"], src["config"], src["left_out_files"]) == ("readme", "default", 3)
 
 
+def test_the_fan_out_reads_the_card_first_and_builds_the_single_stage_dataset(tmp_path):
+    from components.stage_fanout import merge_stage, plan_stage, stage_partition
+
+    # Not what the file names say: a plan that did not read the card would take the validation shard.
+    card = ("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-0000[01]-*\n"
+            "  - split: test\n    path: data/train-00002-*\n---\n")
+    hf_parquet_repo(tmp_path / "src", card)
+    stage_dataset(str(tmp_path / "src"), tmp_path / "fsx", "f", "single", workers=1, pack_bytes=3000)
+    parts = plan_stage(str(tmp_path / "src"), tmp_path / "fsx", "f", "fan", stage_parallelism=3,
+                       partition_min_bytes=1, pack_bytes=3000)
+    assert len(parts) == 3
+    for i in parts:
+        stage_partition(tmp_path / "fsx", "f", "fan", i, workers=1)
+    merge_stage(tmp_path / "fsx", "f", "fan")
+    single, fan = (tmp_path / "fsx" / "datasets" / "f" / v for v in ("single", "fan"))
+    files = sorted(p.relative_to(single).as_posix() for p in single.rglob("*") if ".stage" not in p.parts)
+    assert files == sorted(p.relative_to(fan).as_posix() for p in fan.rglob("*") if ".stage" not in p.parts)
+    assert all((single / f).read_bytes() == (fan / f).read_bytes() for f in files if (single / f).is_file())
+    assert read_manifest(fan)["split_source"]["by"] == "readme"
+    assert {n.rsplit("-", 1)[0] for n in names_in(fan, "val")} == {"train-00002"}
+
+
 def test_globs_override_the_source_layout_and_the_document_split(tmp_path):
     docs = hf_parquet_repo(tmp_path / "hf")
     runner = CliRunner()
