@@ -287,7 +287,8 @@ class _LongRecord:
         text = ""
         try:
             self._expect(b"{")
-            while self._peek() != ord("}"):
+            end = self._peek() == ord("}")
+            while not end:
                 name = json.loads(b'"' + b"".join(self._raw_string(self.size)) + b'"')
                 self._expect(b":")
                 if name == text_field and not found and self._peek() == ord('"'):
@@ -299,9 +300,10 @@ class _LongRecord:
                             text, started = json.loads(b'"' + raw + b'"'), True
                 else:
                     self._skip_value()
-                if self._peek() == ord(","):
-                    self.i += 1
-            self.i += 1
+                end = self._peek() == ord("}")
+                if not end:
+                    self._expect(b",")
+            self.i += 1                            # the closing brace
             if self._peek() >= 0:
                 raise _Malformed                   # something after the object
         except (_Malformed, ValueError, UnicodeDecodeError) as e:

@@ -221,9 +221,10 @@ def _tokenize_file(job: tuple[str, str, str]) -> dict:
                                 as_bytes=tok is None, bad=bad, piece_bytes=limit)
         for piece in pieces:
             if piece.text is None:            # the long document turned out bad: take back what it wrote
-                flush()
-                outs[split].rollback(mark)
-                split = None
+                if split is not None:
+                    flush()
+                    outs[split].rollback(mark)
+                    split = None
                 continue
             if split is None:                 # a document starts
                 split = rule if rule != "documents" else document_split(piece.key, _W["threshold"])

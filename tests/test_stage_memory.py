@@ -122,3 +122,34 @@ def test_pieces_cut_at_spaces_give_the_tokens_of_the_whole_document(tmp_path, to
     n = len(tok.encode(head, add_special_tokens=False).ids)
     assert got[:n] == whole[:n] and got[-1] == eos
     assert tok.decode(got[:-1]) == doc
+
+
+def test_a_long_record_that_turns_out_bad_is_taken_back_whole(tmp_path, tokenizer_json):
+    from tokenizers import Tokenizer
+
+    src = tmp_path / "src"
+    src.mkdir()
+    good = [long_text(30_000), "short and fine", long_text(9_000)]
+    lines = [json.dumps({"text": good[0]}),
+             '{"text": "' + "word " * 3000 + '\\q"}',                 # a bad escape after pieces went out
+             json.dumps({"text": good[1]}),
+             '{"text": "' + "word " * 1000 + 'torn',                  # the line ends inside the string
+             '{"text": "' + "x" * 5000 + '", }',                       # bad JSON after the text
+             json.dumps({"text": good[2]})]
+    (src / "a.jsonl").write_text("\n".join(lines) + "\n")
+    stage_dataset(str(src), tmp_path / "fsx", "b", "1", tokenizer=str(tokenizer_json), val_percent=0,
+                  batch_bytes=4096, workers=1)
+    m = read_manifest(tmp_path / "fsx" / "datasets" / "b" / "1")
+    assert m["bad_records"]["by_kind"] == {"malformed_json": 3}
+    assert m["splits"]["train"]["documents"] == 3
+    tok = Tokenizer.from_file(str(tokenizer_json))
+    got = Split.open(tmp_path / "fsx" / "datasets" / "b" / "1", "train").tokens[:].tolist()
+    eos = tok.token_to_id("<|endoftext|>")
+    docs, cur = [], []
+    for t in got:
+        if t == eos:
+            docs.append(tok.decode(cur))
+            cur = []
+        else:
+            cur.append(t)
+    assert docs == good
