@@ -197,9 +197,11 @@ def _tokenize_file(job: tuple[str, str, str]) -> dict:
         if not batch:
             return
         if tok is None:                   # the byte vocabulary: a document's UTF-8 bytes are its tokens
-            encoded = [p if isinstance(p, bytes) else p.encode() for _, p, _ in batch]
-            for (split, _, last), data in zip(batch, encoded):
-                outs[split].write(data, len(data), len(data), int(last))
+            for split in SPLITS:
+                mine = [(p if isinstance(p, bytes) else p.encode(), last) for s, p, last in batch if s == split]
+                if mine:
+                    data = b"".join(d for d, _ in mine)
+                    outs[split].write(data, len(data), len(data), sum(last for _, last in mine))
         else:
             ids = [e.ids for e in tok.encode_batch_fast([p for _, p, _ in batch], add_special_tokens=False)]
             for split in SPLITS:

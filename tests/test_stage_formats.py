@@ -371,7 +371,7 @@ def test_cli_reports_bad_records_and_fails_under_the_fail_policy(tmp_path):
     res = CliRunner().invoke(cli, [*args, "--version", "1"])
     assert res.exit_code == 0, res.output
     assert "12 bad records in 12 files were left out (12 malformed_json)" in res.output
-    assert "uint16 tokens (vocabulary 300)" in res.output
+    assert "uint16 tokens (vocabulary 300; splits by document, 20% for validation)" in res.output
     res = CliRunner().invoke(cli, [*args, "--version", "2", "--bad-records", "fail"])
     assert res.exit_code == 1 and "d0.jsonl: 1 malformed_json" in res.output, res.output
     assert not (tmp_path / "fsx" / "datasets" / "cli" / "2" / "manifest.json").exists()
