@@ -29,6 +29,15 @@ endpoint is the bottleneck; on a small machine the client's CPU competes with it
 work the GET-only ceiling leaves out (moto: ~0.5 ms of CPU per key against ~7 ms per GET), so the table
 also prints the ceiling of a whole stage: every GET at the ceiling's rate plus the listing alone.
 
+Peak memory (``--memory``, no S3, about 5 minutes and 7 GB of disk under --work): ``goodput stage`` of a
+``--jsonl-gb`` GB JSONL file (4 kB documents, the byte vocabulary) and of a ``--doc-mb`` MB single document
+(one JSONL line, a byte-level BPE of 400 tokens made here), each generated in --work from a repeated block and
+staged in a fresh process with one tokenizer process (a single file is one job: the stage's own process
+tokenizes it); prints the process's peak resident memory (``VmHWM``) before and after, with ``batch_bytes``:
+
+    python bench/stage.py --memory                         # 2 GB file, 200 MB document, batch_bytes 4 MiB
+    python bench/stage.py --memory --batch-bytes 1048576
+
 ``goodput stage`` also builds the dataset (reads every file, hashes it, writes token shards), which
 ``aws s3 sync`` does not do: its list+transfer time (list, download, verify, rename; listing overlaps the
 downloads as in ``aws s3 sync``) is what the goals compare, and the end-to-end time including the build
@@ -193,6 +202,75 @@ def count_files(path: Path) -> int:
     return sum(len(f) for _, _, f in os.walk(path))
 
 
+PEAK = r"""
+import json, re, sys, time
+def peak_mb():
+    # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork and exec.
+    return int(re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) / 1024
+from components.stage import stage_dataset
+import tokenizers, numpy, pyarrow.parquet   # what the stage imports, before the baseline
+before = peak_mb()
+src, fsx, tok, batch = sys.argv[1:5]
+t0 = time.monotonic()
+r = stage_dataset(src, fsx, "m", "1", tokenizer=tok, val_percent=0, batch_bytes=int(batch))
+print(json.dumps({"before_mb": before, "peak_mb": peak_mb(), "wall_s": time.monotonic() - t0,
+                  "tokens": r.train_tokens, "workers": 1}))
+"""
+# JSON-escaped text (non-ASCII as \u escapes, quotes), written as is into the JSONL files.
+BLOCK = (r"a long document is read and tokenized in pieces cut at spaces, so the tokenizer sees whole words: "
+         r"caf\u00e9 na\u00efve \u6771\u4eac \"quoted\" ")
+
+
+def memory(args) -> None:
+    """Peak memory of a stage of a large file and of a long document (see the module's docstring)."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+
+    work = Path(args.work or tempfile.mkdtemp(prefix="bench-stage-memory-"))
+    work.mkdir(parents=True, exist_ok=True)
+    root = Path(__file__).resolve().parent.parent
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.train_from_iterator([json.loads(f'"{BLOCK}"') * 20], trainers.BpeTrainer(
+        vocab_size=400, special_tokens=["<|endoftext|>"], initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False))
+    tok.save(str(work / "tokenizer.json"))
+    try:
+        cases = []
+        big = work / "big" / "corpus.jsonl"
+        big.parent.mkdir(exist_ok=True)
+        line = f'{{"text": "{BLOCK * (4000 // len(BLOCK))}"}}\n'
+        block = (line * 256).encode()
+        with open(big, "wb") as f:
+            for _ in range(int(args.jsonl_gb * 1024 ** 3) // len(block)):
+                f.write(block)
+        cases.append((f"{big.stat().st_size / 1024 ** 3:.2f} GB JSONL file, 4 kB documents, bytes", big.parent,
+                      "bytes"))
+        doc = work / "doc" / "one.jsonl"
+        doc.parent.mkdir(exist_ok=True)
+        with open(doc, "wb") as f:
+            f.write(b'{"id": 1, "text": "')
+            piece = (BLOCK * 1000).encode()
+            for _ in range(int(args.doc_mb * 1024 * 1024) // len(piece)):
+                f.write(piece)
+            f.write(b'"}\n')
+        cases.append((f"{doc.stat().st_size / 1024 ** 2:.0f} MB single document, BPE 400", doc.parent,
+                      str(work / "tokenizer.json")))
+        for name, src, tokenizer in cases:
+            out = subprocess.run([sys.executable, "-c", PEAK, str(src), str(work / f"fsx-{src.name}"), tokenizer,
+                                  str(args.batch_bytes)], capture_output=True, text=True, cwd=root,
+                                 env={**os.environ, "PYTHONPATH": str(root)})
+            if out.returncode:
+                raise SystemExit(out.stderr[-3000:])
+            m = json.loads(out.stdout.splitlines()[-1])
+            print(f"{name}: peak {m['peak_mb']:.0f} MB (after imports {m['before_mb']:.0f} MB: the stage "
+                  f"added {m['peak_mb'] - m['before_mb']:.0f} MB) with batch_bytes {args.batch_bytes:,}; "
+                  f"{m['tokens']:,} tokens in {m['wall_s']:.0f} s", flush=True)
+            shutil.rmtree(work / f"fsx-{src.name}", ignore_errors=True)
+    finally:
+        if not args.work:
+            shutil.rmtree(work, ignore_errors=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--small", type=int, default=10_000, help="small objects")
@@ -203,7 +281,14 @@ def main() -> None:
                    help="concurrent requests of both tools (default: the ceiling's best thread count)")
     p.add_argument("--ceiling-threads", default="8,16,32,64", help="thread counts tried for the ceiling")
     p.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temp dir)")
+    p.add_argument("--memory", action="store_true", help="measure peak memory instead (see above)")
+    p.add_argument("--jsonl-gb", type=float, default=2.0, help="--memory: GB of the JSONL file")
+    p.add_argument("--doc-mb", type=float, default=200.0, help="--memory: MB of the single document")
+    p.add_argument("--batch-bytes", type=int, default=4 * 1024 * 1024, help="--memory: the stage's batch_bytes")
     args = p.parse_args()
+    if args.memory:
+        memory(args)
+        return
     if shutil.which("aws") is None:
         raise SystemExit("aws CLI not found: python -m pip install awscli")
     os.environ.update(CREDENTIALS)

@@ -58,8 +58,9 @@ from typing import Any, Iterator, NamedTuple, Protocol
 
 from components.s3 import s3_client
 from components.stage_formats import BadFile, detect_format, read_documents
-from components.stage_tokenize import (BAD_RECORD_POLICIES, PACK_BYTES, BadRecordsError, ReadConfig, dataset_manifest,
-                                       plan_packs, tokenize_packs, worker_allocator)
+from components.stage_splits import README, SplitPlan, resolve_splits
+from components.stage_tokenize import (BAD_RECORD_POLICIES, BATCH_BYTES, PACK_BYTES, BadRecordsError, ReadConfig,
+                                       dataset_manifest, plan_packs, tokenize_packs, worker_allocator)
 from components.stage_tokenizer import (TokenizerInfo, TokenizerSpec, check_tokenizer_source, parse_tokenizer,
                                         stage_tokenizer)
 from trainer.layout import write_atomic
@@ -74,6 +75,7 @@ NAME_MAX = 255        # bytes in one path component (Linux, Lustre)
 PATH_MAX = 4096       # bytes in a whole path
 MB = 1024 * 1024
 CHUNK = MB           # bytes per read of an object body
+MIN_BATCH_BYTES = 4096
 
 
 class StageError(RuntimeError):
@@ -120,6 +122,7 @@ class StageResult:
     vocab_size: int = 0
     tokenizer: dict = field(default_factory=dict)       # the manifest's tokenizer entry
     bad_records: dict = field(default_factory=dict)     # the manifest's bad_records: total, by_kind, files
+    split_source: dict = field(default_factory=dict)    # the manifest's split_source: how the splits were found
     rebuilt: bool = False          # False: nothing changed, the existing manifest was kept
     list_s: float = 0.0
     transfer_s: float = 0.0
@@ -588,10 +591,13 @@ class DatasetSettings:
     text_column: str = "text"            # Parquet column holding a document
     include: tuple[str, ...] = ()        # globs of paths under the source to stage (none: all)
     exclude: tuple[str, ...] = ()        # globs of paths to leave out
-    val_percent: int = 5                 # share of files, by path hash, in the validation split
+    val_percent: int = 5                 # share of documents (by key hash) in validation, when the source has no split
     bad_record_policy: str = "skip"      # skip (leave out, count, report) | fail (stop the stage)
     bpe_sample_bytes: int = 256 * MB     # source bytes of training files a bpe: tokenizer is trained on
     pack_bytes: int = PACK_BYTES         # source bytes per pack of shards (see components.stage_tokenize)
+    train_glob: tuple[str, ...] = ()     # globs of the training split's files (components.stage_splits)
+    val_glob: tuple[str, ...] = ()       # globs of the validation split's files
+    batch_bytes: int = BATCH_BYTES       # text a tokenizer process holds at once: a batch, or a long document's piece
 
     def check(self) -> TokenizerSpec:
         """ValueError for a bad setting (before anything is written); the parsed tokenizer."""
@@ -602,12 +608,19 @@ class DatasetSettings:
             raise ValueError(f"val_percent must be between 0 and 50, got {self.val_percent}")
         if self.pack_bytes < 1 or self.bpe_sample_bytes < 1:
             raise ValueError("pack_bytes and bpe_sample_bytes must be positive")
+        if self.batch_bytes < MIN_BATCH_BYTES:
+            raise ValueError(f"batch_bytes must be at least {MIN_BATCH_BYTES}, got {self.batch_bytes}")
         return parse_tokenizer(self.tokenizer)
 
     def to_dict(self) -> dict:
         d = asdict(self)
-        d["include"], d["exclude"] = list(self.include), list(self.exclude)
+        for name in ("include", "exclude", "train_glob", "val_glob"):
+            d[name] = list(d[name])
         return d
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "DatasetSettings":
+        return cls(**{k: tuple(v) if isinstance(v, list) else v for k, v in d.items()})
 
     @property
     def read(self) -> ReadConfig:
@@ -652,6 +665,9 @@ def stage_dataset(
     max_attempts: int = 10,
     verify_etag: bool = True,
     val_percent: int = 5,
+    train_glob: str | list[str] | tuple[str, ...] = (),
+    val_glob: str | list[str] | tuple[str, ...] = (),
+    batch_bytes: int = BATCH_BYTES,
     fsx_dra: bool = False,
     hsm_batch_size: int = 500,
     hsm_poll_s: float = 2.0,
@@ -688,7 +704,15 @@ def stage_dataset(
             client down after throttling; see ``s3_client``).
         max_attempts: attempts per request, first try included.
         verify_etag: compare the MD5 of single-part objects with their ETag (turn off for SSE-KMS buckets).
-        val_percent: share of files, by path hash, in the validation split.
+        val_percent: when the source has no splits of its own: the share of documents in the validation
+            split, drawn by a hash of each document's ``id`` (else its file's path and position); a plain text
+            file is one document, drawn by its path. See ``components.stage_splits``.
+        train_glob: globs (or one comma-separated string) of the training split's files; with ``val_glob``
+            they override the source's own splits (files matching neither are left out).
+        val_glob: globs of the validation split's files; given alone, every other file is training.
+        batch_bytes: text a tokenizer process encodes at once, and the longest piece a document (or a JSONL
+            line) is read in: a process's memory is a few times this, whatever a file's size or a
+            document's length.
         fsx_dra: ``raw/`` is linked to the bucket by an FSx data repository association: preload its files
             with ``lfs hsm_restore`` instead of copying.
         hsm_batch_size: files per ``lfs hsm_restore`` call in that mode.
@@ -706,7 +730,8 @@ def stage_dataset(
     """
     t_start = time.monotonic()
     settings = DatasetSettings(tokenizer, data_format, text_field, text_column, split_globs(include),
-                               split_globs(exclude), val_percent, bad_record_policy, bpe_sample_bytes, pack_bytes)
+                               split_globs(exclude), val_percent, bad_record_policy, bpe_sample_bytes, pack_bytes,
+                               split_globs(train_glob), split_globs(val_glob), batch_bytes)
     spec = settings.check()
     worker_allocator()                   # a bad GOODPUT_TOKENIZE_MALLOC fails here, not after the downloads
     if refused_key_policy not in ("skip", "fail"):
@@ -1004,10 +1029,14 @@ def manifest_extra(objects: list[StagedObject], settings: DatasetSettings, refus
             "stage": stage}
 
 
-def splits_of(objects: list[StagedObject], val_percent: int) -> dict[str, str]:
-    from trainer.data import split_of
-
-    return {o.rel: split_of(o.rel, val_percent) for o in objects}
+def split_plan(dest: Path, objects: list[StagedObject], settings: DatasetSettings) -> SplitPlan:
+    """Each staged file's split (``components.stage_splits``), from the globs, the dataset card in ``raw/``
+    (fetched before this is called), the file names, or by document."""
+    rels = sorted(o.rel for o in objects)
+    readme = dest / "raw" / README
+    return resolve_splits(rels, train_glob=settings.train_glob, val_glob=settings.val_glob,
+                          val_percent=settings.val_percent, data_format=settings.data_format,
+                          readme=readme.read_bytes() if README in rels and readme.is_file() else None)
 
 
 class DatasetBuilder:
@@ -1019,26 +1048,38 @@ class DatasetBuilder:
         self.dest, self.uri, self.settings, self.spec = dest, uri, settings, spec
         self.endpoint_url, self.workers, self.result = endpoint_url, workers, result
 
-    def bpe_sample(self, objects: list[StagedObject]) -> list[StagedObject]:
-        """The training files a ``bpe:`` tokenizer learns from: path order, up to bpe_sample_bytes."""
-        splits, sample, size = splits_of(objects, self.settings.val_percent), [], 0
+    def bpe_sample(self, objects: list[StagedObject], plan: SplitPlan | None = None) -> list[StagedObject]:
+        """The files a ``bpe:`` tokenizer learns from, in path order, up to bpe_sample_bytes: files of the
+        training split or split by document (their validation documents are skipped); with ``plan`` None
+        (the card is not fetched yet) every file that may be one."""
+        sample, size = [], 0
         for o in sorted(objects):
-            if splits[o.rel] == "train" and (not sample or size + o.size <= self.settings.bpe_sample_bytes):
-                sample.append(o)
-                size += o.size
+            if plan is None or plan.rules.get(o.rel) in ("train", "documents"):
+                if not sample or size + o.size <= self.settings.bpe_sample_bytes:
+                    sample.append(o)
+                    size += o.size
         return sample
 
-    def tokenizer(self, objects: list[StagedObject]) -> TokenizerInfo:
-        """Stage the tokenizer next to the dataset (training it first for ``bpe:``)."""
+    def tokenizer(self, objects: list[StagedObject], plan: SplitPlan) -> TokenizerInfo:
+        """Stage the tokenizer next to the dataset (training it first for ``bpe:``, on training documents)."""
+        from components.stage_splits import document_split, val_threshold
+
         raw = self.dest / "raw"
-        read = self.settings.read
+        read, threshold = self.settings.read, val_threshold(self.settings.val_percent)
 
         def documents() -> Iterator[str]:
-            for o in self.bpe_sample(objects):
+            for o in self.bpe_sample(objects, plan):
+                by_document, keep = plan.rules[o.rel] == "documents", None
                 try:
-                    yield from read_documents(raw / o.rel, detect_format(o.rel, read.data_format),
-                                              text_field=read.text_field, text_column=read.text_column,
-                                              bad=Counter())
+                    for piece in read_documents(raw / o.rel, detect_format(o.rel, read.data_format), rel=o.rel,
+                                                text_field=read.text_field, text_column=read.text_column,
+                                                bad=Counter(), piece_bytes=self.settings.batch_bytes):
+                        if keep is None:          # a document starts
+                            keep = not by_document or document_split(piece.key, threshold) == "train"
+                        if keep and piece.text:
+                            yield piece.text
+                        if piece.last:
+                            keep = None
                 except BadFile:
                     continue         # counted when the file is tokenized
 
@@ -1056,19 +1097,21 @@ class DatasetBuilder:
         unchanged = (previous is not None and (self.dest / "manifest.json").exists() and result.transferred == 0
                      and result.removed == 0 and previous.get("source") == self.uri
                      and all(previous.get(k) == v for k, v in extra.items()))
+        plan = split_plan(self.dest, objects, self.settings)
         if unchanged and self.spec.kind == "file":
             # The file may have changed where it came from: fetch it again, and compare.
-            unchanged = self.tokenizer(objects).sha256 == (previous.get("tokenizer") or {}).get("sha256")
+            unchanged = self.tokenizer(objects, plan).sha256 == (previous.get("tokenizer") or {}).get("sha256")
         if unchanged:
             manifest = previous
         else:
             retire_manifest(self.dest)
-            info = self.tokenizer(objects)
+            info = self.tokenizer(objects, plan)
             if progress is not None:
-                progress.tokenizing(len(objects))
-            dtype, entries, shards = tokenize_objects(self.dest, objects, self.settings, info, state / "tok",
+                progress.tokenizing(len(plan.rules))
+            dtype, entries, shards = tokenize_objects(self.dest, objects, self.settings, plan, info, state / "tok",
                                                       self.workers, result, progress)
-            manifest = assemble_manifest(self.uri, self.settings, info, dtype, entries, shards, extra, result)
+            manifest = assemble_manifest(self.uri, self.settings, plan, info, dtype, entries, shards, extra,
+                                         result)
             write_atomic(self.dest / "manifest.json", json.dumps(manifest, indent=1).encode())
             remove_unlisted_shards(self.dest, manifest)
             (self.dest / STAGE_DIR / PREVIOUS_MANIFEST).unlink(missing_ok=True)
@@ -1077,8 +1120,9 @@ class DatasetBuilder:
         result.build_s = round(time.monotonic() - t0, 3)
 
 
-def tokenize_objects(dest: Path, objects: list[StagedObject], settings: DatasetSettings, info: TokenizerInfo,
-                     tmp_dir: Path, workers: int | None, result: StageResult, progress: StageProgress | None = None,
+def tokenize_objects(dest: Path, objects: list[StagedObject], settings: DatasetSettings, plan: SplitPlan,
+                     info: TokenizerInfo, tmp_dir: Path, workers: int | None, result: StageResult,
+                     progress: StageProgress | None = None,
                      packs: list[int] | None = None) -> tuple[str, list[dict], dict[int, dict]]:
     """Tokenize the staged ``objects`` (all packs, or a fan-out worker's ``packs``) into shards in ``dest``:
     (token dtype, file entries, {pack: {split: shard}})."""
@@ -1088,9 +1132,9 @@ def tokenize_objects(dest: Path, objects: list[StagedObject], settings: DatasetS
     layout = plan_packs([(o.rel, o.size) for o in objects], settings.pack_bytes)
     chosen = {i: layout[i] for i in (range(len(layout)) if packs is None else packs)}
     try:
-        entries, shards = tokenize_packs(dest / "raw", dest, chosen, splits_of(objects, settings.val_percent),
-                                         read=settings.read, tokenizer=info, dtype=dtype,
-                                         bad_record_policy=settings.bad_record_policy, tmp_dir=tmp_dir,
+        entries, shards = tokenize_packs(dest / "raw", dest, chosen, plan.rules, read=settings.read, tokenizer=info,
+                                         dtype=dtype, bad_record_policy=settings.bad_record_policy, tmp_dir=tmp_dir,
+                                         val_percent=settings.val_percent, batch_bytes=settings.batch_bytes,
                                          workers=workers, progress=progress)
     except BadRecordsError as e:
         raise StageRefused(str(e), result) from e
@@ -1102,11 +1146,13 @@ def tokenize_objects(dest: Path, objects: list[StagedObject], settings: DatasetS
     return dtype, entries, shards
 
 
-def assemble_manifest(uri: str, settings: DatasetSettings, info: TokenizerInfo, dtype: str, entries: list[dict],
-                      shards: dict[int, dict], extra: dict, result: StageResult) -> dict:
+def assemble_manifest(uri: str, settings: DatasetSettings, plan: SplitPlan, info: TokenizerInfo, dtype: str,
+                      entries: list[dict], shards: dict[int, dict], extra: dict, result: StageResult) -> dict:
+    # val_percent=0 asks for no validation split; a split the source names must hold documents.
+    need_val = plan.source["by"] != "document" or settings.val_percent > 0
     try:
         return dataset_manifest(source=uri, tokenizer=info, dtype=dtype, read=settings.read, entries=entries,
-                                shards=shards, val_percent=settings.val_percent, extra=extra)
+                                shards=shards, split_source=plan.source, need_val=need_val, extra=extra)
     except ValueError as e:
         raise StageError(f"staged {len(entries)} files, but the dataset cannot be built: {e}", result) from e
 
@@ -1119,6 +1165,7 @@ def summarise(manifest: dict, result: StageResult) -> None:
     result.vocab_size = manifest["vocab_size"]
     result.tokenizer = manifest.get("tokenizer") or {"kind": "bytes"}
     result.bad_records = manifest.get("bad_records") or {"total": 0, "by_kind": {}, "files": 0, "examples": []}
+    result.split_source = manifest.get("split_source") or {"by": "file"}
 
 
 def _stage_dra(uri: str, dest: Path, raw: Path, result: StageResult, build: DatasetBuilder, batch_size: int,

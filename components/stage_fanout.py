@@ -27,9 +27,10 @@ from components.stage import (JOURNAL, PREVIOUS_MANIFEST, STAGE_DIR, DatasetBuil
                               StagedObject, StageError, StageLock, StageRefused, StageResult, assemble_manifest,
                               check_keys, dataset_dir, log_refused, manifest_extra, parse_source,
                               read_previous_manifest, refused_message, remove_stale_files, remove_unlisted_shards,
-                              retire_manifest, size_on_disk, split_globs, summarise, sync_raw, tokenize_objects,
-                              unique_refused)
-from components.stage_tokenize import PACK_BYTES, partitions, plan_packs, worker_allocator
+                              retire_manifest, size_on_disk, split_globs, split_plan, summarise, sync_raw,
+                              tokenize_objects, unique_refused)
+from components.stage_splits import README, SplitPlan
+from components.stage_tokenize import BATCH_BYTES, PACK_BYTES, partitions, plan_packs, worker_allocator
 from components.stage_tokenizer import TokenizerInfo, check_tokenizer_source
 from trainer.data import read_manifest
 from trainer.layout import write_atomic
@@ -55,6 +56,10 @@ def _objects(plan: dict) -> list[StagedObject]:
     return [StagedObject(*o) for o in plan["objects"]]
 
 
+def _split_plan(plan: dict) -> SplitPlan:
+    return SplitPlan(plan["split_rules"], plan["split_source"])
+
+
 def plan_stage(
     source: str,
     fsx_root: str | Path,
@@ -70,10 +75,13 @@ def plan_stage(
     include: str | list[str] | tuple[str, ...] = (),
     exclude: str | list[str] | tuple[str, ...] = (),
     val_percent: int = 5,
+    train_glob: str | list[str] | tuple[str, ...] = (),
+    val_glob: str | list[str] | tuple[str, ...] = (),
     bad_record_policy: str = "skip",
     refused_key_policy: str = "fail",
     bpe_sample_bytes: int = 256 * MB,
     pack_bytes: int = PACK_BYTES,
+    batch_bytes: int = BATCH_BYTES,
     partition_min_bytes: int = 1024 * MB,
     max_concurrency: int = 32,
 ) -> list[int]:
@@ -87,7 +95,8 @@ def plan_stage(
     """
     t0 = time.monotonic()
     settings = DatasetSettings(tokenizer, data_format, text_field, text_column, split_globs(include),
-                               split_globs(exclude), val_percent, bad_record_policy, bpe_sample_bytes, pack_bytes)
+                               split_globs(exclude), val_percent, bad_record_policy, bpe_sample_bytes, pack_bytes,
+                               split_globs(train_glob), split_globs(val_glob), batch_bytes)
     spec = settings.check()
     if stage_parallelism < 1 or partition_min_bytes < 1:
         raise ValueError(f"stage_parallelism and partition_min_bytes must be at least 1, got {stage_parallelism} "
@@ -128,17 +137,22 @@ def plan_stage(
         (dest / "raw").mkdir(exist_ok=True)
         result.removed = remove_stale_files(dest / "raw", {o.rel for o in objects})
         shutil.rmtree(state / PARTS, ignore_errors=True)
+        # The dataset card decides the splits, and a bpe: tokenizer learns from the sample files: fetch those
+        # first (the workers will skip them).
+        first = [o for o in objects if o.rel == README]
         if spec.kind == "bpe":
-            # The tokenizer learns from the sample files: fetch those first (the workers will skip them).
-            sample = build.bpe_sample(objects)
-            sync_raw(src, iter([[(o.key, o.size, o.etag) for o in sample]]), dest / "raw", state / "plan", dest,
+            first += [o for o in build.bpe_sample(objects) if o.rel != README]
+        if first:
+            sync_raw(src, iter([[(o.key, o.size, o.etag) for o in first]]), dest / "raw", state / "plan", dest,
                      result, None, remove_stale=False, t_start=t0)
-        info = build.tokenizer(objects)
+        splits = split_plan(dest, objects, settings)
+        info = build.tokenizer(objects, splits)
         packs = plan_packs([(o.rel, o.size) for o in objects], pack_bytes)
         total = sum(o.size for o in objects)
         parts = partitions(len(packs), min(stage_parallelism, -(-total // partition_min_bytes)))
         plan = {"source": uri, "settings": settings.to_dict(), "tokenizer": info.to_dict(),
-                "objects": [list(o) for o in objects], "refused": refused, "excluded": result.excluded,
+                "objects": [list(o) for o in objects], "split_rules": splits.rules, "split_source": splits.source,
+                "refused": refused, "excluded": result.excluded,
                 "removed": result.removed, "partitions": parts}
         write_atomic(state / PLAN, json.dumps(plan).encode())
     return list(range(len(parts)))
@@ -154,7 +168,8 @@ def _unchanged(dest: Path, uri: str, objects: list[StagedObject], settings: Data
     if any(size_on_disk(str(dest / "raw" / o.rel)) != o.size for o in objects):
         return False
     # A tokenizer file may have changed where it came from (for bpe: the data decides, and it is unchanged).
-    return build.spec.kind != "file" or build.tokenizer(objects).sha256 == previous["tokenizer"]["sha256"]
+    return build.spec.kind != "file" or build.tokenizer(objects, split_plan(dest, objects, settings)).sha256 \
+        == previous["tokenizer"]["sha256"]
 
 
 def stage_partition(fsx_root: str | Path, name: str, version: str, partition: int, endpoint_url: str | None = None,
@@ -168,8 +183,7 @@ def stage_partition(fsx_root: str | Path, name: str, version: str, partition: in
     if plan.get("unchanged"):
         return StageResult(source=plan["source"], dataset_dir=str(dest))
     worker_allocator()                   # a bad GOODPUT_TOKENIZE_MALLOC fails before the downloads
-    settings = DatasetSettings(**{**plan["settings"], "include": tuple(plan["settings"]["include"]),
-                                  "exclude": tuple(plan["settings"]["exclude"])})
+    settings = DatasetSettings.from_dict(plan["settings"])
     objects = _objects(plan)
     packs = plan["partitions"][partition]
     layout = plan_packs([(o.rel, o.size) for o in objects], settings.pack_bytes)
@@ -182,8 +196,8 @@ def stage_partition(fsx_root: str | Path, name: str, version: str, partition: in
                                                                       if o.rel in mine]]),
                  dest / "raw", state, dest, result, None, remove_stale=False, t_start=t0)
         info = TokenizerInfo(**plan["tokenizer"])
-        dtype, entries, shards = tokenize_objects(dest, objects, settings, info, state / "tok", workers, result,
-                                                  packs=packs)
+        dtype, entries, shards = tokenize_objects(dest, objects, settings, _split_plan(plan), info, state / "tok",
+                                                  workers, result, packs=packs)
         (dest / STAGE_DIR / PARTS).mkdir(exist_ok=True)
         write_atomic(dest / STAGE_DIR / PARTS / f"{partition:05d}.json",
                      json.dumps({"dtype": dtype, "entries": entries, "shards": shards}).encode())
@@ -204,8 +218,7 @@ def merge_stage(fsx_root: str | Path, name: str, version: str) -> StageResult:
         return result
     result = StageResult(source=plan["source"], dataset_dir=str(dest), refused=plan["refused"],
                          excluded=plan["excluded"], removed=plan["removed"])
-    settings = DatasetSettings(**{**plan["settings"], "include": tuple(plan["settings"]["include"]),
-                                  "exclude": tuple(plan["settings"]["exclude"])})
+    settings = DatasetSettings.from_dict(plan["settings"])
     parts_dir = dest / STAGE_DIR / PARTS
     missing = [i for i in range(len(plan["partitions"])) if not (parts_dir / f"{i:05d}.json").is_file()]
     if missing:
@@ -220,7 +233,7 @@ def merge_stage(fsx_root: str | Path, name: str, version: str) -> StageResult:
     objects = _objects(plan)
     result.objects = len(objects)
     info = TokenizerInfo(**plan["tokenizer"])
-    manifest = assemble_manifest(plan["source"], settings, info, dtypes.pop(), entries, shards,
+    manifest = assemble_manifest(plan["source"], settings, _split_plan(plan), info, dtypes.pop(), entries, shards,
                                  manifest_extra(objects, settings, plan["refused"]), result)
     write_atomic(dest / "manifest.json", json.dumps(manifest, indent=1).encode())
     remove_unlisted_shards(dest, manifest)

@@ -1,13 +1,14 @@
 """Documents out of staged files: plain text, JSONL (plain, gzip, zstd) and Parquet, read as streams.
 
-    for doc in read_documents(path, "jsonl", text_field="text", bad=counter): ...
+    for piece in read_documents(path, "jsonl", rel="shard-0.jsonl", text_field="text", bad=counter): ...
 
 A file's format is named by the ``data_format`` stage parameter or, with ``auto``, by its name:
 ``*.jsonl``, ``*.jsonl.gz``, ``*.jsonl.zst`` are JSONL, ``*.parquet`` is Parquet, anything else is
 plain text (one document per file). Records that cannot become a document are counted in ``bad`` by
 kind (``BAD_KINDS``) and left out; a file that cannot be read at all raises ``BadFile`` with its kind,
-and the caller drops everything that file produced. Memory stays bounded: JSONL is read a line at a
-time, Parquet a record batch of one column at a time.
+and the caller drops everything that file produced. Memory stays bounded: documents come out as pieces of
+at most ``piece_bytes`` (a JSONL line or a text file longer than that is parsed as it streams), Parquet a
+record batch of one column at a time.
 """
 
 from __future__ import annotations
@@ -15,10 +16,12 @@ from __future__ import annotations
 import fnmatch
 import gzip
 import io
+import itertools
 import json
+import re
 from collections import Counter
 from pathlib import Path
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 FORMATS = ("auto", "text", "jsonl", "parquet")
 BAD_KINDS = {
@@ -31,6 +34,8 @@ BAD_KINDS = {
     "unreadable": "a file that cannot be read: corrupt compression, not Parquet, truncated",
 }
 PARQUET_BATCH_ROWS = 1024
+PIECE_BYTES = 4 * 1024 * 1024      # the longest piece of a document read at once (see ``Piece``)
+ID_FIELD = "id"                    # a record's identity, when it has one: its split is drawn from it
 
 
 class BadFile(Exception):
@@ -83,12 +88,61 @@ def _open_stream(path: Path) -> io.BufferedIOBase:
     return raw
 
 
-def _jsonl(path: Path, text_field: str, bad: Counter) -> Iterator[str]:
+class Piece(NamedTuple):
+    """Part of a document: its ``key`` (``id:<id field>`` or ``<path>#<position>``: what its split is drawn
+    from), ``text`` (at most about ``piece_bytes``), and whether it is the document's ``last`` piece. A piece
+    with ``text`` None withdraws the document it belongs to (a long record that turned out bad)."""
+
+    key: str
+    text: str | bytes | None
+    last: bool
+
+
+def _cut(data: bytes, limit: int) -> int:
+    """Where to end a piece of ``data`` (longer than ``limit``): before its last space in ``limit`` bytes, so
+    that a tokenizer which splits words at spaces (byte-level BPE, Whitespace, Metaspace) sees the words it
+    would see in the whole text; with no space, before a UTF-8 character that ``limit`` ends in."""
+    at = data.rfind(b" ", 1, limit)
+    if at > 0:
+        return at
+    at = limit
+    while at > 1 and 0x80 <= data[at] < 0xC0:      # a UTF-8 continuation byte is no place to cut
+        at -= 1
+    return at
+
+
+def _record_key(record: dict, rel: str, position: int) -> str:
+    ident = record.get(ID_FIELD)
+    if isinstance(ident, str) or (isinstance(ident, int) and not isinstance(ident, bool)):
+        return f"id:{ident}"
+    return f"{rel}#{position}"
+
+
+def _pieces(key: str, text: str, piece_bytes: int) -> Iterator[Piece]:
+    """A document read whole (one JSONL line or Parquet value), as pieces of at most ``piece_bytes``."""
+    if len(text) <= piece_bytes // 4 or len(data := text.encode()) <= piece_bytes:
+        yield Piece(key, text, True)
+        return
+    while len(data) > piece_bytes:
+        at = _cut(data, piece_bytes)
+        yield Piece(key, data[:at].decode(), False)
+        data = data[at:]
+    yield Piece(key, data.decode(), True)
+
+
+def _jsonl(path: Path, rel: str, text_field: str, bad: Counter, piece_bytes: int) -> Iterator[Piece]:
     import zstandard
 
     try:
         with _open_stream(path) as f:
-            for line in f:
+            for position in itertools.count():
+                # A line is read whole only up to piece_bytes: a longer one is parsed as it streams.
+                line = f.readline(piece_bytes)
+                if not line:
+                    return
+                if len(line) == piece_bytes and not line.endswith(b"\n"):
+                    yield from _LongRecord(f, line, piece_bytes).pieces(f"{rel}#{position}", text_field, bad)
+                    continue
                 if not line.strip():
                     continue                 # a blank line is no record (files often end with one)
                 try:
@@ -105,17 +159,174 @@ def _jsonl(path: Path, text_field: str, bad: Counter) -> Iterator[str]:
                 elif not text:
                     bad["empty"] += 1
                 else:
-                    yield text
+                    yield from _pieces(_record_key(record, rel, position), text, piece_bytes)
     except (OSError, EOFError, zstandard.ZstdError) as e:
         raise BadFile("unreadable", f"{path.name}: {type(e).__name__}: {e}") from e
 
 
-def _parquet(path: Path, text_column: str, bad: Counter) -> Iterator[str]:
+class _Malformed(Exception):
+    """The long record is not the JSON object it should be (its line is skipped to the end)."""
+
+
+class _LongRecord:
+    """One JSONL line longer than ``piece_bytes``, parsed as it is read, ``piece_bytes`` at a time: the text
+    field's string comes out in pieces (decoded by ``json``, cut at spaces so no escape or character is
+    split), every other value is skipped unread. Memory stays a few pieces whatever the line's length."""
+
+    WS = b" \t\r\n"
+
+    def __init__(self, f, head: bytes, piece_bytes: int):
+        self.f, self.buf, self.i, self.size, self.eol = f, head, 0, piece_bytes, False
+
+    def _more(self) -> bool:
+        """Append the next part of the line to the buffer (what was consumed is dropped); False at its end."""
+        if self.eol:
+            return False
+        chunk = self.f.readline(self.size)
+        if not chunk or chunk.endswith(b"\n"):
+            self.eol = True
+        self.buf = self.buf[self.i:] + chunk
+        self.i = 0
+        return bool(chunk)
+
+    def _peek(self) -> int:
+        while True:
+            while self.i < len(self.buf) and self.buf[self.i] in self.WS:
+                self.i += 1
+            if self.i < len(self.buf):
+                return self.buf[self.i]
+            if not self._more():
+                return -1
+
+    def _expect(self, char: bytes) -> None:
+        if self._peek() != char[0]:
+            raise _Malformed
+        self.i += 1
+
+    def _string_end(self) -> int:
+        """The index of the closing quote of the string starting at ``self.i`` (after its quote), or -1 if the
+        buffer ends first."""
+        j = self.i
+        while True:
+            j = self.buf.find(b'"', j)
+            if j < 0:
+                return -1
+            k = j
+            while k > self.i and self.buf[k - 1] == 0x5C:     # backslashes before the quote
+                k -= 1
+            if (j - k) % 2 == 0:
+                return j
+            j += 1
+
+    def _raw_string(self, limit: int | None) -> Iterator[bytes]:
+        """The escaped bytes of the string at the cursor, in parts cut at spaces (or ends of escapes)."""
+        self._expect(b'"')
+        while True:
+            end = self._string_end()
+            stop = end if end >= 0 else len(self.buf)
+            if limit is not None and stop - self.i > limit:
+                raise _Malformed                    # a key this long is not one
+            while stop - self.i > self.size:
+                at = self.i + self._safe_cut(self.buf[self.i:stop])
+                yield self.buf[self.i:at]
+                self.i = at
+            if end >= 0:
+                yield self.buf[self.i:end]
+                self.i = end + 1
+                return
+            if not self._more():
+                raise _Malformed                    # the line ends inside the string
+
+    def _safe_cut(self, raw: bytes) -> int:
+        at = _cut(raw, self.size)
+        if raw[at:at + 1] != b" ":
+            # No space: cut before the escape (up to 12 bytes: a surrogate pair) the limit may fall in.
+            back = raw.rfind(b"\\", max(0, at - 12), at)
+            if back >= 0:
+                while back > 0 and raw[back - 1] == 0x5C:
+                    back -= 1
+                if re.match(rb"\\u[dD][89abAB]", raw[back - 6:back - 2]):
+                    back -= 6                       # a high surrogate stays with its low one
+                at = back if back > 0 else at
+        return at
+
+    def _skip_value(self) -> None:
+        c = self._peek()
+        if c == ord('"'):
+            for _ in self._raw_string(None):
+                pass
+            return
+        depth = 0
+        while True:
+            c = self._peek()
+            if c < 0:
+                if depth:
+                    raise _Malformed
+                return
+            if c == ord('"'):
+                self._skip_value()
+                continue
+            if c in b"{[":
+                depth += 1
+            elif c in b"}]":
+                if depth == 0:
+                    return
+                depth -= 1
+            elif c == ord(",") and depth == 0:
+                return
+            self.i += 1
+            if depth == 0 and c in b"}]":
+                return
+
+    def _to_line_end(self) -> None:
+        while self._more():
+            self.i = len(self.buf)
+
+    def pieces(self, key: str, text_field: str, bad: Counter) -> Iterator[Piece]:
+        found = started = False
+        text = ""
+        try:
+            self._expect(b"{")
+            end = self._peek() == ord("}")
+            while not end:
+                name = json.loads(b'"' + b"".join(self._raw_string(self.size)) + b'"')
+                self._expect(b":")
+                if name == text_field and not found and self._peek() == ord('"'):
+                    found = True
+                    for raw in self._raw_string(None):
+                        if raw:
+                            if started:
+                                yield Piece(key, text, False)
+                            text, started = json.loads(b'"' + raw + b'"'), True
+                else:
+                    self._skip_value()
+                end = self._peek() == ord("}")
+                if not end:
+                    self._expect(b",")
+            self.i += 1                            # the closing brace
+            if self._peek() >= 0:
+                raise _Malformed                   # something after the object
+        except (_Malformed, ValueError, UnicodeDecodeError) as e:
+            self._to_line_end()
+            bad["not_utf8" if isinstance(e, UnicodeDecodeError) else "malformed_json"] += 1
+            if started:
+                yield Piece(key, None, True)
+            return
+        if not found:
+            bad["missing_field"] += 1
+        elif not started:
+            bad["empty"] += 1
+        else:
+            yield Piece(key, text, True)
+
+
+def _parquet(path: Path, rel: str, text_column: str, bad: Counter, piece_bytes: int) -> Iterator[Piece]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     try:
-        pf = pq.ParquetFile(path)
+        # buffer_size: column chunks are read a page buffer at a time, not whole row groups.
+        pf = pq.ParquetFile(path, buffer_size=1 << 20, pre_buffer=False)
     except (OSError, pa.ArrowException) as e:
         raise BadFile("unreadable", f"{path.name}: {type(e).__name__}: {e}") from e
     schema = pf.schema_arrow
@@ -125,52 +336,73 @@ def _parquet(path: Path, text_column: str, bad: Counter) -> Iterator[str]:
     kind = schema.field(text_column).type
     if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
         raise BadFile("wrong_schema", f"{path.name}: column {text_column!r} is {kind}, not a string")
+    id_kind = schema.field(ID_FIELD).type if ID_FIELD in schema.names and ID_FIELD != text_column else None
+    keyed = id_kind is not None and (pa.types.is_string(id_kind) or pa.types.is_large_string(id_kind)
+                                     or pa.types.is_integer(id_kind))
+    columns = [text_column, ID_FIELD] if keyed else [text_column]
+    position = 0
     try:
-        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=[text_column]):
-            for text in batch.column(0).to_pylist():
+        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+            ids = batch.column(1).to_pylist() if keyed else itertools.repeat(None)
+            for text, ident in zip(batch.column(0).to_pylist(), ids):
                 if text is None:
                     bad["missing_field"] += 1
                 elif not text:
                     bad["empty"] += 1
                 else:
-                    yield text
+                    yield from _pieces(f"id:{ident}" if ident is not None else f"{rel}#{position}", text,
+                                       piece_bytes)
+                position += 1
     except (OSError, pa.ArrowException) as e:
         raise BadFile("unreadable", f"{path.name}: {type(e).__name__}: {e}") from e
 
 
-def _text(path: Path, as_bytes: bool, bad: Counter) -> Iterator[str | bytes]:
-    data = path.read_bytes()
-    if b"\x00" in data[:8192]:
-        raise BadFile("binary", f"{path.name}: NUL bytes, not a text file")
-    if not data:
-        bad["empty"] += 1
-        return
-    if as_bytes:
-        yield data                           # the byte vocabulary takes any bytes, as it always has
-        return
-    try:
-        yield data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise BadFile("not_utf8", f"{path.name}: not UTF-8 ({e})") from e
+def _text(path: Path, rel: str, as_bytes: bool, bad: Counter, piece_bytes: int) -> Iterator[Piece]:
+    with open(path, "rb") as f:
+        data = f.read(piece_bytes + 1)
+        if b"\x00" in data[:8192]:
+            raise BadFile("binary", f"{path.name}: NUL bytes, not a text file")
+        if not data:
+            bad["empty"] += 1
+            return
+        while True:
+            last = len(data) <= piece_bytes
+            at = len(data) if last else _cut(data, piece_bytes)
+            if as_bytes:
+                piece = data[:at]                # the byte vocabulary takes any bytes, as it always has
+            else:
+                try:
+                    piece = data[:at].decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise BadFile("not_utf8", f"{path.name}: not UTF-8 ({e})") from e
+            yield Piece(rel, piece, last)
+            if last:
+                return
+            data = data[at:] + f.read(piece_bytes + 1 - (len(data) - at))
 
 
-def read_documents(path: Path, fmt: str, *, text_field: str = "text", text_column: str = "text",
-                   as_bytes: bool = False, bad: Counter) -> Iterator[str | bytes]:
-    """The documents of one file, in file order; bad records are counted in ``bad`` and skipped.
+def read_documents(path: Path, fmt: str, *, rel: str = "", text_field: str = "text", text_column: str = "text",
+                   as_bytes: bool = False, bad: Counter, piece_bytes: int = PIECE_BYTES) -> Iterator[Piece]:
+    """The documents of one file, in file order, as pieces of at most about ``piece_bytes`` (a document
+    longer than that, or a JSONL line, is read and cut as it streams); bad records are counted in ``bad``
+    and skipped.
 
     Args:
         path: the staged file.
         fmt: ``text``, ``jsonl`` or ``parquet`` (see ``detect_format``).
+        rel: the file's path in the source: the key of a text file, and of a record without an ``id``
+            (with its position: the line of a JSONL file, the row of a Parquet file).
         text_field: the JSONL field that holds a document's text.
         text_column: the Parquet column that holds it.
         as_bytes: plain text files are read as bytes, undecoded (the byte vocabulary).
         bad: bad-record counter by kind, updated as the file is read.
+        piece_bytes: the bound on a piece (and on a JSONL line read whole).
 
     Raises:
         BadFile: the whole file is refused (binary, not UTF-8, wrong Parquet schema, unreadable).
     """
     if fmt == "jsonl":
-        return _jsonl(path, text_field, bad)
+        return _jsonl(path, rel, text_field, bad, piece_bytes)
     if fmt == "parquet":
-        return _parquet(path, text_column, bad)
-    return _text(path, as_bytes, bad)
+        return _parquet(path, rel, text_column, bad, piece_bytes)
+    return _text(path, rel, as_bytes, bad, piece_bytes)

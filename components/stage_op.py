@@ -29,6 +29,9 @@ def stage_op(
     exclude: str = "",
     bad_record_policy: str = "skip",
     refused_key_policy: str = "fail",
+    train_glob: str = "",
+    val_glob: str = "",
+    batch_bytes: int = 4 * 1024 * 1024,
     *,
     dataset: Output[Dataset],
     metrics: Output[Metrics],
@@ -42,7 +45,7 @@ def stage_op(
         version: dataset version.
         endpoint_url: S3-compatible endpoint URL; empty for AWS (credentials from IRSA).
         max_concurrency: parallel GETs of small objects, and as many again of parts of large objects.
-        val_percent: share of files in the validation split.
+        val_percent: when the source has no splits of its own, the share of documents in the validation split.
         fsx_dra: the dataset's ``raw/`` is linked to the bucket by an FSx data repository association;
             preload it with ``lfs hsm_restore`` instead of copying.
         tokenizer: ``bytes``, a tokenizer.json / Hugging Face model directory / ``s3://`` one, or ``bpe:VOCAB``.
@@ -54,6 +57,10 @@ def stage_op(
         bad_record_policy: ``skip`` (leave bad records out, report them) or ``fail`` (the step fails).
         refused_key_policy: ``fail``: unsafe keys fail the step before anything is written; ``skip``: they
             are left out and reported, and the step succeeds.
+        train_glob: comma-separated globs of the training split's files (overrides the source's own splits).
+        val_glob: comma-separated globs of the validation split's files.
+        batch_bytes: text a tokenizer process holds at once (a batch, or a long document's piece): the bound on
+            the step's memory per core.
         dataset: output; its URI is the dataset directory, its metadata the counts.
         metrics: output; tokens, refused keys and bad records, as the KFP UI shows them.
     """
@@ -62,7 +69,8 @@ def stage_op(
     result = stage_dataset(source, fsx_root, name, version, endpoint_url or None, max_concurrency=max_concurrency,
                            val_percent=val_percent, fsx_dra=fsx_dra, tokenizer=tokenizer, data_format=data_format,
                            text_field=text_field, text_column=text_column, include=include, exclude=exclude,
-                           bad_record_policy=bad_record_policy, refused_key_policy=refused_key_policy)
+                           bad_record_policy=bad_record_policy, refused_key_policy=refused_key_policy,
+                           train_glob=train_glob, val_glob=val_glob, batch_bytes=batch_bytes)
     dataset.uri = result.dataset_dir
     dataset.metadata.update(result_metadata(result))
     for key in ("train_tokens", "val_tokens", "vocab_size", "transferred", "excluded", "refused", "bad_records"):

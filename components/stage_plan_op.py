@@ -26,6 +26,9 @@ def stage_plan_op(
     pack_bytes: int = 256 * 1024 * 1024,
     bpe_sample_bytes: int = 256 * 1024 * 1024,
     partition_min_bytes: int = 1024 * 1024 * 1024,
+    train_glob: str = "",
+    val_glob: str = "",
+    batch_bytes: int = 4 * 1024 * 1024,
 ) -> list:
     """Plan the staging of ``source`` into ``<fsx_root>/datasets/<name>/<version>/`` by parallel workers.
 
@@ -43,7 +46,7 @@ def stage_plan_op(
         text_column: the Parquet column holding a document.
         include: comma-separated globs of paths to stage (empty: all).
         exclude: comma-separated globs of paths to leave out.
-        val_percent: share of files in the validation split.
+        val_percent: when the source has no splits of its own, the share of documents in the validation split.
         bad_record_policy: ``skip`` (leave bad records out, report them) or ``fail``.
         refused_key_policy: ``fail``: unsafe keys fail this step before anything is written; ``skip``: they
             are left out and reported.
@@ -51,6 +54,9 @@ def stage_plan_op(
         pack_bytes: source bytes per pack of shards; the unit of work a partition gets.
         bpe_sample_bytes: a ``bpe:`` tokenizer is trained on the training files up to this many source bytes.
         partition_min_bytes: source bytes per worker below which fewer workers are used (the size threshold).
+        train_glob: comma-separated globs of the training split's files (overrides the source's own splits).
+        val_glob: comma-separated globs of the validation split's files.
+        batch_bytes: text a tokenizer process holds at once (a batch, or a long document's piece).
 
     Returns:
         The partition numbers, one per worker (the items of the ParallelFor).
@@ -62,4 +68,5 @@ def stage_plan_op(
                       include=include, exclude=exclude, val_percent=val_percent, bad_record_policy=bad_record_policy,
                       refused_key_policy=refused_key_policy, max_concurrency=max_concurrency,
                       pack_bytes=pack_bytes, bpe_sample_bytes=bpe_sample_bytes,
-                      partition_min_bytes=partition_min_bytes)
+                      partition_min_bytes=partition_min_bytes, train_glob=train_glob, val_glob=val_glob,
+                      batch_bytes=batch_bytes)

@@ -9,7 +9,8 @@ the same source and tokenizer always give byte-identical shards and manifest.
 Inside a stage, files are tokenized by a pool of processes (one per core; ``tokenizers`` runs
 single-threaded in each, so the cores are not oversubscribed). A worker streams one file - a batch of
 documents at a time - into a temporary token file; the parent appends those, in path order, to the
-pack's shards. Memory is a batch per worker whatever the file sizes.
+pack's shards. Memory is a batch (``batch_bytes``) per worker whatever the file sizes and document lengths:
+a long document is read and encoded in pieces (``components.stage_formats.Piece``).
 
 The workers run on a faster malloc than glibc's where one is installed (``worker_allocator``): a third of
 ``tokenizers``' encode time is spent in glibc's malloc and free, and mimalloc takes about 30% off a worker's
@@ -31,13 +32,14 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable, Iterator
 
-from components.stage_formats import BAD_KINDS, BadFile, detect_format, read_documents
+from components.stage_formats import BAD_KINDS, PIECE_BYTES, BadFile, detect_format, read_documents
+from components.stage_splits import document_split, val_threshold
 from components.stage_tokenizer import TokenizerInfo
 
 log = logging.getLogger(__name__)
 
 PACK_BYTES = 256 * 1024 * 1024     # source bytes per pack (a shard per split and pack)
-BATCH_CHARS = 4 * 1024 * 1024      # text per encode_batch call in a worker
+BATCH_BYTES = PIECE_BYTES          # text per encode_batch call in a worker, and the longest piece of a document
 BAD_RECORD_POLICIES = ("skip", "fail")
 MAX_BAD_FILES_LISTED = 1000        # files with bad records named in the manifest (all are counted)
 MALLOC_ENV = "GOODPUT_TOKENIZE_MALLOC"
@@ -120,10 +122,11 @@ def _preloaded(library: str | None) -> Iterator[None]:
 
 
 _W: dict = {}
+SPLITS = ("train", "val")
 
 
-def _init_worker(tokenizer_path: str | None, eos_id: int | None, dtype: str, read: ReadConfig,
-                 tmp_dir: str) -> None:
+def _init_worker(tokenizer_path: str | None, eos_id: int | None, dtype: str, read: ReadConfig, tmp_dir: str,
+                 val_percent: int, batch_bytes: int) -> None:
     import numpy as np
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"     # one process per core already
@@ -132,68 +135,142 @@ def _init_worker(tokenizer_path: str | None, eos_id: int | None, dtype: str, rea
         from tokenizers import Tokenizer
 
         tok = Tokenizer.from_file(tokenizer_path)
-    _W.update(tok=tok, eos=eos_id, dtype=np.dtype(dtype), read=read, tmp=tmp_dir)
+    _W.update(tok=tok, eos=eos_id, dtype=np.dtype(dtype), read=read, tmp=tmp_dir,
+              threshold=val_threshold(val_percent), batch_bytes=batch_bytes)
 
 
-def _batches(docs: Iterator[str | bytes], limit: int) -> Iterator[list]:
-    batch, size = [], 0
-    for d in docs:
-        batch.append(d)
-        size += len(d)
-        if size >= limit:
-            yield batch
-            batch, size = [], 0
-    if batch:
-        yield batch
+class _SplitOut:
+    """One split's temporary token file of one source file, with its counts; a document can be taken back."""
+
+    def __init__(self, path: str):
+        self.path, self.f = path, None
+        self.documents = self.tokens = self.text_bytes = 0
+
+    def write(self, data: bytes, tokens: int, text_bytes: int, documents: int) -> None:
+        if self.f is None:
+            self.f = open(self.path, "wb")
+        self.f.write(data)
+        self.tokens += tokens
+        self.text_bytes += text_bytes
+        self.documents += documents
+
+    def mark(self) -> tuple:
+        return (self.f.tell() if self.f else 0, self.tokens, self.text_bytes, self.documents)
+
+    def rollback(self, mark: tuple) -> None:
+        offset, self.tokens, self.text_bytes, self.documents = mark
+        if self.f is not None:
+            self.f.seek(offset)
+            self.f.truncate()
+
+    def close(self) -> str | None:
+        """The token file's path, or None when the split got no token (no file is left behind)."""
+        if self.f is None:
+            return None
+        self.f.close()
+        if not self.tokens:
+            os.unlink(self.path)
+            return None
+        return self.path
+
+    def counts(self) -> dict:
+        return {"documents": self.documents, "tokens": self.tokens, "text_bytes": self.text_bytes}
 
 
 def _tokenize_file(job: tuple[str, str, str]) -> dict:
-    """Tokenize one staged file into a temporary token file; return its manifest entry and counts."""
+    """Tokenize one staged file into a temporary token file per split; return its manifest entry and those
+    files. ``rule``: the whole file's split (``train``/``val``), or ``documents`` (each document's by its key).
+
+    A document longer than a batch is encoded piece by piece, alone; the pieces of other documents are
+    encoded ``batch_bytes`` at a time."""
     import numpy as np
 
-    rel, path, split = job
-    tok, eos, dtype, read = _W["tok"], _W["eos"], _W["dtype"], _W["read"]
+    rel, path, rule = job
+    tok, eos, dtype, read, limit = _W["tok"], _W["eos"], _W["dtype"], _W["read"], _W["batch_bytes"]
     fmt = detect_format(rel, read.data_format)
-    out = os.path.join(_W["tmp"], hashlib.sha256(rel.encode()).hexdigest()[:32] + ".tok")
+    stem = os.path.join(_W["tmp"], hashlib.sha256(rel.encode()).hexdigest()[:32])
+    outs = {s: _SplitOut(f"{stem}.{s}.tok") for s in SPLITS}
     bad: Counter = Counter()
-    entry = {"path": rel, "format": fmt, "split": split, "documents": 0, "tokens": 0, "text_bytes": 0}
-    try:
-        with open(out, "wb") as f:
-            docs = read_documents(Path(path), fmt, text_field=read.text_field, text_column=read.text_column,
-                                  as_bytes=tok is None, bad=bad)
-            for batch in _batches(docs, BATCH_CHARS):
-                if tok is None:           # the byte vocabulary: a document's UTF-8 bytes are its tokens
-                    data = b"".join(d if isinstance(d, bytes) else d.encode() for d in batch)
-                    f.write(data)
-                    n, nbytes = len(data), len(data)
-                else:
-                    ids = [e.ids for e in tok.encode_batch_fast(batch, add_special_tokens=False)]
-                    for x in ids:
+    batch: list[tuple[str, str | bytes, bool]] = []
+
+    def flush() -> None:
+        if not batch:
+            return
+        if tok is None:                   # the byte vocabulary: a document's UTF-8 bytes are its tokens
+            for split in SPLITS:
+                mine = [(p if isinstance(p, bytes) else p.encode(), last) for s, p, last in batch if s == split]
+                if mine:
+                    data = b"".join(d for d, _ in mine)
+                    outs[split].write(data, len(data), len(data), sum(last for _, last in mine))
+        else:
+            ids = [e.ids for e in tok.encode_batch_fast([p for _, p, _ in batch], add_special_tokens=False)]
+            for split in SPLITS:
+                mine = [(x, p, last) for (s, p, last), x in zip(batch, ids) if s == split]
+                if not mine:
+                    continue
+                for x, _, last in mine:
+                    if last:
                         x.append(eos)         # documents are separated by the EOS
-                    arr = np.fromiter(itertools.chain.from_iterable(ids), dtype=dtype, count=sum(map(len, ids)))
-                    f.write(arr.tobytes())
-                    n, nbytes = len(arr), sum(len(d.encode()) for d in batch)
-                entry["documents"] += len(batch)
-                entry["tokens"] += n
-                entry["text_bytes"] += nbytes
+                n = sum(len(x) for x, _, _ in mine)
+                arr = np.fromiter(itertools.chain.from_iterable(x for x, _, _ in mine), dtype=dtype, count=n)
+                outs[split].write(arr.tobytes(), n, sum(len(p.encode()) for _, p, _ in mine),
+                                  sum(last for _, _, last in mine))
+        batch.clear()
+
+    split, mark, size = None, None, 0
+    try:
+        pieces = read_documents(Path(path), fmt, rel=rel, text_field=read.text_field, text_column=read.text_column,
+                                as_bytes=tok is None, bad=bad, piece_bytes=limit)
+        for piece in pieces:
+            if piece.text is None:            # the long document turned out bad: take back what it wrote
+                if split is not None:
+                    flush()
+                    outs[split].rollback(mark)
+                    split = None
+                continue
+            if split is None:                 # a document starts
+                split = rule if rule != "documents" else document_split(piece.key, _W["threshold"])
+                if not piece.last:
+                    flush()
+                    mark = outs[split].mark()
+            batch.append((split, piece.text, piece.last))
+            size += len(piece.text)
+            if not piece.last or size >= limit:
+                flush()
+                size = 0
+            if piece.last:
+                split = None
+        flush()
+        tmp = {s: o.close() for s, o in outs.items()}
     except BadFile as e:
-        os.unlink(out)
+        for o in outs.values():
+            if o.close():
+                os.unlink(o.path)
+            o.documents = o.tokens = o.text_bytes = 0
         bad[e.kind] += 1
-        entry.update(documents=0, tokens=0, text_bytes=0, refused=str(e))
-        out = None
+        tmp, refused = {s: None for s in SPLITS}, str(e)
+    else:
+        refused = None
+    entry = {"path": rel, "format": fmt, "split": rule,
+             **{k: sum(o.counts()[k] for o in outs.values()) for k in ("documents", "tokens", "text_bytes")},
+             "splits": {s: o.counts() for s, o in outs.items()}}
+    if refused:
+        entry["refused"] = refused
     h = hashlib.sha256()
     with open(path, "rb") as f:
         while block := f.read(1 << 20):
             h.update(block)
     entry.update(bytes=os.path.getsize(path), sha256=h.hexdigest(), bad=dict(sorted(bad.items())))
-    return {"entry": entry, "tmp": out}
+    return {"entry": entry, "tmp": tmp}
 
 
 # ----------------------------------------------------------------------------------- the parent
-def tokenize_packs(raw: Path, out_dir: Path, packs: dict[int, list[str]], splits: dict[str, str], *,
+def tokenize_packs(raw: Path, out_dir: Path, packs: dict[int, list[str]], rules: dict[str, str], *,
                    read: ReadConfig, tokenizer: TokenizerInfo, dtype: str, bad_record_policy: str, tmp_dir: Path,
-                   workers: int | None = None, progress=None) -> tuple[list[dict], dict[int, dict]]:
-    """Tokenize ``packs`` (index -> paths under ``raw``) into ``out_dir``.
+                   val_percent: int, batch_bytes: int = BATCH_BYTES, workers: int | None = None,
+                   progress=None) -> tuple[list[dict], dict[int, dict]]:
+    """Tokenize ``packs`` (index -> paths under ``raw``) into ``out_dir``; ``rules`` gives each path's split
+    (``components.stage_splits``; a path without one is left out).
 
     Returns:
         (file entries in path order, {pack index: {split: shard entry}}).
@@ -204,12 +281,12 @@ def tokenize_packs(raw: Path, out_dir: Path, packs: dict[int, list[str]], splits
     """
     from trainer.data import ShardFile
 
-    jobs = [(rel, str(raw / rel), splits[rel]) for i in sorted(packs) for rel in packs[i]]
+    jobs = [(rel, str(raw / rel), rules[rel]) for i in sorted(packs) for rel in packs[i] if rel in rules]
     pack_of = {rel: i for i in packs for rel in packs[i]}
     tmp_dir.mkdir(parents=True, exist_ok=True)
     tok_path = str(out_dir / tokenizer.path) if tokenizer.path else None
-    init = (tok_path, tokenizer.eos_id, dtype, read, str(tmp_dir))
-    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs)))
+    init = (tok_path, tokenizer.eos_id, dtype, read, str(tmp_dir), val_percent, batch_bytes)
+    workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
     entries: list[dict] = []
     shards: dict[int, dict] = {}
     open_pack: tuple[int, dict[str, ShardFile]] | None = None
@@ -247,16 +324,16 @@ def tokenize_packs(raw: Path, out_dir: Path, packs: dict[int, list[str]], splits
             if open_pack is None or open_pack[0] != i:
                 close_pack()
                 open_pack = (i, {})
-            if res["tmp"] is not None:
-                if entry["tokens"]:
-                    writers = open_pack[1]
-                    split = entry["split"]
-                    if split not in writers:
-                        writers[split] = ShardFile(out_dir, f"{split}_{i:05d}.bin", dtype)
-                    with open(res["tmp"], "rb") as f:
-                        while block := f.read(16 << 20):
-                            writers[split].write(block)
-                os.unlink(res["tmp"])
+            for split, tmp in res["tmp"].items():
+                if tmp is None:
+                    continue
+                writers = open_pack[1]
+                if split not in writers:
+                    writers[split] = ShardFile(out_dir, f"{split}_{i:05d}.bin", dtype)
+                with open(tmp, "rb") as f:
+                    while block := f.read(16 << 20):
+                        writers[split].write(block)
+                os.unlink(tmp)
             entries.append(entry)
             if progress is not None:
                 progress.advance(files=1)
@@ -275,6 +352,17 @@ def tokenize_packs(raw: Path, out_dir: Path, packs: dict[int, list[str]], splits
     return entries, shards
 
 
+def empty_val_hint(split_source: dict, files: int) -> str:
+    """What to change when the validation split came out empty, by how the splits were found."""
+    by = split_source.get("by")
+    if by == "document":
+        return (f"{files} files; no document was drawn at val_percent={split_source['val_percent']}: raise "
+                f"val_percent, or add documents (plain text files are drawn whole, by path)")
+    if by == "globs":
+        return f"{files} files; val_glob {split_source['val_glob']} matched none with a document: fix val_glob"
+    return f"{files} files; the source's {split_source.get('val_from')} files hold no document"
+
+
 def bad_record_report(entries: list[dict]) -> dict:
     """Counts by kind over all files, and the files that had any (their counts, and why one was refused)."""
     total: Counter = Counter()
@@ -288,21 +376,21 @@ def bad_record_report(entries: list[dict]) -> dict:
 
 
 def dataset_manifest(*, source: str, tokenizer: TokenizerInfo, dtype: str, read: ReadConfig, entries: list[dict],
-                     shards: dict[int, dict], val_percent: int, extra: dict) -> dict:
+                     shards: dict[int, dict], split_source: dict, need_val: bool, extra: dict) -> dict:
     """The manifest of a tokenized dataset (see ``docs/datasets.md``); ValueError if a split is empty."""
     from trainer.data import FORMAT
 
     entries = sorted(entries, key=lambda e: e["path"])
     splits = {}
     for split in ("train", "val"):
-        files = [e for e in entries if e["split"] == split]
         parts = [shards[i][split] for i in sorted(shards) if split in shards[i]]
-        splits[split] = {"tokens": sum(p["tokens"] for p in parts), "bytes": sum(e["text_bytes"] for e in files),
-                         "documents": sum(e["documents"] for e in files), "shards": parts}
-    if val_percent and splits["val"]["tokens"] == 0:
-        raise ValueError(f"the validation split is empty ({len(entries)} files); add files or raise val_percent")
+        splits[split] = {"tokens": sum(p["tokens"] for p in parts),
+                         "bytes": sum(e["splits"][split]["text_bytes"] for e in entries),
+                         "documents": sum(e["splits"][split]["documents"] for e in entries), "shards": parts}
+    if need_val and splits["val"]["tokens"] == 0:
+        raise ValueError(f"the validation split is empty ({empty_val_hint(split_source, len(entries))})")
     if splits["train"]["tokens"] == 0:
-        raise ValueError(f"no training tokens in {len(entries)} files (see bad_records)")
+        raise ValueError(f"no training tokens in {len(entries)} files (see bad_records and split_source)")
     tokens = splits["train"]["tokens"] + splits["val"]["tokens"]
     text_bytes = splits["train"]["bytes"] + splits["val"]["bytes"]
     return {
@@ -316,6 +404,7 @@ def dataset_manifest(*, source: str, tokenizer: TokenizerInfo, dtype: str, read:
         "documents": read.to_dict(),
         "files": entries,
         "splits": splits,
+        "split_source": split_source,
         "bad_records": bad_record_report(entries),
         **extra,
     }

@@ -42,6 +42,9 @@ def stage_pipeline(
     pack_bytes: int = 256 * 1024 * 1024,
     bpe_sample_bytes: int = 256 * 1024 * 1024,
     partition_min_bytes: int = 1024 * 1024 * 1024,
+    train_glob: str = "",
+    val_glob: str = "",
+    batch_bytes: int = 4 * 1024 * 1024,
     fsx_pvc: str = "fsx-claim",
     s3_secret: str = "goodput-s3",
     step_node_selector: dict = {},
@@ -68,12 +71,15 @@ def stage_pipeline(
         text_column: the Parquet column holding a document.
         include: comma-separated globs of paths to stage (empty: all).
         exclude: comma-separated globs of paths to leave out.
-        val_percent: share of files in the validation split.
+        val_percent: when the source has no splits of its own, the share of documents in the validation split.
         bad_record_policy: ``skip`` (leave bad records out, report them) or ``fail``.
         refused_key_policy: ``fail`` (unsafe keys fail the plan step, nothing written) or ``skip``.
         pack_bytes: source bytes per pack of shards (the unit of work of a partition).
         bpe_sample_bytes: a ``bpe:`` tokenizer is trained on the training files up to this many source bytes.
         partition_min_bytes: source bytes per pod below which fewer pods are used (the fan-out's size threshold).
+        train_glob: comma-separated globs of the training split's files (overrides the source's own splits).
+        val_glob: comma-separated globs of the validation split's files.
+        batch_bytes: text a tokenizer process holds at once (a batch, or a long document's piece).
         fsx_pvc: the FSx for Lustre PersistentVolumeClaim.
         s3_secret: Kubernetes secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, used if it exists.
         step_node_selector: nodeSelector of the step pods.
@@ -85,7 +91,8 @@ def stage_pipeline(
                          text_field=text_field, text_column=text_column, include=include, exclude=exclude,
                          val_percent=val_percent, bad_record_policy=bad_record_policy,
                          refused_key_policy=refused_key_policy, pack_bytes=pack_bytes,
-                         bpe_sample_bytes=bpe_sample_bytes, partition_min_bytes=partition_min_bytes)
+                         bpe_sample_bytes=bpe_sample_bytes, partition_min_bytes=partition_min_bytes,
+                         train_glob=train_glob, val_glob=val_glob, batch_bytes=batch_bytes)
     # A refusal under the fail policy recurs on every attempt, so the plan is not retried.
     _pod(plan, **pod).set_display_name("stage: plan").set_caching_options(False)
     with dsl.ParallelFor(plan.output, parallelism=MAX_PARALLEL_PODS, name="stage-partitions") as partition:

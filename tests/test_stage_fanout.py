@@ -64,10 +64,9 @@ def test_fan_out_under_kfp_local_builds_the_single_stage_dataset(s3, tmp_path):
     assert manifest["bad_records"]["by_kind"] == {"malformed_json": 1}
     manifest["bad_records"]["total"] = 0
     (tmp_path / "check").mkdir()
-    for rel, data in b.items():
-        if not rel.startswith("raw/"):
-            (tmp_path / "check" / rel).parent.mkdir(parents=True, exist_ok=True)
-            (tmp_path / "check" / rel).write_bytes(data)
+    for rel, data in b.items():              # raw/ too: the documents' keys are read from it
+        (tmp_path / "check" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "check" / rel).write_bytes(data)
     (tmp_path / "check" / "manifest.json").write_text(json.dumps(manifest))
     check_tokens(tmp_path / "check", docs)
     assert not (fan / ".stage" / "parts").exists() and not list((fan / ".stage").rglob("journal.jsonl"))

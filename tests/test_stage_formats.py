@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from components.stage import StageError, StageRefused, stage_dataset
+from components.stage_splits import document_split, val_threshold
 from trainer.data import Split, check_vocab, read_manifest
 
 WORDS = "the quick brown fox jumps over a lazy dog while café naïve 東京 tokens drift past every shard".split()
@@ -109,21 +110,63 @@ def expected_ids(tok, texts: list[str], eos: int) -> list[int]:
     return [i for t in texts for i in tok.encode(t, add_special_tokens=False).ids + [eos]]
 
 
+def doc_keys(raw: Path, rel: str, field: str = "text") -> dict[str, str]:
+    """text -> the key its split is drawn from, read here from the staged file: its ``id``, else its file's
+    path and position (the JSONL line, the Parquet row)."""
+    if rel.endswith(".parquet"):
+        import pyarrow.parquet as pq
+
+        table = pq.read_table(raw / rel).to_pylist()
+        return {r.get(field): f"id:{r['id']}" if r.get("id") is not None else f"{rel}#{i}"
+                for i, r in enumerate(table)}
+    opener = gzip.open if rel.endswith(".gz") else open
+    if rel.endswith(".zst"):
+        import zstandard
+
+        data = zstandard.ZstdDecompressor().decompressobj().decompress((raw / rel).read_bytes())
+    else:
+        with opener(raw / rel, "rb") as f:
+            data = f.read()
+    keys = {}
+    for i, line in enumerate(data.splitlines()):
+        try:
+            r = json.loads(line)
+        except ValueError:
+            continue
+        if isinstance(r, dict) and isinstance(r.get(field), str):
+            keys[r[field]] = f"id:{r['id']}" if isinstance(r.get("id"), (str, int)) else f"{rel}#{i}"
+    return keys
+
+
+def doc_splits(dest: Path, docs: dict[str, list[str]]) -> dict[str, list[str]]:
+    """The split of each document, from its file's rule in the manifest and (split by document) its key."""
+    manifest = read_manifest(dest)
+    threshold = val_threshold(manifest["split_source"].get("val_percent", 0))
+    rules = {f["path"]: f["split"] for f in manifest["files"]}
+    out = {}
+    for rel, texts in docs.items():
+        if rules[rel] == "documents" and texts:
+            keys = doc_keys(dest / "raw", rel, manifest["documents"]["text_field"])
+            out[rel] = [document_split(keys[t], threshold) for t in texts]
+        else:
+            out[rel] = [rules[rel]] * len(texts)
+    return out
+
+
 def check_tokens(dest: Path, docs: dict[str, list[str]], tokenizer_file: Path | None = None) -> dict:
-    """Every split holds exactly its files' documents, in path order, each encoded and followed by the EOS."""
+    """Every split holds exactly its documents, in path and file order, each encoded and followed by the EOS."""
     from tokenizers import Tokenizer
 
     manifest = read_manifest(dest)
     tok = Tokenizer.from_file(str(tokenizer_file or dest / "tokenizer" / "tokenizer.json"))
     eos = manifest["eos_id"]
     assert tok.id_to_token(eos) == manifest["tokenizer"]["eos_token"]
-    splits = {f["path"]: f["split"] for f in manifest["files"]}
-    assert set(splits) == set(docs)
+    assert {f["path"] for f in manifest["files"]} == set(docs)
+    splits = doc_splits(dest, docs)
     for split in ("train", "val"):
-        want = [i for rel in sorted(docs) if splits[rel] == split for i in expected_ids(tok, docs[rel], eos)]
+        texts = [t for rel in sorted(docs) for t, s in zip(docs[rel], splits[rel]) if s == split]
         got = Split.open(dest, split).tokens[:]
-        assert got.dtype == np.uint16 and got.tolist() == want, split
-        texts = [t for rel in sorted(docs) if splits[rel] == split for t in docs[rel]]
+        assert got.dtype == np.uint16 and got.tolist() == expected_ids(tok, texts, eos), split
         assert manifest["splits"][split]["bytes"] == sum(len(t.encode()) for t in texts)
         assert manifest["splits"][split]["documents"] == len(texts)
     assert manifest["bad_records"]["total"] == 0
@@ -173,8 +216,11 @@ def test_plain_text_keeps_the_byte_dataset_and_takes_a_text_field_elsewhere(tmp_
     stage_dataset(str(src2), tmp_path / "fsx", "b", "2", val_percent=20, text_field="body")
     m2 = read_manifest(tmp_path / "fsx" / "datasets" / "b" / "2")
     assert m2["documents"]["text_field"] == "body" and m2["bad_records"]["total"] == 0
-    train = [doc(int(f["path"][1:-6]) * 10 + j) for f in m2["files"] if f["split"] == "train" for j in range(3)]
-    assert Split.open(tmp_path / "fsx" / "datasets" / "b" / "2", "train").tokens[:].tobytes() == "".join(train).encode()
+    dest2 = tmp_path / "fsx" / "datasets" / "b" / "2"
+    texts = {f"r{i}.jsonl": [doc(i * 10 + j) for j in range(3)] for i in range(20)}
+    placed = doc_splits(dest2, texts)
+    train = [t for rel in sorted(texts) for t, split in zip(texts[rel], placed[rel]) if split == "train"]
+    assert Split.open(dest2, "train").tokens[:].tobytes() == "".join(train).encode()
 
 
 def test_include_exclude_find_a_hugging_face_layout(s3, hf_tokenizer, tmp_path):
@@ -325,7 +371,7 @@ def test_cli_reports_bad_records_and_fails_under_the_fail_policy(tmp_path):
     res = CliRunner().invoke(cli, [*args, "--version", "1"])
     assert res.exit_code == 0, res.output
     assert "12 bad records in 12 files were left out (12 malformed_json)" in res.output
-    assert "uint16 tokens (vocabulary 300)" in res.output
+    assert "uint16 tokens (vocabulary 300; splits by document, 20% for validation)" in res.output
     res = CliRunner().invoke(cli, [*args, "--version", "2", "--bad-records", "fail"])
     assert res.exit_code == 1 and "d0.jsonl: 1 malformed_json" in res.output, res.output
     assert not (tmp_path / "fsx" / "datasets" / "cli" / "2" / "manifest.json").exists()

@@ -56,7 +56,16 @@ class _RichProgress:
 @click.option("--retry-mode", type=click.Choice(["standard", "adaptive"]), default="standard", show_default=True,
               help="botocore retry mode for throttling and 5xx; adaptive also slows down after SlowDown.")
 @click.option("--max-attempts", default=10, show_default=True, help="Attempts per request, the first included.")
-@click.option("--val-percent", default=5, show_default=True, help="Share of files in the validation split.")
+@click.option("--val-percent", default=5, show_default=True,
+              help="When the source has no splits of its own: the share of documents in the validation split, "
+                   "drawn by a hash of each document's id (else its file's path and position).")
+@click.option("--train-glob", default="",
+              help="Comma-separated globs of the training split's files; overrides the source's own splits.")
+@click.option("--val-glob", default="",
+              help="Comma-separated globs of the validation split's files (alone: every other file trains).")
+@click.option("--batch-bytes", default=4 * 1024 * 1024, show_default=True,
+              help="Text a tokenizer process holds at once (a batch, or a long document's piece): the bound on "
+                   "the stage's memory per process, whatever a file's size or a document's length.")
 @click.option("--no-verify-etag", is_flag=True, help="Skip the MD5/ETag check (needed for SSE-KMS buckets).")
 @click.option("--tokenizer", default="bytes", show_default=True,
               help="bytes (one token per byte), a tokenizer.json or Hugging Face model directory (or s3:// one), "
@@ -79,7 +88,8 @@ class _RichProgress:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (for scripts).")
 def stage(source: str, fsx_root: Path, name: str, version: str, endpoint_url: str | None, concurrency: int,
-          retry_mode: str, max_attempts: int, val_percent: int, no_verify_etag: bool, tokenizer: str,
+          retry_mode: str, max_attempts: int, val_percent: int, train_glob: str, val_glob: str, batch_bytes: int,
+          no_verify_etag: bool, tokenizer: str,
           data_format: str, text_field: str, text_column: str, include: str, exclude: str,
           bad_record_policy: str, refused_key_policy: str, workers: int | None, fsx_dra: bool,
           quiet: bool, as_json: bool) -> None:
@@ -113,7 +123,8 @@ def stage(source: str, fsx_root: Path, name: str, version: str, endpoint_url: st
                                    verify_etag=not no_verify_etag, fsx_dra=fsx_dra, tokenizer=tokenizer,
                                    data_format=data_format, text_field=text_field, text_column=text_column,
                                    include=include, exclude=exclude, bad_record_policy=bad_record_policy,
-                                   refused_key_policy=refused_key_policy, workers=workers, progress=progress)
+                                   refused_key_policy=refused_key_policy, workers=workers, train_glob=train_glob,
+                                   val_glob=val_glob, batch_bytes=batch_bytes, progress=progress)
     except StageError as e:
         if as_json and e.result is not None:
             click.echo(json.dumps(e.result.to_dict()))
@@ -125,7 +136,7 @@ def stage(source: str, fsx_root: Path, name: str, version: str, endpoint_url: st
                f"{result.transferred_bytes:,} bytes in {result.transfer_s:.1f}s; {result.skipped_unchanged} "
                f"unchanged; {result.removed} removed; {result.excluded} excluded; {result.restored} restored), "
                f"{result.files} files in the dataset, train {result.train_tokens:,} / val {result.val_tokens:,} "
-               f"{result.token_dtype} tokens (vocabulary {result.vocab_size:,})"
+               f"{result.token_dtype} tokens (vocabulary {result.vocab_size:,}; splits {splits_line(result)})"
                + ("" if result.rebuilt else " (unchanged, manifest kept)"), err=as_json)
     bad = result.bad_records or {}
     if bad.get("total"):
@@ -136,6 +147,19 @@ def stage(source: str, fsx_root: Path, name: str, version: str, endpoint_url: st
         _report_refused(result.refused, console.width)
         click.echo(f"warning: {len(result.refused)} keys were refused and not staged "
                    f"({refused_counts(result.refused)}); the dataset was built without them", err=True)
+
+
+def splits_line(result) -> str:
+    """How the splits were found, in a few words: ``by document, 5%`` or ``layout: validation files``."""
+    src = result.split_source or {}
+    by = src.get("by", "file")
+    if by == "document":
+        return f"by document, {src['val_percent']}% for validation"
+    left = f", {src['left_out_files']} files left out" if src.get("left_out_files") else ""
+    if by == "globs":
+        return f"by --train-glob/--val-glob{left}"
+    return f"from the source's {'dataset card' if by == 'readme' else 'file names'}: {src['val_from']} files" \
+           f" for validation{left}"
 
 
 def _report_refused(refused: list[dict], width: int) -> None:

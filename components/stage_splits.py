@@ -1,0 +1,177 @@
+"""Which split each staged file, or each document, goes to; and where that decision came from.
+
+    plan = resolve_splits(rels, train_glob=(), val_glob=(), val_percent=5, readme=None)
+    plan.rules["data/train-00000-of-00004.parquet"]     # "train", "val", "documents", or absent: left out
+    document_split("id:42", 5)                           # the split of one document of a "documents" file
+
+In order, the first that applies decides (``plan.source`` records which, for the manifest's ``split_source``):
+
+1. ``globs``: ``train_glob`` / ``val_glob`` (the include/exclude syntax, ``components.stage_formats.matches``).
+   A file matching ``val_glob`` is validation; else one matching ``train_glob`` is training. With one of the
+   two given, every other file is the other split; with both, a file matching neither is left out.
+2. ``readme``: the ``configs`` of the dataset card's YAML header (``README.md`` of a Hugging Face dataset
+   repository): the ``data_files`` of the config named ``default`` (else the first), by split.
+3. ``layout``: split names in file names, else in directory names, as Hugging Face ``datasets`` finds them
+   (``train-00000-of-00004.parquet``, ``validation-*.jsonl``, ``data/test/*``): used when some file names a
+   validation or test split.
+4. ``document``: no split in the source. Each document of a JSONL or Parquet file is drawn by a hash of its
+   key (its ``id``, or its file's path and position), ``val_percent`` of them for validation; a plain text
+   file is one document, drawn by a hash of its path. Adding files moves no document between splits.
+
+In 2 and 3, ``validation`` (``valid``, ``val``, ``dev``) is the validation split; ``test`` is used in its
+place only when the source has none; other files (another split's, or no split's: the card, ``.gitattributes``)
+are left out.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import hashlib
+import re
+from dataclasses import dataclass, field
+
+from components.stage_formats import detect_format, matches
+
+# Hugging Face datasets' split keywords and the characters that may surround one in a name
+# (datasets.data_files.SPLIT_KEYWORDS, NON_WORDS_CHARS).
+SPLIT_KEYWORDS = {"train": ("train", "training"), "validation": ("validation", "valid", "dev", "val"),
+                  "test": ("test", "testing", "eval", "evaluation")}
+_SEP = r"[-._ 0-9]"
+_IN_NAME = {split: re.compile(rf"(?:^|{_SEP})(?:{'|'.join(words)}){_SEP}") for split, words in SPLIT_KEYWORDS.items()}
+_IN_DIR = {split: re.compile(rf"(?:^|{_SEP})(?:{'|'.join(words)})(?:$|{_SEP})")
+           for split, words in SPLIT_KEYWORDS.items()}
+README = "README.md"
+LEFT_OUT_LISTED = 100          # left-out files named in the manifest (all are counted)
+
+
+@dataclass
+class SplitPlan:
+    """``rules``: path -> ``train``, ``val`` or ``documents`` (split by document); a path not in it is left
+    out. ``source``: how the splits were found (the manifest's ``split_source``)."""
+
+    rules: dict[str, str]
+    source: dict = field(default_factory=dict)
+
+
+def val_threshold(val_percent: int) -> int:
+    """Documents whose 64-bit key hash is below this are validation."""
+    return val_percent * (1 << 64) // 100
+
+
+def document_split(key: str, threshold: int) -> str:
+    """The split of a document by its key (``val_threshold``): the same key always lands on the same side."""
+    return "val" if int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big") < threshold else "train"
+
+
+def file_split(rel: str, val_percent: int) -> str:
+    """The split of a whole file (a plain text file: one document) by its path."""
+    from trainer.data import split_of
+
+    return split_of(rel, val_percent)
+
+
+def _named_split(rel: str, in_dirs: bool) -> str | None:
+    parts = rel.lower().split("/")
+    names = parts[-2::-1] if in_dirs else parts[-1:]       # the nearest directory first
+    pattern = _IN_DIR if in_dirs else _IN_NAME
+    for name in names:
+        for split, regex in pattern.items():
+            if regex.search(name):
+                return split
+    return None
+
+
+def _by_names(rels: list[str]) -> dict[str, str | None] | None:
+    """Split names found in file names (else directory names), as Hugging Face datasets looks for them; None
+    when no file names a validation or test split."""
+    for in_dirs in (False, True):
+        named = {rel: _named_split(rel, in_dirs) for rel in rels}
+        if any(s in ("validation", "test") for s in named.values()):
+            return named
+    return None
+
+
+def _readme_config(readme: bytes) -> tuple[str, dict[str, list[str]]] | None:
+    """(config name, {split: globs}) from a dataset card's ``configs``; None when it has none."""
+    import yaml
+
+    text = readme.decode("utf-8", "replace")
+    if not text.startswith("---"):
+        return None
+    try:
+        header = yaml.safe_load(text.split("---", 2)[1])
+    except yaml.YAMLError:
+        return None
+    configs = (header or {}).get("configs") if isinstance(header, dict) else None
+    if not isinstance(configs, list) or not configs:
+        return None
+    config = next((c for c in configs if isinstance(c, dict) and c.get("config_name") == "default"), configs[0])
+    files = config.get("data_files") if isinstance(config, dict) else None
+    if isinstance(files, (str, list)) and not (isinstance(files, list) and files and isinstance(files[0], dict)):
+        files = [{"split": "train", "path": files}]
+    if not isinstance(files, list):
+        return None
+    out: dict[str, list[str]] = {}
+    for entry in files:
+        if isinstance(entry, dict) and "split" in entry and "path" in entry:
+            paths = entry["path"] if isinstance(entry["path"], list) else [entry["path"]]
+            out.setdefault(str(entry["split"]), []).extend(str(p) for p in paths)
+    return (str(config.get("config_name", "default")), out) if out else None
+
+
+def _card_glob(rel: str, pattern: str) -> bool:
+    # data_files paths are globs from the repository's root; ** crosses directories as * does in fnmatch.
+    return fnmatch.fnmatchcase(rel, pattern.replace("**/", "*").replace("**", "*"))
+
+
+def _named_plan(named: dict[str, str | None], by: str, **extra) -> SplitPlan:
+    """Validation (else test) is the validation split; train, or with no file named train every file that
+    names no split (but the card and dot files), the training split; the rest is left out."""
+    val_name = "validation" if "validation" in named.values() else "test"
+    has_train = "train" in named.values()
+    rules: dict[str, str] = {}
+    for rel, split in named.items():
+        name = rel.rsplit("/", 1)[-1]
+        if split == val_name:
+            rules[rel] = "val"
+        elif split == "train" or (split is None and not has_train and name != README and not name.startswith(".")):
+            rules[rel] = "train"
+    return SplitPlan(rules, {"by": by, **extra, "val_from": val_name,
+                             **_left_out([rel for rel in named if rel not in rules])})
+
+
+def _left_out(rels: list[str]) -> dict:
+    return {"left_out_files": len(rels), "left_out": sorted(rels)[:LEFT_OUT_LISTED]}
+
+
+def resolve_splits(rels: list[str], *, train_glob: tuple[str, ...] = (), val_glob: tuple[str, ...] = (),
+                   val_percent: int = 5, data_format: str = "auto", readme: bytes | None = None) -> SplitPlan:
+    """The split of every staged path (see the module's docstring); ``readme`` is the source's README.md."""
+    if train_glob or val_glob:
+        rules = {}
+        for rel in rels:
+            if val_glob and matches(rel, list(val_glob), []):
+                rules[rel] = "val"
+            elif train_glob and matches(rel, list(train_glob), []):
+                rules[rel] = "train"
+            elif not (train_glob and val_glob):
+                rules[rel] = "val" if train_glob else "train"
+        return SplitPlan(rules, {"by": "globs", "train_glob": list(train_glob), "val_glob": list(val_glob),
+                                 **_left_out([rel for rel in rels if rel not in rules])})
+    card = _readme_config(readme) if readme is not None else None
+    if card is not None:
+        config, globs = card
+        named: dict[str, str | None] = {}
+        for rel in rels:
+            hits = [split for split, patterns in globs.items() if any(_card_glob(rel, p) for p in patterns)]
+            split = hits[0].lower() if hits else None
+            named[rel] = next((k for k, words in SPLIT_KEYWORDS.items() if split in words), split)
+        if any(s in ("validation", "test") for s in named.values()) and "train" in named.values():
+            return _named_plan(named, "readme", config=config)
+    named_in_paths = _by_names(rels)
+    if named_in_paths is not None:
+        return _named_plan(named_in_paths, "layout")
+    rules = {rel: "documents" if detect_format(rel, data_format) != "text" else file_split(rel, val_percent)
+             for rel in rels}
+    return SplitPlan(rules, {"by": "document", "val_percent": val_percent,
+                             "key": "the record's id, else its file's path and position; a text file's path"})
