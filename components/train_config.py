@@ -275,6 +275,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
     from components.pytorchjob import GPU_RESOURCE, GPU_RESOURCE_PATTERN, INSTANCE_TYPES, JobSpec
     from trainer.config import _torch_available, parse_config
     from trainer.launch import check_faults
+    from trainer.mesh import check_launch
 
     if not run_id or "{{$" in run_id:
         raise ValueError(f"run_id {run_id!r} must be set: pass dsl.PIPELINE_JOB_ID_PLACEHOLDER from the pipeline")
@@ -340,6 +341,10 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         if backend != "local":      # the local backend's rank count is the train step's local_nproc
             # A fault on a rank or a step the job does not have would never fire.
             check_faults(faults, int(nodes) * gpus, int(max_steps))
+            # The device mesh must be the job's ranks: nodes x GPUs per node.
+            mesh = config.parallel
+            check_launch(mesh.parallel, mesh.dp_replicate, mesh.dp_shard, mesh.tp, gpus,
+                         range(int(nodes), int(nodes) + 1))
         # The job builder checks the trainer's arguments too: those checked above, for the same reason.
         spec = {**job, "image": image, "nodes": int(nodes), "spot": bool(spot), "trainer_args": checked}
         if backend == "pytorchjob":

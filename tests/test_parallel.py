@@ -132,3 +132,39 @@ def test_a_mesh_that_does_not_fit_the_ranks_is_refused_in_one_line(args, expecte
     with pytest.raises(ValueError, match=None) as e:
         resolve_mesh(*args)
     assert expected in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("extra, expected", [
+    (["--model-config", '{"dim": 256, "n_heads": 16, "n_kv_heads": 16, "ffn_dim": 512}', "--tp", "16"],
+     "--tp 16 must divide the ranks of a node (8)"),
+    (["--dp-replicate", "3"], "must be the 16 ranks (2 node(s) x 8)"),
+    (["--model", "bytegpt", "--model-flavor", "", "--tp", "2"], "--model bytegpt has no tensor-parallel plan"),
+])
+def test_the_pipeline_settings_check_refuses_a_mesh_that_does_not_fit_the_job(extra, expected):
+    from components.train_config import build_train_config
+
+    with pytest.raises(ValueError, match=None) as e:
+        build_train_config(fsx_root="/fsx", dataset_name="d", dataset_version="1", run_id="r", image="x/y:1",
+                           model="llama", model_flavor="debug", nodes=2, extra_trainer_args=extra)
+    assert expected in str(e.value)
+
+
+def test_the_pipeline_settings_check_takes_a_mesh_that_fits():
+    from components.train_config import build_train_config
+
+    args = build_train_config(fsx_root="/fsx", dataset_name="d", dataset_version="1", run_id="r", image="x/y:1",
+                              model="llama", model_flavor="debug", nodes=2,
+                              extra_trainer_args=["--dp-replicate", "2", "--tp", "2"]).trainer_args
+    assert args[-4:] == ["--dp-replicate", "2", "--tp", "2"]
+
+
+def test_goodput_train_refuses_a_mesh_before_any_rank_starts(tmp_path):
+    from click.testing import CliRunner
+
+    from pipelines.cli import main
+
+    out = tmp_path / "run"
+    result = CliRunner().invoke(main, ["train", "--nodes", "1:2", "--nproc", "2", "--dp-replicate", "2",
+                                       "--dp-shard", "2", "--out", str(out), "--fsx-root", str(tmp_path)])
+    assert result.exit_code == 2 and "must be the 2 ranks (1 node(s) x 2)" in result.output, result.output
+    assert not out.exists()
