@@ -194,7 +194,8 @@ def _model_importable(model: str) -> bool:
 def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str, run_id: str,
                        max_steps: int = 200, ckpt_every: int = 50, model: str = "bytegpt", model_flavor: str = "",
                        model_config: str = "", init_from: str = "", tokenizer: str = "bytes", seq_len: int = 128,
-                       batch_size: int = 16, parallel: str = "fsdp", seed: int = 1337, inject_fault: str = "",
+                       batch_size: int = 16, parallel: str = "fsdp", dp_replicate: int = 0, dp_shard: int = 0,
+                       tp: int = 1, seed: int = 1337, inject_fault: str = "",
                        extra_trainer_args: list | None = None, max_restarts: int = 3, backoff_limit: int = 3,
                        instance_type: str = "", fsx_pvc: str = "fsx-claim", service_account: str = "",
                        backend: str = "pytorchjob", image: str = "", nodes: int = 1, gpus_per_node: int = -1,
@@ -228,6 +229,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         seq_len: context length in tokens.
         batch_size: sequences per micro-batch per rank.
         parallel: ``fsdp`` or ``ddp``.
+        dp_replicate: replicas of the model (HSDP); 0 = auto (``trainer.mesh.resolve_mesh``).
+        dp_shard: ranks sharding the parameters within a replica; 0 = auto.
+        tp: tensor-parallel ranks inside a node (1 = none); the mesh must be ``nodes`` x GPUs per node.
         seed: random seed.
         inject_fault: comma-separated ``KIND@STEP[:RANK]`` faults for the trainer (recovery drills).
         extra_trainer_args: further ``python -m trainer`` arguments, appended last.
@@ -312,6 +316,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
             "--max-steps", str(int(max_steps)), "--ckpt-every", str(int(ckpt_every))]
     tail = ["--seq-len", str(int(seq_len)), "--batch-size", str(int(batch_size)), "--parallel", parallel,
             "--seed", str(int(seed))]
+    # The mesh flags only where set, so that the trainer arguments of a run without them stay as they were.
+    tail += [a for flag, value, default in (("--dp-replicate", dp_replicate, 0), ("--dp-shard", dp_shard, 0),
+                                            ("--tp", tp, 1)) if int(value) != default for a in (flag, str(int(value)))]
     faults = [f.strip() for f in inject_fault.split(",") if f.strip()]
     for fault in faults:
         tail += ["--inject-fault", fault]

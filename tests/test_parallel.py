@@ -168,3 +168,16 @@ def test_goodput_train_refuses_a_mesh_before_any_rank_starts(tmp_path):
                                        "--dp-shard", "2", "--out", str(out), "--fsx-root", str(tmp_path)])
     assert result.exit_code == 2 and "must be the 2 ranks (1 node(s) x 2)" in result.output, result.output
     assert not out.exists()
+
+
+def test_the_pipelines_mesh_parameters_reach_the_trainer_and_are_checked():
+    from components.train_config import build_train_config, check_run_parameters
+
+    job = dict(fsx_root="/fsx", dataset_name="d", dataset_version="1", image="x/y:1", model="llama",
+               model_flavor="debug", nodes=2)
+    args = build_train_config(run_id="r", dp_replicate=2, tp=2, **job).trainer_args
+    assert " ".join(args).count("--dp-replicate 2 --tp 2") == 1 and "--dp-shard" not in args
+    assert "--tp" not in build_train_config(run_id="r", **job).trainer_args
+    renamed = {"trainer_image" if k == "image" else k: v for k, v in job.items()}
+    with pytest.raises(ValueError, match=r"--dp-replicate 3 x --dp-shard \? x --tp 2 must be the 16 ranks"):
+        check_run_parameters({**renamed, "dp_replicate": 3, "tp": 2})
