@@ -127,6 +127,7 @@ def test_the_mesh_follows_the_nodes_unless_set(args, shape):
     (("fsdp", 4, 2, 3, 0), "must be the 4 ranks (2 node(s) x 2)"),
     (("fsdp", 4, 2, 2, 1), "must be the 4 ranks"),
     (("ddp", 4, 4, 0, 0, 2), "--parallel ddp replicates the whole model"),
+    (("ddp", 4, 4, 2), "--dp-replicate 2 x --dp-shard 1 x --tp 1 must be the 4 ranks"),
 ])
 def test_a_mesh_that_does_not_fit_the_ranks_is_refused_in_one_line(args, expected):
     with pytest.raises(ValueError, match=None) as e:

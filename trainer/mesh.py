@@ -66,13 +66,15 @@ def resolve_mesh(parallel: str, world_size: int, local_world_size: int, dp_repli
     problems = setting_problems(parallel, dp_replicate, dp_shard, tp)
     if problems:
         raise ValueError(problems[0])
-    if local_world_size % tp or world_size % local_world_size:
+    if world_size % local_world_size:
+        raise ValueError(f"{world_size} ranks are not whole nodes of {local_world_size}")
+    if local_world_size % tp:
         raise ValueError(f"--tp {tp} must divide the ranks of a node ({local_world_size}): tensor parallelism "
                          f"stays inside a node")
     dp = world_size // tp
     nodes = world_size // local_world_size
     if parallel == "ddp":
-        dp_replicate, dp_shard = dp, 1
+        dp_replicate, dp_shard = dp_replicate or dp, 1
     elif not dp_replicate and not dp_shard:
         per_node = local_world_size // tp
         dp_replicate, dp_shard = (nodes, per_node) if nodes > 1 and per_node > 1 else (1, dp)
