@@ -51,6 +51,7 @@ def _exported_sha(run_dir: Path, step: int, out: Path) -> str:
     return params_sha256(model)
 
 
+@pytest.mark.timeout(1200)   # three runs of 4 ranks
 def test_a_checkpoint_moves_between_fsdp_and_tensor_parallel_meshes_and_exports_the_same(
         tmp_path, dataset, process_group):
     """dp=4 to step 4; resumed at dp=2 x tp=2 (DCP reshards the DTensors) to step 6; resumed at dp=4 again. Each
@@ -86,6 +87,7 @@ def test_memory_snapshots_of_another_mesh_are_not_used(tmp_path, dataset):
     assert tp["mesh"] == {"dp_replicate": 1, "dp_shard": 1, "tp": 2} and tp["steps"] == 8
 
 
+@pytest.mark.timeout(1500)   # two runs of 2 nodes x 2 ranks, one of them restarted
 @pytest.mark.parametrize("mesh", [["--dp-replicate", "2", "--tp", "2"]])
 def test_hsdp_x_tp_on_two_nodes_recovers_a_rank_killed_on_node_1(tmp_path, dataset, mesh):
     """2 nodes x 2 ranks as 2 replicas x 2 tensor-parallel ranks: rank 3 (node 1) killed at step 5; both nodes
