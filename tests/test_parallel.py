@@ -15,7 +15,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from trainer.models import ParallelPlan, build_local, build_model, resolve_model
 from trainer.models.parallelize import clip_grad_norm_
 from trainer.mesh import MeshShape, resolve_mesh
-from trainer.parallel import with_mesh
+from trainer.parallel import Dist, with_mesh
 
 from tests.test_llama import spawn_ranks
 from tests.test_models_registry import EXAMPLES
@@ -182,3 +182,25 @@ def test_the_pipelines_mesh_parameters_reach_the_trainer_and_are_checked():
     renamed = {"trainer_image" if k == "image" else k: v for k, v in job.items()}
     with pytest.raises(ValueError, match=r"--dp-replicate 3 x --dp-shard \? x --tp 2 must be the 16 ranks"):
         check_run_parameters({**renamed, "dp_replicate": 3, "tp": 2})
+
+
+def test_memory_snapshots_are_tagged_with_the_mesh(tmp_path):
+    """The run id the trainer gives its checkpoint manager, which tags memory snapshots and peer copies, names
+    the mesh: two meshes of one world size (FSDP 1x2x1, TP 1x1x2) shard the state differently, and a snapshot
+    of one must never be restored into the other."""
+    from trainer.config import TrainConfig
+    from trainer.events import EventLog
+    from trainer.faults import FaultInjector
+    from trainer.session import Session
+
+    tags = []
+    for shape in (MeshShape(1, 2, 1), MeshShape(1, 1, 2)):
+        session = Session.__new__(Session)    # only what ``checkpoints`` reads: no launcher, no agents
+        session.cfg, session.out, session.run_id, session.ckpt = TrainConfig(), tmp_path, "run1", None
+        session.events = EventLog(tmp_path / "events.jsonl", 0)
+        session.faults = FaultInjector([], 0, 2, session.events, tmp_path / "events.jsonl")
+        manager = session.checkpoints(with_mesh(Dist(0, 2, 0, torch.device("cpu")), shape, form=False))
+        tags.append(manager.run_id)
+        manager.close()
+        session.events.close()
+    assert tags == ["run1/1x2x1", "run1/1x1x2"]
