@@ -107,9 +107,9 @@ def train(ctx: click.Context, nproc: int, nodes: tuple[int, int], fsx_root: Path
                        "rerun the same command to resume")
         sys.exit(code)
     table = Table(title="training summary", show_header=False)
-    for key in ("steps", "tokens", "final_train_loss", "final_val_loss", "checkpoints_committed",
-                "ckpt_block_s_p50", "ckpt_block_s_max", "restarts", "restarts_inprocess", "restarts_injob",
-                "lost_steps", "goodput", "wall_s", "params_sha256"):
+    for key in ("steps", "tokens", "mesh", "tokens_per_s_p50", "mfu_p50", "final_train_loss", "final_val_loss",
+                "checkpoints_committed", "ckpt_block_s_p50", "ckpt_block_s_max", "restarts", "restarts_inprocess",
+                "restarts_injob", "lost_steps", "goodput", "wall_s", "params_sha256"):
         table.add_row(key, str(summary.get(key)))
     for f in summary.get("faults", []):
         table.add_row(f"fault {f['kind']}@{f['step']}:{f['rank']}",
