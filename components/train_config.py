@@ -200,7 +200,8 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
                        max_steps: int = 200, ckpt_every: int = 50, ckpt_mirror: str = "", require_mirror: bool = False,
                        model: str = "bytegpt", model_flavor: str = "",
                        model_config: str = "", init_from: str = "", tokenizer: str = "bytes", seq_len: int = 128,
-                       batch_size: int = 16, parallel: str = "fsdp", seed: int = 1337, inject_fault: str = "",
+                       batch_size: int = 16, parallel: str = "fsdp", dp_replicate: int = 0, dp_shard: int = 0,
+                       tp: int = 1, seed: int = 1337, inject_fault: str = "",
                        extra_trainer_args: list | None = None, max_restarts: int = 3, backoff_limit: int = 3,
                        instance_type: str = "", fsx_pvc: str = "fsx-claim", service_account: str = "",
                        backend: str = "pytorchjob", image: str = "", nodes: int = 1, gpus_per_node: int = -1,
@@ -239,6 +240,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         seq_len: context length in tokens.
         batch_size: sequences per micro-batch per rank.
         parallel: ``fsdp`` or ``ddp``.
+        dp_replicate: replicas of the model (HSDP); 0 = auto (``trainer.mesh.resolve_mesh``).
+        dp_shard: ranks sharding the parameters within a replica; 0 = auto.
+        tp: tensor-parallel ranks inside a node (1 = none); the mesh must be ``nodes`` x GPUs per node.
         seed: random seed.
         inject_fault: comma-separated ``KIND@STEP[:RANK]`` faults for the trainer (recovery drills).
         extra_trainer_args: further ``python -m trainer`` arguments, appended last.
@@ -293,6 +297,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
     from components.pytorchjob import GPU_RESOURCE, GPU_RESOURCE_PATTERN, INSTANCE_TYPES, JobSpec
     from trainer.config import _torch_available, parse_config
     from trainer.launch import check_faults
+    from trainer.mesh import check_launch
 
     if not run_id or "{{$" in run_id:
         raise ValueError(f"run_id {run_id!r} must be set: pass dsl.PIPELINE_JOB_ID_PLACEHOLDER from the pipeline")
@@ -346,6 +351,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
                                                           if endpoint_url else [])
     if require_mirror:
         tail += ["--require-mirror"]
+    # The mesh flags only where set, so that the trainer arguments of a run without them stay as they were.
+    tail += [a for flag, value, default in (("--dp-replicate", dp_replicate, 0), ("--dp-shard", dp_shard, 0),
+                                            ("--tp", tp, 1)) if int(value) != default for a in (flag, str(int(value)))]
     faults = [f.strip() for f in inject_fault.split(",") if f.strip()]
     for fault in faults:
         tail += ["--inject-fault", fault]
@@ -376,6 +384,10 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         if backend != "local":      # the local backend's rank count is the train step's local_nproc
             # A fault on a rank or a step the job does not have would never fire.
             check_faults(faults, int(nodes) * gpus, int(max_steps))
+            # The device mesh must be the job's ranks: nodes x GPUs per node.
+            mesh = config.parallel
+            check_launch(mesh.parallel, mesh.dp_replicate, mesh.dp_shard, mesh.tp, gpus,
+                         range(int(nodes), int(nodes) + 1))
         # The job builder checks the trainer's arguments too: those checked above, for the same reason.
         spec = {**{k: v for k, v in job.items() if k != "admission_timeout_s"}, "image": image, "nodes": int(nodes),
                 "spot": bool(spot), "trainer_args": checked}

@@ -27,6 +27,9 @@ def train_config_op(
     seq_len: int,
     batch_size: int,
     parallel: str,
+    dp_replicate: int,
+    dp_shard: int,
+    tp: int,
     seed: int,
     inject_fault: str,
     max_restarts: int,
@@ -85,6 +88,9 @@ def train_config_op(
         seq_len: context length in tokens.
         batch_size: sequences per micro-batch per rank.
         parallel: fsdp or ddp.
+        dp_replicate: replicas of the model (HSDP); 0 = auto.
+        dp_shard: ranks sharding the parameters within a replica; 0 = auto.
+        tp: tensor-parallel ranks inside a node (1 = none).
         seed: random seed.
         inject_fault: comma-separated KIND@STEP[:RANK] faults (recovery drills); empty = none.
         max_restarts: in-job restarts by ft_launcher.
@@ -133,6 +139,7 @@ def train_config_op(
         max_steps=max_steps, ckpt_every=ckpt_every, model=model, model_flavor=model_flavor,
         model_config=model_config, init_from=init_from, tokenizer=tokenizer, seq_len=seq_len,
         batch_size=batch_size, parallel=parallel, seed=seed, inject_fault=inject_fault,
+        dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
         extra_trainer_args=extra_trainer_args, max_restarts=max_restarts, backoff_limit=backoff_limit,
         instance_type=instance_type, fsx_pvc=fsx_pvc, service_account=service_account, backend=backend,
         image=image, nodes=nodes, gpus_per_node=gpus_per_node, spot=spot, gpu_resource=gpu_resource,

@@ -62,6 +62,9 @@ def pipeline_parameters(
     require_mirror: bool = False,
     seed: int = 1337,
     parallel: str = "fsdp",
+    dp_replicate: int = 0,
+    dp_shard: int = 0,
+    tp: int = 1,
     nodes: int = 2,
     gpus_per_node: int = -1,
     instance_type: str = "p5.48xlarge",
@@ -156,6 +159,11 @@ def pipeline_parameters(
             downloadable) fails the train step; without it a failure is a warning in the step's log.
         seed: random seed.
         parallel: fsdp or ddp.
+        dp_replicate: replicas of the model (HSDP); 0 = auto: the nodes, when a node has more than one
+            data-parallel rank, else 1.
+        dp_shard: ranks sharding the parameters within a replica; 0 = auto: the rest.
+        tp: tensor-parallel ranks splitting each layer inside a node (llama; 1 = none); dp_replicate x
+            dp_shard x tp must be nodes x gpus_per_node.
         nodes: nodes in the job (at least 1).
         gpus_per_node: GPUs (trainer processes) per node; -1 = every GPU of instance_type.
         instance_type: EC2 instance type of the trainer nodes (p5.48xlarge, p5e/p5en.48xlarge, p4d/p4de.24xlarge,
@@ -260,6 +268,7 @@ def _wire(backend: str, *, local_nproc=None, local_nodes=None, **p) -> None:
             model=p["model"], model_flavor=p["model_flavor"], model_config=p["model_config"],
             init_from=p["init_from"], tokenizer=p["tokenizer"], seq_len=p["seq_len"], batch_size=p["batch_size"],
             parallel=p["parallel"], seed=p["seed"], inject_fault=p["inject_fault"], max_restarts=p["max_restarts"],
+            dp_replicate=p["dp_replicate"], dp_shard=p["dp_shard"], tp=p["tp"],
             backoff_limit=p["backoff_limit"], instance_type=p["instance_type"], fsx_pvc=p["fsx_pvc"],
             service_account=p["trainer_service_account"], backend=backend, image=p["trainer_image"],
             nodes=p["nodes"], gpus_per_node=p["gpus_per_node"], spot=p["spot"], gpu_resource=p["gpu_resource"],

@@ -105,6 +105,12 @@ class OptimConfig:
 @dataclass
 class ParallelConfig:
     parallel: str = _f("fsdp", "data parallelism: fsdp (FSDP2 fully_shard) or ddp", choices=("fsdp", "ddp"))
+    dp_replicate: int = _f(0, "replicas of the model with fsdp (HSDP: parameters sharded within a replica, gradients "
+                              "all-reduced between them); 0 = auto: the nodes when each node has more than one "
+                              "data-parallel rank, else 1")
+    dp_shard: int = _f(0, "ranks that shard the parameters within a replica (FSDP2); 0 = auto: the rest of the ranks")
+    tp: int = _f(1, "tensor-parallel ranks that split each layer (inside a node; the model needs a tensor-parallel "
+                    "plan: llama has one); dp_replicate x dp_shard x tp must be the ranks (nodes x nproc)")
 
 
 @dataclass
@@ -355,9 +361,13 @@ class TrainConfig:
         problems += _metrics_problems(self.metrics)
         # The model is built to check it, which needs torch: the component image that runs the pipeline's
         # check-settings step and the job launcher has none, and there the trainer checks it when it starts.
+        from .mesh import setting_problems
+
+        p = self.parallel
+        problems += setting_problems(p.parallel, p.dp_replicate, p.dp_shard, p.tp)
         if not problems and _torch_available():
             try:
-                self.model.spec(d.data)
+                problems += self.model.spec(d.data).tp_problems(p.tp, m.seq_len)
             except ValueError as e:   # ModelError, HFError, check_vocab: each says what to fix
                 problems.append(str(e))
         if problems:

@@ -1,5 +1,6 @@
-"""The process group and this process's device, from the launcher's environment, and the stores it meets on.
-(How a model is spread over the ranks is ``trainer.models.parallelize``.)"""
+"""The process group and this process's device, from the launcher's environment, the device mesh the ranks
+form (``dp_replicate`` x ``dp_shard`` x ``tp``), and the stores they meet on. (How a model is spread over
+the mesh is ``trainer.models.parallelize``.)"""
 
 from __future__ import annotations
 
@@ -11,6 +12,9 @@ from datetime import timedelta
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from .mesh import MESH_DIMS, MeshShape
 
 
 @dataclass(frozen=True)
@@ -19,10 +23,43 @@ class Dist:
     world_size: int
     local_rank: int
     device: torch.device
+    shape: MeshShape | None = None
+    """the mesh's shape (None: one data-parallel group of every rank)"""
+    mesh: DeviceMesh | None = None
+    """the device mesh, dims ``MESH_DIMS``; None where the shape is flat (FSDP2 and DDP use the world)"""
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
+
+    @property
+    def mesh_tag(self) -> str:
+        """The mesh's ``RxSxT`` (one shard group of every rank where no shape was given)."""
+        return (self.shape or MeshShape(1, self.world_size, 1)).tag
+
+    @property
+    def tp(self) -> int:
+        return self.shape.tp if self.shape is not None else 1
+
+    @property
+    def dp_size(self) -> int:
+        return self.world_size // self.tp
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel index: which batches it reads (the same in a tensor-parallel group)."""
+        return self.rank // self.tp
+
+    @property
+    def dp_mesh(self) -> DeviceMesh | None:
+        """What FSDP2 shards over: (replicate, shard) for HSDP, shard alone, or None (every rank)."""
+        if self.mesh is None:
+            return None
+        return self.mesh["dp_replicate", "dp_shard"] if self.shape.dp_replicate > 1 else self.mesh["dp_shard"]
+
+    @property
+    def tp_mesh(self) -> DeviceMesh | None:
+        return self.mesh["tp"] if self.mesh is not None and self.tp > 1 else None
 
 
 def ensure_launcher_env() -> None:
@@ -33,9 +70,11 @@ def ensure_launcher_env() -> None:
                           MASTER_PORT=str(free_port()))
 
 
-def init_distributed(timeout_s: float, store: dist.Store) -> Dist:
+def init_distributed(timeout_s: float, store: dist.Store, shape: MeshShape | None = None,
+                     form_mesh: bool = True) -> Dist:
     """Join the process group described by the launcher's environment (torchrun / ft_launcher) on ``store``
-    (``restart.iteration_store``: one key space per attempt). NCCL on CUDA, gloo on CPU."""
+    (``restart.iteration_store``: one key space per attempt), and form ``shape``'s device mesh (``with_mesh``).
+    NCCL on CUDA, gloo on CPU."""
     ensure_launcher_env()
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
@@ -47,7 +86,18 @@ def init_distributed(timeout_s: float, store: dist.Store) -> Dist:
         backend = "gloo"
     dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), store=store,
                             rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
-    return Dist(dist.get_rank(), dist.get_world_size(), local_rank, device)
+    return with_mesh(Dist(dist.get_rank(), dist.get_world_size(), local_rank, device), shape, form_mesh)
+
+
+def with_mesh(d: Dist, shape: MeshShape | None, form: bool = True) -> Dist:
+    """``d`` with ``shape`` and, if ``form`` and the shape is not flat, its device mesh (collective: its
+    sub-groups are new process groups). DDP forms none: it replicates over the whole group."""
+    if shape is None or shape.flat or not form:
+        return Dist(d.rank, d.world_size, d.local_rank, d.device, shape)
+    if shape.world_size != d.world_size:
+        raise ValueError(f"the mesh {shape.tag} is {shape.world_size} ranks, the process group {d.world_size}")
+    mesh = init_device_mesh(d.device.type, (shape.dp_replicate, shape.dp_shard, shape.tp), mesh_dim_names=MESH_DIMS)
+    return Dist(d.rank, d.world_size, d.local_rank, d.device, shape, mesh)
 
 
 def free_port() -> int:

@@ -91,7 +91,8 @@ class Session:
         if self.ckpt is None:
             self.ckpt = CheckpointManager(self.out / "checkpoints", self.cfg.checkpoint, d, self.events,
                                           on_write_started=self.faults.on_checkpoint_write_started,
-                                          run_id=self.run_id)
+                                          # Snapshots name the mesh too: another one shards the state otherwise.
+                                          run_id=None if self.run_id is None else f"{self.run_id}/{d.mesh_tag}")
         return self.ckpt
 
     def close(self) -> None:

@@ -11,7 +11,8 @@ from .mirror import mirror_stats
 
 
 def summarize(events: list[dict], *, steps: int, tokens: int, final_val_loss: float, params_sha256: str,
-              n_params: int) -> dict:
+              n_params: int, mesh: dict | None = None) -> dict:
+    """``mesh``: the run's (last) device mesh, which its throughput and MFU were measured on."""
     starts = [e for e in events if e["event"] == "run_start"]
     step_events = [e for e in events if e["event"] == "step"]
     # Every save the loop waited for, the final (synchronous) one and those after SIGTERM included.
@@ -26,6 +27,7 @@ def summarize(events: list[dict], *, steps: int, tokens: int, final_val_loss: fl
         # Throughput of the steps (every attempt's): medians, so a restart's first slow step does not skew them.
         "tokens_per_s_p50": _median(e.get("tokens_per_s") for e in step_events),
         "mfu_p50": _median(e.get("mfu") for e in step_events),   # None on CPU: no device peak to divide by
+        "mesh": mesh,
         "checkpoints_committed": sum(e["event"] == "ckpt_committed" for e in events),
         "ckpt_saves": len(blocks),
         # A save's own figure (the lower middle one of an even count), not the mean of two.

@@ -39,7 +39,9 @@ from .data import BatchSampler, Split, eval_windows
 from .events import EventLog, read_events
 from .hooks import StepHook, StepReport
 from .live_state import LiveStateDict
+from .mesh import launcher_mesh
 from .models import ModelSpec, ParallelPlan, build_model, num_params
+from .models.parallelize import clip_grad_norm_
 from .models.hf import load_hf_weights
 from .models.mfu import device_peak_flops, mfu
 from .parallel import Dist, init_distributed
@@ -112,9 +114,9 @@ def validation_loss(model, spec: ModelSpec, split: Split, cfg: TrainConfig, d: D
     """Mean loss over the first ``eval_windows`` validation windows, split across ranks (collective)."""
     model.eval()
     windows = list(eval_windows(split, cfg.model.seq_len, cfg.data.eval_windows))
-    mine = windows[d.rank::d.world_size]
+    mine = windows[d.dp_rank::d.dp_size]   # a tensor-parallel group reads the same windows
     # Every rank runs the same number of forwards: FSDP2 all-gathers parameters in each one.
-    per_rank = math.ceil(len(windows) / d.world_size)
+    per_rank = math.ceil(len(windows) / d.dp_size)
     sums = torch.zeros(2, dtype=torch.float64, device=d.device)
     for i in range(per_rank):
         x, y = mine[i] if i < len(mine) else windows[0]
@@ -138,8 +140,11 @@ class Trainer:
         self.session, self.spec, self.events = session, session.spec, session.events
         self.recovery = Recovery(session.ft, session.sigterm, call_wrapper, session.events, is_main=session.rank == 0)
         with self.recovery.section("setup"):
+            p = cfg.parallel
+            shape = launcher_mesh(p.parallel, p.dp_replicate, p.dp_shard, p.tp)
             d = self.d = init_distributed(cfg.restart.collective_timeout_s,
-                                          store=iteration_store(self.recovery.iteration))
+                                          store=iteration_store(self.recovery.iteration), shape=shape,
+                                          form_mesh=p.parallel == "fsdp")
             if self.recovery.iteration > 0 and d.is_main:
                 self.events.emit("restart", layer="inprocess", iteration=self.recovery.iteration)
 
@@ -151,11 +156,11 @@ class Trainer:
             self.optimizer = build_optimizer(self.model, cfg.optim)
             self.scheduler = torch.optim.lr_scheduler.LambdaLR(
                 self.optimizer, lambda s: get_lr(s, cfg.optim, cfg.run.max_steps))
-            self.sampler = BatchSampler(session.split_train, rank=d.rank, world_size=d.world_size,
+            self.sampler = BatchSampler(session.split_train, rank=d.dp_rank, world_size=d.dp_size,
                                         batch_size=cfg.data.batch_size, seq_len=cfg.model.seq_len, seed=cfg.run.seed)
             self.state = TrainState()
             self.live = LiveStateDict(self.model, self.optimizer)
-            self.tokens_per_step = cfg.data.batch_size * cfg.data.grad_accum * cfg.model.seq_len * d.world_size
+            self.tokens_per_step = cfg.data.batch_size * cfg.data.grad_accum * cfg.model.seq_len * d.dp_size
             # MFU per device, against its dense bf16 peak (None on CPU: no honest peak to divide by).
             self.flops_per_token = self.spec.flops_per_token(cfg.model.seq_len)
             self.peak_flops = device_peak_flops(d.device)
@@ -177,8 +182,9 @@ class Trainer:
                 self._fresh_start()
             self.sampler.batches_read = self.state.batches_read
             if d.is_main:
-                log.info("model %s (%s) %.2fM params, %s on %d x %s, %d tokens/step, %s", self.spec.name,
-                         self.spec.flavor, self.n_params / 1e6, cfg.parallel.parallel, d.world_size, d.device.type,
+                log.info("model %s (%s) %.2fM params, %s (mesh %s) on %d x %s, %d tokens/step, %s", self.spec.name,
+                         self.spec.flavor, self.n_params / 1e6, cfg.parallel.parallel, d.mesh_tag, d.world_size,
+                         d.device.type,
                          self.tokens_per_step,
                          f"resumed from step {resumed_from} ({source})" if resumed_from is not None else "fresh start")
                 self.events.emit("resumed" if resumed_from is not None else "fresh_start", step=self.state.step,
@@ -270,7 +276,7 @@ class Trainer:
             (loss / cfg.data.grad_accum).backward()
             total += loss.detach()
         if cfg.optim.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(self.model.parameters(), cfg.optim.grad_clip)
+            clip_grad_norm_(self.model, cfg.optim.grad_clip)
         for hook in self.update_hooks:
             hook.before_optimizer_step(step)
         self.optimizer.step()
@@ -303,7 +309,8 @@ class Trainer:
                 self.checkpointer.maybe_drain_mirror()   # after the last collective: the summary sees it mirrored
                 self.events.emit("run_end", step=state.step, val_loss=round(val_loss, 6))
                 summary = summarize(read_events(self.session.events_path), steps=state.step, tokens=state.tokens,
-                                    final_val_loss=val_loss, params_sha256=sha, n_params=self.n_params)
+                                    final_val_loss=val_loss, params_sha256=sha, n_params=self.n_params,
+                                    mesh=self.d.shape.describe())
                 write_summary(self.session.out / "summary.json", summary)
                 log.info("done: %d steps, val loss %.4f, %d checkpoints, goodput %.3f, params %s", state.step,
                          val_loss, summary["checkpoints_committed"], summary["goodput"], sha[:16])

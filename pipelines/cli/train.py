@@ -9,7 +9,8 @@ from pathlib import Path
 
 import click
 
-from trainer.config import describe_flags
+from trainer.config import ParallelConfig, build_parser, describe_flags
+from trainer.mesh import check_launch
 from trainer.launch import LaunchConfig, last_stop, run_local_training
 
 
@@ -35,6 +36,16 @@ def parse_nodes(value: str) -> tuple[int, int]:
     if nodes[1] < 1 or (nodes[0] and not 1 <= nodes[0] < nodes[1]):
         raise click.BadParameter(f"{value!r}: need N >= 1, or 1 <= MIN < MAX")
     return nodes
+
+
+def check_mesh(trainer_args: list[str], nproc: int, nodes: range) -> None:
+    """--dp-replicate x --dp-shard x --tp against every node count of the job x --nproc, before any rank starts."""
+    given, _ = build_parser().parse_known_args(trainer_args)
+    p = ParallelConfig(**{k.split(".", 1)[1]: v for k, v in vars(given).items() if k.startswith("parallel.")})
+    try:
+        check_launch(p.parallel, p.dp_replicate, p.dp_shard, p.tp, nproc, nodes)
+    except ValueError as e:
+        raise click.UsageError(str(e)) from None
 
 
 # \b keeps click from re-wrapping each section of the trainer's flags.
@@ -80,6 +91,7 @@ def train(ctx: click.Context, nproc: int, nodes: tuple[int, int], fsx_root: Path
     started = time.time()
     # A LaunchError (a ValueError) is the CLI's one-line error, exit 2: nothing was created or started.
     min_nodes, max_nodes = nodes
+    check_mesh(ctx.args, nproc, range(min_nodes or max_nodes, max_nodes + 1))
     code, summary = run_local_training([*ctx.args, "--restart-layers", restart],
                                        LaunchConfig(nproc_per_node=nproc, nnodes=max_nodes, **launch), fsx_root,
                                        min_nodes=min_nodes)
@@ -95,9 +107,9 @@ def train(ctx: click.Context, nproc: int, nodes: tuple[int, int], fsx_root: Path
                        "rerun the same command to resume")
         sys.exit(code)
     table = Table(title="training summary", show_header=False)
-    for key in ("steps", "tokens", "final_train_loss", "final_val_loss", "checkpoints_committed",
-                "ckpt_block_s_p50", "ckpt_block_s_max", "restarts", "restarts_inprocess", "restarts_injob",
-                "lost_steps", "goodput", "wall_s", "params_sha256"):
+    for key in ("steps", "tokens", "mesh", "tokens_per_s_p50", "mfu_p50", "final_train_loss", "final_val_loss",
+                "checkpoints_committed", "ckpt_block_s_p50", "ckpt_block_s_max", "restarts", "restarts_inprocess",
+                "restarts_injob", "lost_steps", "goodput", "wall_s", "params_sha256"):
         table.add_row(key, str(summary.get(key)))
     for f in summary.get("faults", []):
         table.add_row(f"fault {f['kind']}@{f['step']}:{f['rank']}",

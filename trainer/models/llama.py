@@ -1,6 +1,6 @@
 """Llama 3: RMSNorm, rotary embeddings (``rope_theta``, Llama 3.1 frequency scaling), SwiGLU MLP,
-grouped-query attention, tied or untied embeddings. Only the model lives here; FSDP2 is applied from
-outside (``trainer.models.parallelize``), per ``TransformerBlock`` then the root.
+grouped-query attention, tied or untied embeddings. Only the model and its tensor-parallel plan live here;
+FSDP2 is applied from outside (``trainer.models.parallelize``), per ``TransformerBlock`` then the root.
 
 RoPE rotates the two halves of each head (``rotate_half``), the layout in which Hugging Face stores
 Llama's ``q_proj``/``k_proj`` rows, so HF checkpoints load without the row permutation that Meta's
@@ -21,7 +21,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .registry import apply_overrides, pick_flavor
-from .spec import ModelSpec, Vocabulary
+from .spec import ModelSpec, TensorParallelPlan, Vocabulary
 
 
 @dataclass(frozen=True)
@@ -152,9 +152,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q = self.wq(x).view(b, t, self.n_heads, self.head_dim).transpose(1, 2)
-        k = self.wk(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
-        v = self.wv(x).view(b, t, self.n_kv_heads, self.head_dim).transpose(1, 2)
+        # -1 heads: under tensor parallelism each rank holds n_heads / tp of them (and n_kv_heads / tp).
+        q = self.wq(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        k = self.wk(x).view(b, t, -1, self.head_dim).transpose(1, 2)
+        v = self.wv(x).view(b, t, -1, self.head_dim).transpose(1, 2)
         cos, sin = rope[0, :t].to(x.dtype), rope[1, :t].to(x.dtype)
         q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
         if self.n_kv_heads != self.n_heads:
@@ -249,6 +250,50 @@ def flops_per_token(args: LlamaArgs, seq_len: int) -> float:
     return 6.0 * matmul_weights + 12.0 * args.n_layers * args.n_heads * args.head_size * seq_len
 
 
+def tensor_parallel(model: Llama, tp_mesh) -> None:
+    """Megatron-style tensor parallelism with sequence-parallel norms (torchtitan's plan): the embedding's
+    rows and the output's columns split over the vocabulary, attention by heads (wq, wk, wv column-wise,
+    wo row-wise), SwiGLU by its hidden width (w1, w3 column-wise, w2 row-wise). Between the blocks the
+    residual stream is split along the sequence (``Shard(1)``), so the norms run on 1/tp of the tokens; it
+    is gathered before each attention and MLP, and the row-wise projections reduce-scatter back into it.
+    The logits are gathered whole, so the loss is the one of ``--tp 1``."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
+
+    parallelize_module(model, tp_mesh, {
+        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+        "norm": SequenceParallel(),
+        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+    })
+    for block in model.layers:
+        parallelize_module(block, tp_mesh, {
+            "attention_norm": SequenceParallel(),
+            "attention": PrepareModuleInput(input_layouts=(Shard(1), None), desired_input_layouts=(Replicate(), None)),
+            "attention.wq": ColwiseParallel(),
+            "attention.wk": ColwiseParallel(),
+            "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+            "ffn_norm": SequenceParallel(),
+            "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "feed_forward.w1": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1)),
+            "feed_forward.w3": ColwiseParallel(),
+        })
+
+
+def tensor_parallel_problems(args: LlamaArgs, tp: int, seq_len: int) -> list[str]:
+    out = [f"llama: {what} ({n}) must be a multiple of --tp {tp} ({why})" for what, n, why in (
+        ("n_kv_heads", args.n_kv_heads, "each rank keeps whole key/value heads"),
+        ("ffn_dim", args.ffn_dim, "the MLP splits its hidden width"),
+        ("vocab_size", args.vocab_size, "the embedding and output split the vocabulary"),
+        ("--seq-len", seq_len, "the norms split the sequence")) if n % tp]
+    if args.tie_embeddings:
+        out.append("llama with tie_embeddings (llama3-1b, llama3-3b) has no tensor-parallel plan: use --tp 1 "
+                   "(these sizes fit a GPU with FSDP alone)")
+    return out
+
+
 def model_spec(flavor: str = "", overrides: dict | None = None) -> ModelSpec:
     """``--model llama``: a flavor (default ``debug``) with ``--model-config`` overrides."""
     from .hf import LlamaHFAdapter
@@ -262,4 +307,6 @@ def model_spec(flavor: str = "", overrides: dict | None = None) -> ModelSpec:
                      init_weights=Llama.init_weights,
                      vocab=Vocabulary(args.vocab_size, "bytes" if args.vocab_size == 256 else ""),
                      max_seq_len=args.max_seq_len, flops_per_token=lambda t: flops_per_token(args, t),
-                     blocks=lambda m: list(m.layers), hf=LlamaHFAdapter())
+                     blocks=lambda m: list(m.layers), hf=LlamaHFAdapter(),
+                     tensor_parallel=TensorParallelPlan(
+                         tensor_parallel, lambda tp, seq_len: tensor_parallel_problems(args, tp, seq_len)))

@@ -17,6 +17,7 @@ import functools
 import torch
 import torch.nn as nn
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
@@ -75,20 +76,46 @@ def mixed_precision(plan: ParallelPlan, device: torch.device) -> MixedPrecisionP
 
 
 def apply_parallelism(model: nn.Module, spec: ModelSpec, plan: ParallelPlan, dist: Dist) -> nn.Module:
-    """The spec's own ``parallelize`` if it has one, else the default plan: block options, then FSDP2
-    ``fully_shard`` per block and the root (``fsdp``) or ``DistributedDataParallel`` (``ddp``)."""
+    """The spec's own ``parallelize`` if it has one, else the default plan: the spec's tensor-parallel plan
+    on the mesh's ``tp`` dimension (``dist.tp`` above 1), block options, then FSDP2 ``fully_shard`` per block
+    and the root over the data-parallel dimensions (``fsdp``: one shard group, or HSDP's replicas of shard
+    groups) or ``DistributedDataParallel`` (``ddp``)."""
     if spec.parallelize is not None:
         return spec.parallelize(model, plan, dist)
+    if dist.tp > 1:
+        if spec.tensor_parallel is None:
+            raise ValueError(spec.tp_problems(dist.tp, 0)[0])
+        spec.tensor_parallel.apply(model, dist.tp_mesh)
     blocks = spec.blocks(model)
     apply_block_options(blocks, plan)
     if plan.mode == "ddp":
         return DistributedDataParallel(model, device_ids=[dist.device.index] if dist.device.type == "cuda" else None)
     mp = mixed_precision(plan, dist.device)
+    mesh = dist.dp_mesh   # None: every rank
     for i, block in enumerate(blocks):
         # The last block's parameters are needed again first in backward: keeping them skips a gather.
-        fully_shard(block, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
-    fully_shard(model, mp_policy=mp, reshard_after_forward=False)
+        fully_shard(block, mesh=mesh, mp_policy=mp, reshard_after_forward=i < len(blocks) - 1)
+    fully_shard(model, mesh=mesh, mp_policy=mp, reshard_after_forward=False)
     return model
+
+
+@torch.no_grad()
+def clip_grad_norm_(model: nn.Module, max_norm: float) -> torch.Tensor:
+    """``torch.nn.utils.clip_grad_norm_`` for a model whose parameters live on different meshes: a tensor
+    -parallel plan that leaves some modules whole (their parameters sharded by FSDP2 alone) gives DTensors of
+    two meshes, whose norms DTensor cannot stack. The norm of each mesh's gradients is made whole first, and
+    the total is the norm of those. One mesh (no tensor parallelism) is torch's own computation."""
+    params = [p for p in model.parameters() if p.grad is not None]
+    groups: dict = {}
+    for p in params:
+        groups.setdefault(getattr(p.grad, "device_mesh", None), []).append(p)
+    if len(groups) <= 1:
+        return torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norms = [torch.nn.utils.get_total_norm([p.grad for p in group]) for group in groups.values()]
+    total = torch.nn.utils.get_total_norm([n.full_tensor() if isinstance(n, DTensor) else n for n in norms])
+    for group in groups.values():   # one foreach op per mesh: DTensor refuses to mix them in one
+        torch.nn.utils.clip_grads_with_norm_(group, max_norm, total)
+    return total
 
 
 def build_meta(spec: ModelSpec) -> nn.Module:

@@ -45,6 +45,19 @@ class ParallelPlan:
                 raise ValueError(f"ParallelPlan.{name} must be one of {', '.join(allowed)}, got {value!r}")
 
 
+@dataclass(frozen=True)
+class TensorParallelPlan:
+    """How a model splits its layers over a tensor-parallel group (``--tp``): optional in a ``ModelSpec``; a
+    model without one trains with ``--tp 1`` only."""
+
+    apply: Callable[[nn.Module, Any], None]
+    """``apply(model, tp_mesh)``: ``torch.distributed.tensor.parallel.parallelize_module`` on the model's
+    modules (on the meta device on GPU, materialised on CPU), before FSDP2 shards the result"""
+    problems: Callable[[int, int], list[str]] = lambda tp, seq_len: []
+    """``problems(tp, seq_len)``: why this model cannot split ``tp`` ways at that sequence length (heads not
+    divisible, ...), each one line saying what to change; checked before any rank starts"""
+
+
 class HFAdapter(Protocol):
     """Names and config of a model in Hugging Face layout (``trainer.models.hf`` reads and writes it)."""
 
@@ -119,10 +132,21 @@ class ModelSpec:
     """the repeated blocks: FSDP2 units, activation-checkpointing and compile units"""
     parallelize: Callable[..., nn.Module] | None = None
     """``parallelize(model, plan, dist) -> module`` replacing the default plan (``apply_parallelism``)"""
+    tensor_parallel: TensorParallelPlan | None = None
+    """the model's tensor-parallel plan (``--tp`` above 1); None: data parallelism only"""
     hf: HFAdapter | None = None
     """Hugging Face names and config (``--init-from``, ``goodput export``); None: not exportable"""
     extra: dict = field(default_factory=dict)
     """anything else the model's own code wants to carry"""
+
+    def tp_problems(self, tp: int, seq_len: int) -> list[str]:
+        """Why this model cannot train with ``--tp tp`` (none at tp 1)."""
+        if tp <= 1:
+            return []
+        if self.tensor_parallel is None:
+            return [f"--model {self.name} has no tensor-parallel plan (ModelSpec.tensor_parallel): use --tp 1, or "
+                    f"give it one (docs/models.md)"]
+        return self.tensor_parallel.problems(tp, seq_len)
 
     def describe(self) -> dict:
         """What identifies the model in a run's config: name, flavor, resolved config."""

@@ -4,7 +4,8 @@
 
 ``model_spec(flavor, overrides)`` returns a ``trainer.models.ModelSpec``; the trainer builds the module
 on the meta device, shards each ``ConvBlock`` with FSDP2 (the default plan finds ``blocks``), then
-materialises it and calls ``init_weights``.
+materialises it and calls ``init_weights``. ``tensor_parallel`` is its plan for ``--tp`` above 1: each
+gated MLP split over the tensor-parallel ranks by its hidden width.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from trainer.models import ModelSpec, Vocabulary, apply_overrides, pick_flavor
+from trainer.models import ModelSpec, TensorParallelPlan, Vocabulary, apply_overrides, pick_flavor
 
 
 @dataclass(frozen=True)
@@ -54,7 +55,8 @@ class ConvBlock(nn.Module):
         # Left padding only: output t depends on inputs t - kernel_size + 1 .. t.
         h = self.conv(F.pad(h, (self.conv.kernel_size[0] - 1, 0)))
         x = x + h.transpose(1, 2)
-        gate, value = self.up(self.mlp_norm(x)).chunk(2, dim=-1)
+        # Gate and value interleaved (rows 2i, 2i + 1): a column-wise shard of ``up`` holds whole pairs.
+        gate, value = self.up(self.mlp_norm(x)).unflatten(-1, (-1, 2)).unbind(-1)
         return x + self.down(F.silu(gate) * value)
 
 
@@ -97,6 +99,20 @@ def flops_per_token(cfg: ConvLMConfig) -> float:
     return 6.0 * (cfg.n_layers * per_block + cfg.dim * cfg.vocab_size)
 
 
+def tensor_parallel(model: ConvLM, tp_mesh) -> None:
+    """Each block's gated MLP split by its hidden width: ``up`` column-wise, ``down`` row-wise (one
+    all-reduce per block); the embedding, convolutions, norms and head stay whole on every rank."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    for block in model.blocks:
+        parallelize_module(block, tp_mesh, {"up": ColwiseParallel(), "down": RowwiseParallel()})
+
+
+def tensor_parallel_problems(cfg: ConvLMConfig, tp: int, seq_len: int) -> list[str]:
+    hidden = cfg.expansion * cfg.dim
+    return [f"convlm: expansion x dim ({hidden}) must be a multiple of --tp {tp}"] if hidden % tp else []
+
+
 def model_spec(flavor: str = "", overrides: dict | None = None) -> ModelSpec:
     """The trainer's entry point: ``--model convlm:model_spec``."""
     name, cfg = pick_flavor(FLAVORS, flavor, "small", "convlm")
@@ -105,4 +121,6 @@ def model_spec(flavor: str = "", overrides: dict | None = None) -> ModelSpec:
         raise ValueError(f"every convlm size must be at least 1: {cfg}")
     return ModelSpec(name="convlm", flavor=name, config=cfg, build=lambda: ConvLM(cfg),
                      init_weights=ConvLM.init_weights, vocab=Vocabulary(cfg.vocab_size, "bytes"),
-                     max_seq_len=cfg.max_seq_len, flops_per_token=lambda seq_len: flops_per_token(cfg))
+                     max_seq_len=cfg.max_seq_len, flops_per_token=lambda seq_len: flops_per_token(cfg),
+                     tensor_parallel=TensorParallelPlan(tensor_parallel,
+                                                        lambda tp, seq_len: tensor_parallel_problems(cfg, tp, seq_len)))
