@@ -78,6 +78,16 @@ def _manager(tmp_path, process_group, **cfg) -> CheckpointManager:
                              run_id="run-1")
 
 
+def _committed_step_2(tmp_path, process_group) -> None:
+    """A run directory whose one checkpoint, step 2, is committed."""
+    mgr = _manager(tmp_path, process_group)
+    try:
+        _save(mgr, 2)
+        mgr.wait()
+    finally:
+        mgr.close()
+
+
 def _save(mgr: CheckpointManager, step: int) -> None:
     """An interval checkpoint as the loop takes it; the live state then changes (the optimizer step)."""
     live = _state(step)
@@ -146,12 +156,7 @@ def test_a_corrupted_copy_is_detected_and_the_next_source_restores_the_exact_sta
 def test_a_checkpoint_with_a_shard_corrupted_everywhere_is_refused_not_started_over(tmp_path, process_group):
     """Nothing unverified loads: with every committed checkpoint corrupt the restore fails, naming them, rather
     than training from scratch over them."""
-    mgr = _manager(tmp_path, process_group)
-    try:
-        _save(mgr, 2)
-        mgr.wait()
-    finally:
-        mgr.close()
+    _committed_step_2(tmp_path, process_group)
     _flip_tensor(sorted(step_dir(tmp_path / "ckpt", 2).glob("*.distcp"))[0], _state(2)["model"]["b"],
                  random.Random(0))
     mgr = _manager(tmp_path, process_group)
@@ -163,12 +168,7 @@ def test_a_checkpoint_with_a_shard_corrupted_everywhere_is_refused_not_started_o
 
 
 def test_a_checkpoint_without_checksums_is_not_verified_so_not_used(tmp_path, process_group):
-    mgr = _manager(tmp_path, process_group)
-    try:
-        _save(mgr, 2)
-        mgr.wait()
-    finally:
-        mgr.close()
+    _committed_step_2(tmp_path, process_group)
     marker = step_dir(tmp_path / "ckpt", 2) / "COMMITTED"
     marker.write_text(json.dumps({k: v for k, v in json.loads(marker.read_text()).items() if k != "checksums"}))
     with pytest.raises(ChecksumMismatch, match="records no xxh3_64 checksums"):
