@@ -83,8 +83,10 @@ def test_cluster_backend_creates_supervises_and_reports_from_fsx(tmp_path):
                              task_config=TaskConfig(resources={"limits": {"nvidia.com/gpu": "4", "memory": "900Gi"},
                                                                "requests": {"cpu": "90"}},
                                                     env=[{"name": "NCCL_DEBUG", "value": "INFO"}]))
-        (post,) = k.calls("POST")
+        (post,) = k.calls("POST", "/pytorchjobs")
         assert post.status == 201
+        (secret,) = k.calls("POST", "/secrets")     # the job's peer secret, made before the job
+        assert secret.status == 201 and k.requests.index(secret) < k.requests.index(post)
         (job,) = [j for (ns, _), j in k.jobs.items() if ns == NS]
     name = job["metadata"]["name"]
     assert name.startswith("gp-train-") and job["metadata"]["labels"]["goodput.dev/kfp-run-id"] == "run-7"

@@ -17,11 +17,14 @@ import sys
 
 from components.pytorchjob import JobSpec
 from components.trainjob import JOB_NAME_ENV, trainer_command
+from trainer import compat
 
 from tests.conftest import TINY
 from tests.test_trainjob_build import IMG, expand
 
 LAUNCHER_MODULE = "nvidia_resiliency_ext.fault_tolerance.launcher"
+# The command is built for the release that runs it here (the image's default may be a newer one).
+INSTALLED = str(compat.installed_version())
 
 
 def _free_port() -> int:
@@ -35,6 +38,7 @@ def test_the_trainjob_command_trains_here_unchanged(fsx_root, dataset):
     out = fsx_root / "runs" / name
     # metrics_port=0: other test runs on this machine may hold 9500.
     s = JobSpec(name=name, image=IMG, gpus_per_node=0, nproc_per_node=2, fsx_mount=str(fsx_root), metrics_port=0,
+                nvrx_release=INSTALLED,
                 trainer_args=[*TINY, "--max-steps", "6", "--ckpt-every", "3", "--data", str(dataset)])
     env = [{"name": "PET_NNODES", "value": "1"}, {"name": "PET_NPROC_PER_NODE", "value": "2"},
            {"name": "PET_MASTER_ADDR", "value": "127.0.0.1"}, {"name": "PET_MASTER_PORT", "value": str(_free_port())}]
@@ -71,6 +75,7 @@ def test_the_local_backend_runs_a_trainjobs_command_for_one_node(fsx_root, datas
     args = [*TINY, "--max-steps", "6", "--data", str(dataset), "--out", str(fsx_root / "runs" / name)]
     launch = local_launch({"launch": {"max_restarts": 5}}, 2, name)
     s = JobSpec(name=name, image=IMG, gpus_per_node=0, nproc_per_node=2, fsx_mount=str(fsx_root), metrics_port=0,
+                nvrx_release=INSTALLED,
                 trainer_args=args, launch=LaunchConfig(max_restarts=5))
     host, port = launch.rdzv_endpoint.split(":")
     env = [{"name": "PET_NNODES", "value": "1"}, {"name": "PET_NPROC_PER_NODE", "value": "2"},

@@ -492,11 +492,14 @@ def fetch_newest(root: Path, cfg: CheckpointConfig, events: EventLog) -> int | N
     root.mkdir(parents=True, exist_ok=True)
     for stale in root.glob(f".step_*{_DOWNLOAD_SUFFIX}"):
         shutil.rmtree(stale, ignore_errors=True)
+    corrupt = []
     with transfer_manager(client, cfg) as manager:
         for step in marked:
             try:
                 nbytes = _download(client, manager, lay, root, step)
             except Exception as e:  # noqa: BLE001 - try the next older step
+                if isinstance(e, ChecksumMismatch):
+                    corrupt.append(step)
                 log.warning("WARNING: the S3 mirror %s: step %d refused or not downloadable: %s; trying an older one",
                             lay.url, step, _error_text(e))
                 events.emit("mirror_error", step=step, phase="download", error=_error_text(e), retry_in_s=None)
@@ -512,6 +515,9 @@ def fetch_newest(root: Path, cfg: CheckpointConfig, events: EventLog) -> int | N
                 f"events say why)")
         if cfg.require_mirror:
             raise MirrorFailed(f"{text} and --require-mirror is set")
+        if corrupt:
+            # Bytes other than those mirrored: starting over would bury the run's progress under a fresh start.
+            raise RuntimeError(f"{text}: steps {corrupt} failed their checksums; refusing to start over from scratch")
         log.warning("WARNING: %s: training starts afresh", text)
         return None
     log.info("resume: no committed checkpoint on FSx nor in %s: fresh start", lay.url)
@@ -595,7 +601,8 @@ def maybe_fetch_from_mirror(root: Path, cfg: CheckpointConfig, d, events: EventL
         time.sleep(poll_s)
     if flag.item() > 1:
         if d.is_main:
-            raise RuntimeError(f"cannot read the checkpoint mirror {cfg.mirror}") from outcome["error"]
+            raise RuntimeError(f"cannot read the checkpoint mirror {cfg.mirror}: {_error_text(outcome['error'])}") \
+                from outcome["error"]
         raise RuntimeError(f"rank 0 could not read the checkpoint mirror {cfg.mirror}")
 
 
