@@ -3,7 +3,8 @@
     from components.report import render_report
     html = render_report(evaluation.to_dict(), Path("fsx/runs/demo"))
 
-What the page shows, top to bottom: the outcome (promoted or not, and why) with the headline figures;
+What the page shows, top to bottom: the outcome (promoted or not, and why) with the headline figures
+(tokens/s and MFU with the device mesh they were measured on among them);
 a timeline of step rate over wall time with faults, restarts (and the layer that recovered), recovery
 gaps and checkpoint stalls marked; where the wall time went (the goodput breakdown as one bar); the
 checkpoints with their blocking and write times, losses, and skip reasons as one line each; the loss
@@ -25,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from trainer.events import read_events
+from trainer.mesh import MeshShape
 
 _E = html.escape
 # One colour per meaning, used by the plots and their legends alike.
@@ -420,6 +422,23 @@ def checkpoints_table(evaluation: dict, events: list[dict], t0: float | None) ->
             + "".join(rows) + "</tbody></table>")
 
 
+def mesh_tag(mesh) -> str:
+    """The summary's ``mesh`` as ``RxSxT`` (replicate x shard x tensor-parallel), "-" where it has none."""
+    try:
+        return MeshShape(**mesh).tag
+    except TypeError:
+        return "-"
+
+
+def throughput_line(summary: dict) -> str:
+    """What the tokens/s and MFU were measured on: the mesh, and the MFU where the device has a known peak."""
+    mfu = summary.get("mfu_p50")
+    mfu_text = f"MFU {mfu:.1%}" if isinstance(mfu, (int, float)) else "no MFU (no known device peak)"
+    tag = mesh_tag(summary.get("mesh"))
+    on = f" on mesh {tag} (replicate x shard x tp)" if tag != "-" else ""
+    return f"median step{on}, {mfu_text}"
+
+
 def _layer(layer: str | None) -> str:
     return "not recovered" if layer is None else LAYERS.get(layer, str(layer))
 
@@ -441,6 +460,9 @@ def faults_table(summary: dict, events: list[dict]) -> str:
 
 _SUMMARY_ROWS = (  # key, label, how to show it
     ("steps", "steps", fmt_num), ("tokens", "tokens", fmt_num), ("n_params", "parameters", fmt_num),
+    ("mesh", "device mesh (replicate x shard x tp)", mesh_tag),
+    ("tokens_per_s_p50", "tokens per second (median step, on the mesh)", lambda v: f"{v:,.0f}"),
+    ("mfu_p50", "model FLOPs utilisation (median step, on the mesh)", lambda v: f"{v:.1%}"),
     ("final_train_loss", "final training loss", lambda v: f"{v:.4f}"),
     ("final_val_loss", "final validation loss", lambda v: f"{v:.4f} nats/byte ({v / math.log(2):.3f} bits/byte)"),
     ("wall_s", "wall time", fmt_s), ("goodput", "goodput", lambda v: f"{v:.1%}"),
@@ -483,6 +505,7 @@ def _cards(evaluation: dict, summary: dict) -> str:
     best = evaluation.get("best") or {}
     faults = summary.get("faults")
     layers = [f.get("layer") for f in faults or []]
+    rate = summary.get("tokens_per_s_p50")
     cards = [
         ("goodput", f"{summary['goodput']:.1%}" if isinstance(summary.get("goodput"), (int, float)) else "-",
          "of the wall time went into steps that were kept"),
@@ -491,6 +514,7 @@ def _cards(evaluation: dict, summary: dict) -> str:
          ", ".join(f"{layers.count(k)} recovered {SHORT[k]}" for k in LAYERS if k in layers) or "no restarts"),
         ("best val loss", f"{best['val_loss']:.4f}" if best.get("val_loss") is not None else "-",
          f"step {best['step']:,}, {best['bpb']:.3f} bits/byte" if best.get("bpb") is not None else "no checkpoint"),
+        ("tokens/s", f"{rate:,.0f}" if isinstance(rate, (int, float)) else "-", throughput_line(summary)),
         ("checkpoint stall", fmt_s(summary.get("ckpt_block_s_p50")),
          f"median, max {fmt_s(summary.get('ckpt_block_s_max'))}"),
     ]
@@ -527,7 +551,7 @@ section p{font-size:14px;margin:4px 0}
 section{background:#fff;border:1px solid var(--line);border-radius:10px;padding:16px 18px;margin:14px 0}
 h2{font-size:15px;margin:0 0 10px;font-weight:650}h2 small{font-weight:400;color:var(--muted);margin-left:6px}
 h3{font-size:14px;margin:14px 0 4px;font-weight:600}th.promote{color:#1e6b3f}
-.cards{display:grid;grid-template-columns:repeat(5,1fr);gap:10px;margin:0 0 4px}
+.cards{display:grid;grid-template-columns:repeat(6,1fr);gap:10px;margin:0 0 4px}
 .card{background:#fff;border:1px solid var(--line);border-radius:10px;padding:12px 14px}
 .card .label{font-size:12px;color:var(--muted);text-transform:uppercase;letter-spacing:.05em}
 .card .value{font-size:24px;font-weight:650;margin:4px 0 2px}.card .sub{font-size:12px;color:var(--muted)}

@@ -182,6 +182,30 @@ def test_the_summary_reads_as_text_not_json(case):
     assert ("PROMOTED" if evaluation["promoted"] else "not promoted") in text and evaluation["gate"]["reason"] in text
 
 
+def cards(page: str) -> dict[str, tuple[str, str]]:
+    """The headline cards: label -> (value, the line under it)."""
+    return {html.unescape(k): (html.unescape(v), html.unescape(sub)) for k, v, sub in re.findall(
+        r'<div class="card"><div class="label">(.*?)</div><div class="value">(.*?)</div>'
+        r'<div class="sub">(.*?)</div></div>', page)}
+
+
+def test_throughput_and_mfu_are_shown_with_the_mesh_they_were_measured_on(case):
+    run, evaluation, page = case
+    summary = evaluation["summary"]
+    assert summary["mesh"] == {"dp_replicate": 1, "dp_shard": 2, "tp": 1}     # 2 ranks: one shard group
+    assert cards(page)["tokens/s"] == (f"{summary['tokens_per_s_p50']:,.0f}", "median step on mesh 1x2x1 "
+                                       "(replicate x shard x tp), no MFU (no known device peak)")
+    # A GPU run on 2 nodes of 8 as HSDP x TP: its MFU, and the mesh in the summary as RxSxT.
+    gpu = copy.deepcopy(evaluation)
+    gpu["summary"].update(mesh={"dp_replicate": 2, "dp_shard": 2, "tp": 4}, tokens_per_s_p50=123456.7, mfu_p50=0.4321)
+    page = render_report(gpu, run)
+    assert cards(page)["tokens/s"] == ("123,457", "median step on mesh 2x2x4 (replicate x shard x tp), MFU 43.2%")
+    text = visible_text(page)
+    for row in ("device mesh (replicate x shard x tp) 2x2x4", "tokens per second (median step, on the mesh) 123,457",
+                "model FLOPs utilisation (median step, on the mesh) 43.2%"):
+        assert row in text, row
+
+
 def test_the_page_is_self_contained(case):
     page = case[2]
     assert not re.search(r"<script|<link|<img|<iframe|@import|url\(|src=|href=", page, re.I)
