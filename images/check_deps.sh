@@ -20,7 +20,7 @@ COMPONENTS_BASE="python:3.11.13-slim-bookworm"; COMPONENTS_PYTHON=3.11; COMPONEN
 # NVRx releases with no wheel for the trainer image's Python: not buildable there (PyPI has 0.4.1 for <= 3.11).
 NVRX_NOT_ON_TRAINER_PYTHON="0.4.1"
 # Pinned dependencies that PyPI has as sdists only.
-SDIST_ONLY="kfp-server-api"
+SDIST_ONLY="kfp-server-api sqlitedict word2number"
 
 die() { echo "check_deps: $*" >&2; exit 1; }
 

@@ -263,16 +263,14 @@ FT = dict(max_restarts=2, step_timeout_s=4.0, workload_check_interval_s=0.5, joi
 
 @pytest.fixture
 def cluster(tmp_path, dataset):
-    """``cluster(*trainer_args, nodes=2, nproc=1, model=TINY, min_nodes=0, standby=0, order=None, **launch)``: a
-    started LocalCluster of ``nproc``-rank nodes training ``model`` (its arguments); ``order``: the nodes to start,
-    in that order (the first started gets group rank 0)."""
+    """``cluster(*trainer_args, nodes=2, min_nodes=0, standby=0, order=None, **launch)``: a started LocalCluster
+    of 1-rank nodes; ``order``: the nodes to start, in that order (the first started gets group rank 0)."""
     started: list[LocalCluster] = []
 
-    def start(*args: str, nodes: int = 2, nproc: int = 1, model: list[str] = TINY, min_nodes: int = 0,
-              standby: int = 0, order=None, **launch) -> LocalCluster:
+    def start(*args: str, nodes: int = 2, min_nodes: int = 0, standby: int = 0, order=None, **launch) -> LocalCluster:
         out = tmp_path / "run"
-        c = LocalCluster(LaunchConfig(nnodes=nodes, nproc_per_node=nproc, **{**FT, **launch}),
-                         ["--data", str(dataset), *model, "--out", str(out), *args], min_nodes=min_nodes,
+        c = LocalCluster(LaunchConfig(nnodes=nodes, nproc_per_node=1, **{**FT, **launch}),
+                         ["--data", str(dataset), *TINY, "--out", str(out), *args], min_nodes=min_nodes,
                          workdir=tmp_path, standby=standby)
         c.out = out
         started.append(c)

@@ -225,10 +225,11 @@ def test_uploads_carry_s3_checksums_and_a_tampered_or_corrupted_download_is_refu
     assert CRC32_KEY not in local and "fetched_from" in local
     assert mirror_stats(read_events(fetch_events))["errors_by_phase"] == {"download": 2}
 
-    # Nothing downloadable: a warned fresh start, or with --require-mirror the end of the run.
+    # Every mirrored step corrupt: the run stops rather than start over next to them (with --require-mirror too).
     for step in (1, 2):
         client.put_object(Bucket=BUCKET, Key=lay.key(step, ".metadata"), Body=b"\0" * 300)
-    assert fetch_newest(tmp_path / "fsx2", _cfg(url, s3.url), EventLog(tmp_path / "f2.jsonl", 0)) is None
+    with pytest.raises(RuntimeError, match=r"steps \[3, 2, 1\] failed their checksums; refusing to start over"):
+        fetch_newest(tmp_path / "fsx2", _cfg(url, s3.url), EventLog(tmp_path / "f2.jsonl", 0))
     with pytest.raises(MirrorFailed, match="none of the 3 mirrored checkpoints .* could be downloaded"):
         fetch_newest(tmp_path / "fsx3", _cfg(url, s3.url, require_mirror=True), EventLog(tmp_path / "f3.jsonl", 0))
 
