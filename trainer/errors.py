@@ -8,6 +8,12 @@ class HelperHung(RuntimeError):
     layer passes it on to the in-job one, which starts the rank and its helpers afresh."""
 
 
+class ChecksumMismatch(Exception):
+    """A copy of the state whose bytes are not the bytes that were staged or uploaded (or that records no
+    checksums): a checkpoint, memory snapshot or peer copy (``trainer.checkpoint.integrity``), or a file
+    downloaded from the S3 mirror against the CRC32 S3 stored (``trainer.mirror``)."""
+
+
 class MirrorFailed(RuntimeError):
     """The S3 checkpoint mirror failed and ``--require-mirror`` says that ends the run."""
 

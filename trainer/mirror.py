@@ -59,7 +59,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import CheckpointConfig
-from .errors import MirrorFailed
+from .errors import ChecksumMismatch, MirrorFailed
 from .events import EventLog
 from .layout import COMMITTED, committed_steps, fsync_dir, step_dir, step_of, write_atomic
 
@@ -74,10 +74,6 @@ _DOWNLOAD_ARGS = {"ChecksumMode": "ENABLED"}
 ERROR_PHASES = ("client", "thread", "upload", "retention", "download")     # of mirror_error events
 CRC32_KEY = "mirror_crc32"      # the remote marker's {file: base64 CRC32 that S3 stored}
 _REMOTE_KEYS = ("sizes", "mirrored_at", CRC32_KEY)     # in the remote marker only, not in the local one
-
-
-class ChecksumMismatch(ValueError):
-    """A downloaded file's CRC32 is not the one S3 stored when it was mirrored."""
 
 
 def file_crc32(path: Path) -> str:

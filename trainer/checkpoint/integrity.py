@@ -32,12 +32,9 @@ import torch
 import xxhash
 
 from .. import compat
+from ..errors import ChecksumMismatch
 
 ALGORITHM = "xxh3_64"
-
-
-class ChecksumMismatch(Exception):
-    """A copy of the state whose bytes are not the bytes that were staged (or that records no checksums)."""
 
 
 def digest(data) -> str:
