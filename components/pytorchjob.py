@@ -18,10 +18,8 @@ This module imports neither torch nor kfp.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
-import io
 import json
 import math
 import re
@@ -168,7 +166,8 @@ class JobSpec:
     namespace: str = _f("", "namespace; empty = the launcher's own (or kubectl's current one)")
     image: str = _f("", "trainer image (torch with CUDA, nvidia-resiliency-ext, this package); required")
     image_pull_policy: str = _f("IfNotPresent", "Always, IfNotPresent or Never")
-    trainer_args: list = _f([], "arguments of `python -m trainer`; --data and --out default to paths on FSx")
+    trainer: dict = _f({}, "the trainer's settings, {section: {field: value}} (trainer.config; `python -m trainer "
+                           "--help`); data.data and run.out default to paths on FSx")
     # Shape.
     nodes: int = _f(1, "nodes (pods) in the job, one pod per node")
     min_nodes: int = _f(0, "elastic: fewest nodes the job runs with (0 = fixed size = nodes; NVRx 0.4.1 and 0.5 "
@@ -320,21 +319,21 @@ class JobSpec:
             rdzv_endpoint="" if single else f"{self.rdzv_host}:{self.master_port}",
             rdzv_id=self.name)
 
-    def full_trainer_args(self) -> list[str]:
-        """The trainer's arguments with --data/--out defaulted to paths on FSx."""
+    def trainer_config(self):
+        """The trainer's ``TrainConfig`` (not validated): ``trainer`` with the dataset and run directory defaulted
+        to paths on FSx and the metrics port to ``metrics_port``; ``ValueError`` for a bad setting."""
+        from trainer.config import TrainConfig, settings_values
         from trainer.data import DEFAULT_DATASET_NAME, default_dataset_version
 
-        args = [str(a) for a in self.trainer_args]
-        if not _has_flag(args, "--data"):
-            args += ["--data", f"{self.fsx_mount}/datasets/{DEFAULT_DATASET_NAME}/{default_dataset_version()}"]
-        if not _has_flag(args, "--out"):
-            args += ["--out", f"{self.fsx_mount}/runs/{self.name}"]
-        if self.metrics_port and not _has_flag(args, "--metrics-port"):
-            args += ["--metrics-port", str(self.metrics_port)]
-        return args
+        values = settings_values(self.trainer, "trainer")
+        values["data"].setdefault("data", f"{self.fsx_mount}/datasets/{DEFAULT_DATASET_NAME}/"
+                                          f"{default_dataset_version()}")
+        values["run"].setdefault("out", f"{self.fsx_mount}/runs/{self.name}")
+        values["metrics"].setdefault("metrics_port", self.metrics_port)
+        return TrainConfig.from_values(values)
 
     def pod_command(self) -> list[str]:
-        return launcher_command(self.launch_config(), self.full_trainer_args(), release=self.release,
+        return launcher_command(self.launch_config(), self.trainer_config().argv(), release=self.release,
                                 extras=self.launcher_extras())
 
     @property
@@ -511,7 +510,7 @@ class JobSpec:
 
     def _check_trainer(self, p: list[str]) -> None:
         try:
-            cfg = parse_trainer_args(self.full_trainer_args())
+            cfg = self.trainer_config().validate()
         except ValueError as e:
             p.append(str(e))
             return
@@ -587,25 +586,6 @@ def _coerced(cls, d: dict) -> dict:
             raise ValueError(f"setting {k}={v!r} is not a valid {t}") from None
         out[k] = v
     return out
-
-
-def parse_trainer_args(args: list[str]):
-    """``trainer.config.parse_config`` with argparse's exits turned into a ValueError."""
-    from trainer.config import parse_config
-
-    err = io.StringIO()
-    try:
-        with contextlib.redirect_stderr(err):
-            return parse_config(args)
-    except SystemExit:
-        msg = err.getvalue().strip().splitlines()
-        raise ValueError("invalid trainer arguments: " + (msg[-1] if msg else " ".join(args))) from None
-    except FileNotFoundError as e:
-        raise ValueError(f"invalid trainer arguments: {e}") from None
-
-
-def _has_flag(args: list[str], flag: str) -> bool:
-    return any(a == flag or a.startswith(flag + "=") for a in args)
 
 
 def _label_problem(key: str, value: str) -> str:
@@ -845,7 +825,7 @@ def _tolerations(spec: JobSpec, m) -> list:
 
 def _metrics_ports(spec: JobSpec, m) -> list:
     """``metrics-<local rank>`` on the trainer's --metrics-port + local rank: what the PodMonitor scrapes."""
-    first = parse_trainer_args(spec.full_trainer_args()).metrics.metrics_port
+    first = spec.trainer_config().metrics.metrics_port
     if not first:
         return []
     return [m.V1ContainerPort(name=f"metrics-{i}", container_port=first + i, protocol="TCP")

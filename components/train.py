@@ -12,14 +12,14 @@ A cluster backend creates the job under a name derived from the KFP run and task
 re-attaches instead of creating a duplicate), supervises it (``components.supervise``, one supervisor for both
 kinds: phases, restarts, the master's log, a reason on failure, deletion on cancel or timeout) and reads
 ``summary.json`` from FSx. ``backend="local"`` runs the same trainer
-arguments through ``trainer.launch.run_local_training``, so the pipeline runs end to end without a
+settings through ``trainer.launch.run_local_training``, so the pipeline runs end to end without a
 cluster. Either way the outputs are a ``Model`` (URI: the run's checkpoint directory) and ``Metrics``
 (the summary's numbers).
 
 Core, without KFP::
 
     from components.train import train
-    result = train("local", ["--max-steps", "20"], run_id="dev", task_name="train", fsx_root="fsx")
+    result = train("local", {"run": {"max_steps": 20}}, run_id="dev", task_name="train", fsx_root="fsx")
 
 The pipeline passes ``run_id=dsl.PIPELINE_JOB_ID_PLACEHOLDER`` and
 ``task_name=dsl.PIPELINE_TASK_NAME_PLACEHOLDER`` (also the defaults), mounts FSx at ``fsx_root`` with
@@ -74,14 +74,15 @@ class TrainResult:
         return asdict(self)
 
 
-def train(backend: str, trainer_args: list[str], *, run_id: str, task_name: str, fsx_root: str | Path,
+def train(backend: str, trainer_config: dict, *, run_id: str, task_name: str, fsx_root: str | Path,
           job: dict | None = None, namespace: str = "", kube_api: str = "", supervise=None,
           local_nproc: int = 2, local_nodes: int = 1, log: Callable[[str], None] = print) -> TrainResult:
     """Run the trainer to the end on the chosen backend; return where the run is and its summary.
 
     Args:
         backend: ``pytorchjob`` (``cluster``), ``trainjob`` or ``local`` (ft_launcher processes here).
-        trainer_args: arguments of ``python -m trainer``; ``--out`` defaults to ``<fsx>/runs/<job name>``.
+        trainer_config: the trainer's settings, ``{section: {field: value}}`` (``trainer.config``); ``run.out``
+            defaults to ``<fsx>/runs/<job name>``, ``data.data`` to the default dataset on FSx.
         run_id: KFP run id; with ``task_name`` it names the job (and the default run directory).
         task_name: KFP task name.
         fsx_root: where FSx is mounted in this process (the launcher pod, or a local directory).
@@ -105,13 +106,11 @@ def train(backend: str, trainer_args: list[str], *, run_id: str, task_name: str,
     if not run_id or "{{$" in run_id or not task_name or "{{$" in task_name:
         raise ValueError(f"run_id ({run_id!r}) and task_name ({task_name!r}) must be set: pass "
                          "dsl.PIPELINE_JOB_ID_PLACEHOLDER and dsl.PIPELINE_TASK_NAME_PLACEHOLDER from the pipeline")
-    # A KFP list parameter may carry numbers, as floats: 200.0 must reach the trainer as "200".
-    args = [str(int(a)) if isinstance(a, float) and a.is_integer() else str(a) for a in trainer_args]
     name = (job or {}).get("name") or job_name_for(run_id, task_name)
     if backend == "local":
-        return _train_local(args, name, Path(fsx_root), job or {}, local_nproc, local_nodes, log)
-    return _train_cluster(backend, args, name, run_id, task_name, Path(fsx_root), job or {}, namespace, kube_api,
-                          supervise, log)
+        return _train_local(trainer_config, name, Path(fsx_root), job or {}, local_nproc, local_nodes, log)
+    return _train_cluster(backend, trainer_config, name, run_id, task_name, Path(fsx_root), job or {}, namespace,
+                          kube_api, supervise, log)
 
 
 def local_launch(job: dict, nproc: int, name: str, nodes: int = 1):
@@ -131,17 +130,22 @@ def local_launch(job: dict, nproc: int, name: str, nodes: int = 1):
     return launch
 
 
-def _train_local(args: list[str], name: str, fsx_root: Path, job: dict, nproc: int, nodes: int, log) -> TrainResult:
+def _train_local(trainer_config: dict, name: str, fsx_root: Path, job: dict, nproc: int, nodes: int,
+                 log) -> TrainResult:
+    import json
+
     from components.progress import follow_file
+    from trainer.config import TrainConfig, settings_values
     from trainer.launch import run_local_training
 
-    if _flag_value(args, "--out") is None:
-        args += ["--out", str(fsx_root / "runs" / name)]
-    out = Path(_flag_value(args, "--out")).resolve()
+    values = settings_values(trainer_config, "trainer_config")
+    values["run"].setdefault("out", str(fsx_root / "runs" / name))
+    cfg = TrainConfig.from_values(values)
+    out = Path(cfg.run.out).resolve()
     launch = local_launch(job, nproc, name, nodes)
-    log(f"local training: {nodes} x {nproc} ranks under ft_launcher, {' '.join(args)}")
+    log(f"local training: {nodes} x {nproc} ranks under ft_launcher, settings {json.dumps(cfg.document())}")
     with follow_file(out, log):
-        code, summary = run_local_training(args, launch, fsx_root)
+        code, summary = run_local_training(cfg, launch, fsx_root)
     if code in (130, 143):
         raise RuntimeError(f"local training was interrupted ({'SIGINT' if code == 130 else 'SIGTERM'}); the ranks "
                            f"committed a checkpoint in {out / 'checkpoints'}")
@@ -158,15 +162,16 @@ def _train_local(args: list[str], name: str, fsx_root: Path, job: dict, nproc: i
     return _result("local", name, out, summary)
 
 
-def _train_cluster(backend, args, name, run_id, task_name, fsx_root: Path, job: dict, namespace: str,
-                   kube_api: str, supervise, log) -> TrainResult:
-    from components.pytorchjob import JobSpec, job_manifest, parse_trainer_args
+def _train_cluster(backend, trainer_config: dict, name, run_id, task_name, fsx_root: Path, job: dict,
+                   namespace: str, kube_api: str, supervise, log) -> TrainResult:
+    from components.pytorchjob import JobSpec, job_manifest
     from components.supervise import api_client, current_namespace, run_job
+    from trainer.config import check_run_directory
 
     job = dict(job)
     runtime = job.pop("runtime", None)
     admission = job.pop("admission_timeout_s", None)
-    settings = {**job, "name": name, "run_id": run_id, "task_name": task_name, "trainer_args": args}
+    settings = {**job, "name": name, "run_id": run_id, "task_name": task_name, "trainer": trainer_config}
     settings["namespace"] = namespace or job.get("namespace") or (current_namespace() if not kube_api else "default")
     spec = JobSpec.from_dict(settings)
     # Everything is validated before the first request.
@@ -182,8 +187,10 @@ def _train_cluster(backend, args, name, run_id, task_name, fsx_root: Path, job: 
     if admission is not None:
         supervise = _with_admission_timeout(supervise, admission, spec.scheduler)
     what = manifest["kind"]
-    out = PurePosixPath(parse_trainer_args(spec.full_trainer_args()).run.out)
+    cfg = spec.trainer_config()
+    out = PurePosixPath(cfg.run.out)
     local_out = fsx_root / out.relative_to(spec.fsx_mount)
+    check_run_directory(local_out, cfg)
     client = api_client(kube_api)
     if backend == "trainjob":
         _check_runtime(client, rt.name, log)
@@ -240,17 +247,6 @@ def _check_runtime(client, name: str, log) -> None:
             raise
         log(f"cannot read ClusterTrainingRuntime {name} (403; deploy/trainer-v2/rbac.yaml grants it): "
             "creating the TrainJob unchecked")
-
-
-def _flag_value(args: list[str], flag: str) -> str | None:
-    """The value of the last ``flag VALUE`` or ``flag=VALUE`` in ``args``; None if absent."""
-    value = None
-    for i, a in enumerate(args):
-        if a == flag and i + 1 < len(args):
-            value = args[i + 1]
-        elif a.startswith(flag + "="):
-            value = a[len(flag) + 1:]
-    return value
 
 
 def _result(backend: str, name: str, out: Path, summary: dict) -> TrainResult:
@@ -332,7 +328,7 @@ def write_outputs(result: TrainResult, model, metrics) -> None:
             passthroughs=("RESOURCES", "ENV", "KUBERNETES_TOLERATIONS", "KUBERNETES_NODE_SELECTOR"))
 def train_op(
     backend: str = "pytorchjob",
-    trainer_args: list = [],
+    trainer_config: dict = {},
     image: str = "ghcr.io/goodput-pipelines/trainer:0.1.0",
     nodes: int = 1,
     gpus_per_node: int = 8,
@@ -356,8 +352,8 @@ def train_op(
 
     Args:
         backend: ``pytorchjob`` (or its old name ``cluster``), ``trainjob`` or ``local``.
-        trainer_args: arguments of ``python -m trainer`` (``--max-steps``, ``--data``, ...); ``--out``
-            defaults to ``<fsx>/runs/<job name>``, ``--data`` to the default dataset on FSx.
+        trainer_config: the trainer's settings, ``{"section": {"field": value}}`` (``python -m trainer --help``);
+            ``run.out`` defaults to ``<fsx>/runs/<job name>``, ``data.data`` to the default dataset on FSx.
         image: trainer image of the job's pods (cluster).
         nodes: pods (nodes) in the job (cluster).
         gpus_per_node: GPUs per pod, one trainer process per GPU (cluster); a GPU limit set on the task
@@ -387,7 +383,7 @@ def train_op(
     job = job_settings_from_task_config(task_config, job_options)
     job.setdefault("gpus_per_node", gpus_per_node)
     job.update(image=image, nodes=nodes, spot=spot)
-    result = train(backend, list(trainer_args), run_id=run_id, task_name=task_name, fsx_root=fsx_root,
+    result = train(backend, dict(trainer_config), run_id=run_id, task_name=task_name, fsx_root=fsx_root,
                    job=job if backend != "local" else {k: v for k, v in job_options.items() if k == "launch"},
                    namespace=namespace, kube_api=kube_api, supervise=SuperviseConfig(timeout_s=timeout_s),
                    local_nproc=local_nproc, local_nodes=local_nodes)

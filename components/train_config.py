@@ -1,10 +1,10 @@
 """The run's settings, checked before anything is staged, turned into the train step's inputs.
 
-The pipeline's parameters are typed (``max_steps: int``, ``spot: bool``); the train step takes the
-trainer's command line (a list of strings) and ``JobSpec`` settings (a dict). Building those from the
-parameters is a mapping, so it lives here and not in the pipeline function; it also cannot be left to
-KFP's placeholder substitution inside a list or dict, which turns ``200`` into ``"200.0"`` under
-``kfp.local`` and every number into a string.
+The pipeline's parameters are typed (``max_steps: int``, ``spot: bool``); the train step takes the trainer's
+settings (``trainer.config.TrainConfig.document()``: ``{section: {field: value}}``) and ``JobSpec`` settings
+(a dict). Which trainer setting each pipeline parameter is, is ``PIPELINE_SETTINGS``; every other trainer
+setting comes in through the ``trainer_config`` object. The settings are resolved and validated here once, and
+recorded in the run directory (``settings.json``), which the trainer holds every later start of the run to.
 
 The step is first in the pipeline: a bad setting (an unknown model or flavor, model_config that is not JSON,
 a model whose vocabulary the dataset's tokenizer overflows, an ``init_from`` that does not exist, an unknown
@@ -25,13 +25,14 @@ the model is checked with torch when it is installed, as in the trainer image th
     from components.train_config import build_train_config
     settings = build_train_config(fsx_root="fsx", dataset_name="corpus", dataset_version="1", run_id="dev",
                                   model="llama", model_flavor="debug", max_steps=60, inject_fault="kill@30:1")
-    settings.trainer_args, settings.job_options, settings.run_dir
+    settings.trainer_config, settings.job_options, settings.run_dir
 
 ``check_run_parameters`` applies the same checks to a whole set of pipeline parameters (``goodput run``
 calls them before submitting, so ``nodes=0`` fails on the user's machine, not in a pod).
 """
 
 import contextlib
+import dataclasses
 import importlib.util
 import inspect
 import json
@@ -43,12 +44,23 @@ PRODUCTION = "production"
 """``init_from`` value naming the registry's current production model."""
 BASELINE_INIT_FROM = "init_from"
 """``baseline`` value naming the model the run started from (wherever ``init_from`` put it)."""
+PIPELINE_SETTINGS = {
+    "max_steps": "run.max_steps", "ckpt_every": "checkpoint.ckpt_every", "ckpt_mirror": "checkpoint.mirror",
+    "require_mirror": "checkpoint.require_mirror", "model": "model.name", "model_flavor": "model.flavor",
+    "model_config": "model.config", "init_from": "model.init_from", "seq_len": "model.seq_len",
+    "batch_size": "data.batch_size", "parallel": "parallel.parallel", "dp_replicate": "parallel.dp_replicate",
+    "dp_shard": "parallel.dp_shard", "tp": "parallel.tp", "seed": "run.seed", "inject_fault": "faults.inject_fault",
+}
+"""The trainer setting each pipeline parameter of its own sets; ``trainer_config`` sets the others."""
+DECIDED_SETTINGS = {"data.data": "dataset_name and dataset_version", "run.out": "the run's id (runs/<run id>)",
+                    "checkpoint.mirror_endpoint_url": "s3_endpoint_url"}
+"""Trainer settings the pipeline decides from other parameters."""
 
 
 class TrainSettings(NamedTuple):
     """What the check-settings step hands on (its outputs, by these names)."""
 
-    trainer_args: list
+    trainer_config: dict        # the trainer's settings besides their defaults (TrainConfig.document())
     job_options: dict
     run_dir: str
     init_from_source: str       # s3:// prefix the stage-model step copies to init_from_dir; "" = nothing to copy
@@ -196,13 +208,35 @@ def _model_importable(model: str) -> bool:
         return False
 
 
+def _trainer_settings(trainer_config: dict, own: dict, *, data: str, out: str, endpoint_url: str):
+    """The trainer's ``TrainConfig`` (not validated) from ``trainer_config`` and ``own``, the values of the
+    parameters of ``PIPELINE_SETTINGS``; ``trainer_config`` naming a setting that is set otherwise is refused."""
+    from trainer.config import TrainConfig, settings_values
+
+    values = settings_values(trainer_config, "trainer_config")
+    given = {f"{section}.{name}" for section, table in values.items() for name in table}
+    owned = {setting: f"the parameter {param}" for param, setting in PIPELINE_SETTINGS.items()}
+    taken = sorted(given & (owned.keys() | DECIDED_SETTINGS.keys()))
+    if taken:
+        raise ValueError(f"trainer_config sets {taken[0]}, which {owned.get(taken[0]) or DECIDED_SETTINGS[taken[0]]} "
+                         f"sets: give it there")
+    for param, setting in PIPELINE_SETTINGS.items():
+        section = setting.split(".")[0]
+        values[section].update(settings_values({setting: own[param]}, param)[section])
+    values["data"]["data"], values["run"]["out"] = data, out
+    if own["ckpt_mirror"] and endpoint_url:
+        values["checkpoint"]["mirror_endpoint_url"] = endpoint_url
+    return TrainConfig.from_values(values)
+
+
 def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str, run_id: str,
-                       max_steps: int = 200, ckpt_every: int = 50, ckpt_mirror: str = "", require_mirror: bool = False,
+                       max_steps: int = 200, ckpt_every: str = "50", ckpt_mirror: str = "",
+                       require_mirror: bool = False,
                        model: str = "bytegpt", model_flavor: str = "",
                        model_config: str = "", init_from: str = "", tokenizer: str = "bytes", seq_len: int = 128,
                        batch_size: int = 16, parallel: str = "fsdp", dp_replicate: int = 0, dp_shard: int = 0,
                        tp: int = 1, seed: int = 1337, inject_fault: str = "",
-                       extra_trainer_args: list | None = None, max_restarts: int = 3, backoff_limit: int = 3,
+                       trainer_config: dict | None = None, max_restarts: int = 3, backoff_limit: int = 3,
                        instance_type: str = "", fsx_pvc: str = "fsx-claim", service_account: str = "",
                        backend: str = "pytorchjob", image: str = "", nodes: int = 1, gpus_per_node: int = -1,
                        gpu_resource: str = "nvidia.com/gpu", efa_per_node: int = -1, cpu: str = "", memory: str = "",
@@ -224,7 +258,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         run_id: the KFP run id; the trainer writes to ``<fsx_root>/runs/<run_id>`` (a retried step resumes
             there, and the evaluate step reads it).
         max_steps: optimizer steps.
-        ckpt_every: checkpoint interval in optimizer steps.
+        ckpt_every: checkpoint interval in optimizer steps, or ``auto`` (the Young-Daly interval).
         ckpt_mirror: ``s3://BUCKET/PREFIX`` the trainer copies every committed checkpoint to (``--ckpt-mirror``,
             through ``endpoint_url`` when set); empty = no mirror.
         require_mirror: any failure of that mirror fails the run (``--require-mirror``; needs ``ckpt_mirror``).
@@ -245,7 +279,8 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         tp: tensor-parallel ranks inside a node (1 = none); the mesh must be ``nodes`` x GPUs per node.
         seed: random seed.
         inject_fault: comma-separated ``KIND@STEP[:RANK]`` faults for the trainer (recovery drills).
-        extra_trainer_args: further ``python -m trainer`` arguments, appended last.
+        trainer_config: any other trainer setting, ``{"section": {"field": value}}`` or ``{"section.field": value}``
+            (``python -m trainer --help`` lists them); a setting a parameter of its own sets is refused here.
         max_restarts: in-job restarts of the worker group by ft_launcher.
         backoff_limit: PyTorchJob pod restarts before the job fails.
         instance_type: EC2 instance type of the trainer nodes (empty = any); a documented one
@@ -295,7 +330,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
     """
     from components.job_kinds import backend_name
     from components.pytorchjob import GPU_RESOURCE, GPU_RESOURCE_PATTERN, INSTANCE_TYPES, JobSpec
-    from trainer.config import _torch_available, parse_config
+    from trainer.config import ModelConfig, _torch_available, record_settings
     from trainer.launch import check_faults
     from trainer.mesh import check_launch
 
@@ -338,39 +373,28 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
                                          endpoint_url=endpoint_url, reachable=reachable)
     baseline_dir = _baseline_dir(baseline, init_from, init_dir, require_beat_baseline, reachable)
     run_dir = f"{root}/runs/{run_id}"
-    # With init_from the directory's config.json is the architecture: a flavor would be ignored, so none is passed.
-    flavor = model_flavor if model_flavor and not init_from.strip() else ""
-    model_args = ["--model", model] + (["--model-flavor", flavor] if flavor else []) \
-        + (["--model-config", model_config] if model_config.strip() else [])
-    head = ["--data", f"{root}/datasets/{dataset_name}/{dataset_version}", "--out", run_dir,
-            "--max-steps", str(int(max_steps)), "--ckpt-every", str(int(ckpt_every))]
-    tail = ["--seq-len", str(int(seq_len)), "--batch-size", str(int(batch_size)), "--parallel", parallel,
-            "--seed", str(int(seed))]
-    if ckpt_mirror.strip():
-        tail += ["--ckpt-mirror", ckpt_mirror.strip()] + (["--ckpt-mirror-endpoint-url", endpoint_url]
-                                                          if endpoint_url else [])
-    if require_mirror:
-        tail += ["--require-mirror"]
-    # The mesh flags only where set, so that the trainer arguments of a run without them stay as they were.
-    tail += [a for flag, value, default in (("--dp-replicate", dp_replicate, 0), ("--dp-shard", dp_shard, 0),
-                                            ("--tp", tp, 1)) if int(value) != default for a in (flag, str(int(value)))]
-    faults = [f.strip() for f in inject_fault.split(",") if f.strip()]
-    for fault in faults:
-        tail += ["--inject-fault", fault]
-    tail += [str(a) for a in (extra_trainer_args or [])]
-    args = head + model_args + (["--init-from", init_dir] if init_dir else []) + tail
+    own = {"max_steps": max_steps, "ckpt_every": ckpt_every, "ckpt_mirror": ckpt_mirror.strip(),
+           "require_mirror": require_mirror, "model": model,
+           # With init_from the directory's config.json is the architecture: a flavor would be ignored.
+           "model_flavor": "" if init_from.strip() else model_flavor, "model_config": model_config.strip(),
+           "init_from": init_dir, "seq_len": seq_len, "batch_size": batch_size, "parallel": parallel,
+           "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "seed": seed,
+           "inject_fault": [f.strip() for f in inject_fault.split(",") if f.strip()]}
+    cfg = _trainer_settings(trainer_config or {}, own, data=f"{root}/datasets/{dataset_name}/{dataset_version}",
+                            out=run_dir, endpoint_url=endpoint_url)
     with _config_to_check(source, init_dir, endpoint_url, reachable) as config_dir:
         # Checked where the run's files can be read (the step's pod, a local run); before submitting, a model
         # only the trainer image has is left to the step, and so is an init_from (its architecture decides).
-        checked_model = model_args if (reachable or _model_importable(model)) and (config_dir or not init_dir) else []
-        checked = head + checked_model + (["--init-from", config_dir] if config_dir and checked_model else []) + tail
+        model_checked = (reachable or _model_importable(model)) and (config_dir or not init_dir)
+        checked = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, init_from=config_dir or "")
+                                      if model_checked else ModelConfig(seq_len=cfg.model.seq_len))
         try:
-            config = parse_config(checked)
-        except SystemExit:       # argparse has printed why
-            raise ValueError(f"the trainer rejects these arguments: {' '.join(args)}") from None
+            checked.validate()
+        except ValueError as e:
+            raise ValueError(f"trainer_config and the parameters: {e}") from None
         vocab = tokenizer_vocab(tokenizer, reachable)
-        if checked_model and vocab is not None and _torch_available():
-            _check_vocab(config, vocab, tokenizer)
+        if model_checked and vocab is not None and _torch_available():
+            _check_vocab(checked, vocab, tokenizer)
         shape = INSTANCE_TYPES.get(instance_type)
         gpus = int(gpus_per_node) if int(gpus_per_node) >= 0 else (shape.gpus if shape else 8)
         job = {"launch": {"max_restarts": int(max_restarts)}, "backoff_limit": int(backoff_limit), "pvc": fsx_pvc,
@@ -383,21 +407,23 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         backend = backend_name(backend)
         if backend != "local":      # the local backend's rank count is the train step's local_nproc
             # A fault on a rank or a step the job does not have would never fire.
-            check_faults(faults, int(nodes) * gpus, int(max_steps))
+            check_faults(cfg.faults.inject_fault, int(nodes) * gpus, cfg.run.max_steps)
             # The device mesh must be the job's ranks: nodes x GPUs per node.
-            mesh = config.parallel
+            mesh = cfg.parallel
             check_launch(mesh.parallel, mesh.dp_replicate, mesh.dp_shard, mesh.tp, gpus,
                          range(int(nodes), int(nodes) + 1))
         # The job builder checks the trainer's arguments too: those checked above, for the same reason.
         spec = {**{k: v for k, v in job.items() if k != "admission_timeout_s"}, "image": image, "nodes": int(nodes),
-                "spot": bool(spot), "trainer_args": checked}
+                "spot": bool(spot), "trainer": checked.document()}
         if backend == "pytorchjob":
             JobSpec.from_dict(spec).validate()
         elif backend == "trainjob":
             from components.trainjob import RuntimeSpec, build_trainjob
 
             build_trainjob(JobSpec.from_dict(spec), RuntimeSpec())
-    return TrainSettings(args, job, run_dir, source, init_dir, name, baseline_dir,
+    if reachable and Path(root).is_dir():      # FSx mounted (the step's pod, a local run): the run's record
+        record_settings(Path(run_dir), cfg)
+    return TrainSettings(cfg.document(), job, run_dir, source, init_dir, name, baseline_dir,
                          evaluate_gpu_resource or GPU_RESOURCE, 1 if evaluate_gpu_resource else 0)
 
 

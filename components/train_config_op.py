@@ -18,7 +18,7 @@ def train_config_op(
     dataset_version: str,
     run_id: str,
     max_steps: int,
-    ckpt_every: int,
+    ckpt_every: str,
     model: str,
     model_flavor: str,
     model_config: str,
@@ -62,16 +62,17 @@ def train_config_op(
     train_timeout_s: float = 7 * 86400.0,
     admission_timeout_s: float = 86400.0,
     stage_parallelism: int = 4,
-    extra_trainer_args: list = [],
+    trainer_config: dict = {},
     ckpt_mirror: str = "",
     require_mirror: bool = False,
     eval_tasks: str = "",
     eval_limit: int = 0,
     promote_on: str = "val_loss",
-) -> NamedTuple("TrainConfig", [("trainer_args", list), ("job_options", dict), ("run_dir", str),
+) -> NamedTuple("TrainConfig", [("trainer_config", dict), ("job_options", dict), ("run_dir", str),
                                 ("init_from_source", str), ("init_from_dir", str), ("model_name", str),
                                 ("baseline_dir", str), ("evaluate_accelerator", str), ("evaluate_gpus", int)]):
-    """Check the run's settings; build the train step's trainer arguments, job settings and run directory.
+    """Check the run's settings; record the trainer's in the run directory and hand them, the job settings and
+    the run directory to the train step.
 
     Args:
         fsx_root: FSx mount path in the pods (cluster) or the local stand-in (local).
@@ -79,7 +80,7 @@ def train_config_op(
         dataset_version: staged dataset version.
         run_id: the KFP run id (``dsl.PIPELINE_JOB_ID_PLACEHOLDER``); names the run directory.
         max_steps: optimizer steps.
-        ckpt_every: checkpoint interval in optimizer steps.
+        ckpt_every: checkpoint interval in optimizer steps, or auto (the Young-Daly interval).
         model: bytegpt, llama, or package.module:function (a model factory in the trainer image).
         model_flavor: a named size of the model; empty = its default.
         model_config: inline JSON of fields overriding the flavor's; empty = none.
@@ -123,13 +124,14 @@ def train_config_op(
         train_timeout_s: the train step's deadline in seconds (Kueue: from admission).
         admission_timeout_s: scheduler=kueue: how long the job may wait for admission.
         stage_parallelism: most stage worker pods.
-        extra_trainer_args: further trainer arguments.
+        trainer_config: any other trainer setting, {"section": {"field": value}} (``python -m trainer --help``).
         ckpt_mirror: s3://BUCKET/PREFIX the trainer mirrors committed checkpoints to; empty = none.
         require_mirror: any failure of the mirror fails the run (needs ckpt_mirror).
         eval_tasks: evaluate's lm-evaluation-harness tasks (checked: names and task files; their data by evaluate).
         eval_limit: examples per task (0: all).
         promote_on: val_loss or task:<task>/<metric> (a task of eval_tasks).
     """
+    import json
     from collections import namedtuple
 
     from components.train_config import build_train_config
@@ -140,7 +142,7 @@ def train_config_op(
         model_config=model_config, init_from=init_from, tokenizer=tokenizer, seq_len=seq_len,
         batch_size=batch_size, parallel=parallel, seed=seed, inject_fault=inject_fault,
         dp_replicate=dp_replicate, dp_shard=dp_shard, tp=tp,
-        extra_trainer_args=extra_trainer_args, max_restarts=max_restarts, backoff_limit=backoff_limit,
+        trainer_config=trainer_config, max_restarts=max_restarts, backoff_limit=backoff_limit,
         instance_type=instance_type, fsx_pvc=fsx_pvc, service_account=service_account, backend=backend,
         image=image, nodes=nodes, gpus_per_node=gpus_per_node, spot=spot, gpu_resource=gpu_resource,
         efa_per_node=efa_per_node, cpu=cpu, memory=memory, shm_size=shm_size, node_group=node_group,
@@ -151,5 +153,5 @@ def train_config_op(
         train_timeout_s=train_timeout_s, admission_timeout_s=admission_timeout_s,
         stage_parallelism=stage_parallelism, ckpt_mirror=ckpt_mirror, require_mirror=require_mirror,
         eval_tasks=eval_tasks, eval_limit=eval_limit, promote_on=promote_on)
-    print("trainer arguments:", " ".join(settings.trainer_args))
+    print("trainer settings (besides the defaults):", json.dumps(settings.trainer_config, sort_keys=True))
     return namedtuple("TrainConfig", settings._fields)(*settings)

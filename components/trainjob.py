@@ -174,7 +174,7 @@ def trainer_command(spec: JobSpec) -> list[str]:
     """The exact argv of a TrainJob's trainer container, before the kubelet expands ``$(PET_*)``: its command
     (the runtime's, or the job's own when it differs: the same list either way) followed by its args
     (``python -m trainer``'s arguments)."""
-    return [*node_command(spec), *spec.full_trainer_args()]
+    return [*node_command(spec), *spec.trainer_config().argv()]
 
 
 # Validation -------------------------------------------------------------------------------------
@@ -354,7 +354,7 @@ def build_trainjob(spec: JobSpec, runtime: RuntimeSpec | None = None):
             trainer=m.TrainerV1alpha1Trainer(
                 image=spec.image, num_nodes=spec.nodes, num_proc_per_node=spec.procs,
                 command=command,
-                args=spec.full_trainer_args(), env=c.env, resources_per_node=c.resources),
+                args=spec.trainer_config().argv(), env=c.env, resources_per_node=c.resources),
             runtime_patches=[patch]))
 
 

@@ -57,7 +57,7 @@ DEMO_ARGUMENTS = {
     "seq_len": 64,
     "batch_size": 8,
     "max_steps": 800,
-    "ckpt_every": 200,
+    "ckpt_every": "200",
 }
 DEMO_BYTEGPT = '{"n_layer": 2, "n_head": 2, "n_embd": 64}'
 """The demo ByteGPT's size, unless -p model_config (or another model) is given."""

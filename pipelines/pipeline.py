@@ -57,7 +57,7 @@ def pipeline_parameters(
     seq_len: int = 1024,
     batch_size: int = 8,
     max_steps: int = 5000,
-    ckpt_every: int = 250,
+    ckpt_every: str = "250",
     ckpt_mirror: str = "",
     require_mirror: bool = False,
     seed: int = 1337,
@@ -103,6 +103,7 @@ def pipeline_parameters(
     fsx_root: str = FSX_MOUNT,
     step_node_selector: dict = {},
     step_tolerations: list = [],
+    trainer_config: dict = {},
 ):
     """Train a model (llama, bytegpt or your own) on EKS where a GPU failure costs seconds.
 
@@ -151,7 +152,8 @@ def pipeline_parameters(
         seq_len: context length in tokens.
         batch_size: sequences per micro-batch per GPU.
         max_steps: optimizer steps.
-        ckpt_every: checkpoint interval in steps.
+        ckpt_every: checkpoint interval in steps, or auto: the Young-Daly interval from the measured checkpoint cost
+            and the failures seen (set checkpoint.mtbf_s in trainer_config to give the expected time between them).
         ckpt_mirror: s3://bucket/prefix the trainer copies every committed checkpoint to in the background (through
             s3_endpoint_url when set), and resumes from when FSx has none; the trainer pods' service account needs
             write access to it; empty = no mirror.
@@ -212,6 +214,10 @@ def pipeline_parameters(
         fsx_root: FSx path in the pods; keep /fsx on a cluster (the claim is mounted there).
         step_node_selector: nodeSelector of the step pods, e.g. {{"karpenter.sh/capacity-type": "on-demand"}}.
         step_tolerations: tolerations of the step pods (a list of Kubernetes toleration objects).
+        trainer_config: any other trainer setting, as {{"section": {{"field": value}}}} or {{"section.field": value}},
+            e.g. {{"optim": {{"lr": 3e-4, "warmup_steps": 200}}, "data.grad_accum": 4}}; `python -m trainer --help`
+            lists them (sections model, data, optim, parallel, checkpoint, run, restart, faults, spot, metrics).
+            Checked with the rest at check settings; a setting that has a parameter of its own is set there.
     """
 
 
@@ -281,7 +287,7 @@ def _wire(backend: str, *, local_nproc=None, local_nodes=None, **p) -> None:
             require_beat_baseline=p["require_beat_baseline"], train_timeout_s=p["train_timeout_s"],
             admission_timeout_s=p["admission_timeout_s"], stage_parallelism=p["stage_parallelism"],
             ckpt_mirror=p["ckpt_mirror"], require_mirror=p["require_mirror"], eval_tasks=p["eval_tasks"],
-            eval_limit=p["eval_limit"], promote_on=p["promote_on"])
+            eval_limit=p["eval_limit"], promote_on=p["promote_on"], trainer_config=p["trainer_config"])
         # FSx and the S3 secret: it checks that init_from exists and reads the registry's production model.
         step_pod(config).set_display_name("check settings").set_caching_options(False)
 
@@ -306,11 +312,11 @@ def _wire(backend: str, *, local_nproc=None, local_nodes=None, **p) -> None:
         stage_model.set_retry(3, backoff_duration="60s")     # an interrupted copy resumes from its journal
 
         train_kw = {"local_nproc": local_nproc, "local_nodes": local_nodes} if backend == "local" else {}
-        train = train_op(backend=backend, trainer_args=config.outputs["trainer_args"],
+        train = train_op(backend=backend, trainer_config=config.outputs["trainer_config"],
                          job_options=config.outputs["job_options"], image=p["trainer_image"], nodes=p["nodes"],
                          gpus_per_node=p["gpus_per_node"], spot=p["spot"], namespace=p["namespace"],
                          timeout_s=p["train_timeout_s"], fsx_root=p["fsx_root"], **train_kw)
-        # The dataset and the init_from model reach the trainer through FSx at the paths in trainer_args
+        # The dataset and the init_from model reach the trainer through FSx at the paths in trainer_config
         # (--data, --init-from), not as KFP artifacts, so the edges to the stages are explicit ones.
         train.after(stage, stage_model)
         # Placement set on this task would go to the job's pods (train_op's task_config passthroughs),

@@ -23,6 +23,7 @@ import pytest
 from trainer import compat
 from trainer.compat import LauncherExtras, release
 from trainer.launch import LaunchConfig, local_launcher_command
+from tests.trainer_flags import settings
 
 DATA = Path(__file__).parent / "data" / "nvrx"
 VERSIONS = compat.CHECKED
@@ -310,11 +311,11 @@ def test_the_flags_launch_py_emits_today_parse_on_every_release(monkeypatch):
 
     monkeypatch.setenv(compat.VERSION_ENV, "0.4.1")
     local = launcher_options(local_launcher_command(LaunchConfig(), TRAINER_ARGS))
-    pod = launcher_options(JobSpec(image="ecr/goodput:1", nodes=4, gpus_per_node=8, trainer_args=TRAINER_ARGS)
-                           .pod_command())
+    pod_spec = JobSpec(image="ecr/goodput:1", nodes=4, gpus_per_node=8, trainer=settings(*TRAINER_ARGS))
+    pod = launcher_options(pod_spec.pod_command())
     for version in VERSIONS:
         assert parse(version, local).training_script_args == TRAINER_ARGS
-        assert parse(version, pod).training_script_args[:len(TRAINER_ARGS)] == TRAINER_ARGS
+        assert parse(version, pod).training_script_args == pod_spec.trainer_config().argv()
         if not release(version).hot_spares:      # an elastic job: up to 0.5 (from 0.6 MIN:MAX means spares)
             elastic = JobSpec(image="ecr/goodput:1", nodes=8, min_nodes=2, gpus_per_node=8, nvrx_release=version)
             assert parse(version, launcher_options(elastic.pod_command())).nnodes == "2:8"

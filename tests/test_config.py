@@ -37,7 +37,7 @@ def test_missing_data_and_unknown_file_keys_are_errors(tmp_path):
         parse_config([])
     toml = tmp_path / "c.toml"
     toml.write_text("[model]\nn_layers = 3\n")
-    with pytest.raises(ValueError, match="unknown keys"):
+    with pytest.raises(ValueError, match="unknown setting model.n_layers"):
         parse_config(["--config", str(toml), "--data", "d"])
 
 

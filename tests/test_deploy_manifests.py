@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from components.pytorchjob import CONTAINER_NAME, JobSpec, job_manifest
-from trainer.config import MetricsConfig
+from trainer.config import MetricsConfig, parse_config
 
 from tests.deploy_checks import (DEPLOY, SHARED_SCHEMAS, crd_validator, load_all, model_roundtrip_problems,
                                  placeholders, schema_errors)
@@ -172,7 +172,7 @@ def test_podmonitor_scrapes_every_rank_of_every_builder_pod(podmonitor):
             assert all(len(name) <= 15 for name in metrics)                 # IANA_SVC_NAME limit
             # The trainer is told the same port.
             cmd = c["command"]
-            assert cmd[cmd.index("--metrics-port") + 1] == "9500"
+            assert parse_config(cmd[cmd.index("trainer") + 1:], validate=False).metrics.metrics_port == 9500
     assert "goodput.dev/job" in podmonitor["spec"]["podTargetLabels"]
     assert MetricsConfig().metrics_port == 0                                 # off outside the cluster
 
@@ -180,9 +180,9 @@ def test_podmonitor_scrapes_every_rank_of_every_builder_pod(podmonitor):
 def test_metrics_off_in_the_builder_means_no_ports_and_no_flag():
     m = job_manifest(JobSpec(image="x", metrics_port=0))
     c = m["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
-    assert [p["name"] for p in c["ports"]] == ["pytorchjob-port"] and "--metrics-port" not in c["command"]
+    assert [p["name"] for p in c["ports"]] == ["pytorchjob-port"] and "metrics_port" not in " ".join(c["command"])
     # An explicit trainer flag wins, and the ports follow it.
-    m = job_manifest(JobSpec(image="x", trainer_args=["--metrics-port", "9600"]))
+    m = job_manifest(JobSpec(image="x", trainer={"metrics": {"metrics_port": 9600}}))
     c = m["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
     assert {p["containerPort"] for p in c["ports"] if p["name"].startswith("metrics-")} == set(range(9600, 9608))
     with pytest.raises(ValueError, match="clear of master_port"):

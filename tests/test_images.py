@@ -303,7 +303,7 @@ def test_the_light_image_s_modules_work_without_torch(tmp_path):
 import {modules}
 from components.pytorchjob import JobSpec, job_manifest
 from components.stage import stage_dataset
-m = job_manifest(JobSpec(image='x', nodes=2, trainer_args=['--max-steps', '10']))
+m = job_manifest(JobSpec(image='x', nodes=2, trainer=dict(run=dict(max_steps=10))))
 assert m['kind'] == 'PyTorchJob'
 from components.trainjob import trainjob_manifest
 assert trainjob_manifest(JobSpec(image='x', nodes=2, nvrx_release='0.7.0'))['kind'] == 'TrainJob'

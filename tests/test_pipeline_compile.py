@@ -72,8 +72,8 @@ def test_dag_edges_stage_train_evaluate_register(compiled):
     assert stage_comp == "comp-exit-handler-1"
     # train follows the stage sub-pipeline and the init_from stage, and takes its arguments from the settings check
     assert sorted(train["dependentTasks"]) == sorted([stage["_name"], "stage-model-op", "train-config-op"])
-    assert train["inputs"]["parameters"]["trainer_args"]["taskOutputParameter"] == {
-        "outputParameterKey": "trainer_args", "producerTask": "train-config-op"}
+    assert train["inputs"]["parameters"]["trainer_config"]["taskOutputParameter"] == {
+        "outputParameterKey": "trainer_config", "producerTask": "train-config-op"}
     assert stage["dependentTasks"] == ["train-config-op"]     # staging starts after the check
     _, stage_model = find(spec, "stage init_from")
     assert stage_model["dependentTasks"] == ["train-config-op"]
@@ -283,7 +283,7 @@ def test_each_documented_instance_type_gives_pods_that_fit_it(compiled, instance
         instance_type=instance_type, image=p["trainer_image"], nodes=p["nodes"], gpus_per_node=p["gpus_per_node"],
         efa_per_node=p["efa_per_node"], cpu=p["cpu"], memory=p["memory"], shm_size=p["shm_size"])
     m = job_manifest(JobSpec.from_dict({**job, "image": p["trainer_image"], "nodes": p["nodes"], "name": "j",
-                                        "trainer_args": args}))
+                                        "trainer": args}))
     shape = INSTANCE_TYPES[instance_type]
     cpu_m, mem_mib = node_allocatable(shape)
     node = {"labels": {"node.kubernetes.io/instance-type": instance_type},

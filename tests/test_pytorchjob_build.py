@@ -20,6 +20,8 @@ from click.testing import CliRunner
 from components.pytorchjob import JobSpec, build_pytorchjob, job_manifest, job_name_for
 from pipelines.cli import main
 from trainer import compat
+from tests.trainer_flags import settings
+from trainer.config import parse_config
 from trainer.launch import LaunchConfig
 
 SCHEMAS = Path(os.environ.get("GOODPUT_SHARED") or Path(__file__).resolve().parents[1].parent / "shared") / "schemas"
@@ -123,8 +125,8 @@ VARIANTS = {
                    namespace="team-a", image_pull_policy="Always", master_port=29500),
     "kfp-run": dict(name=job_name_for("5f0c1a0e-7d8b-4c43-9a51-3fe1b9d2e001", "train"),
                     run_id="5f0c1a0e-7d8b-4c43-9a51-3fe1b9d2e001", task_name="train", nodes=3),
-    "trainer-args": dict(trainer_args=["--max-steps", "1000", "--ckpt-every", "100", "--data", "/fsx/datasets/c4/1",
-                                       "--out", "/fsx/runs/exp1", "--parallel", "ddp"]),
+    "trainer-settings": dict(trainer=settings("--max-steps", "1000", "--ckpt-every", "100", "--data",
+                                              "/fsx/datasets/c4/1", "--out", "/fsx/runs/exp1", "--parallel", "ddp")),
     "launch-timeouts": dict(launch=LaunchConfig(max_restarts=10, step_timeout_s=60, term_timeout_s=90),
                             termination_grace_s=150),
     "long-name-many-nodes": dict(name="a" * 52, nodes=1001),
@@ -236,7 +238,7 @@ def test_pod_command_is_ft_launcher_with_a_c10d_rendezvous_on_replica_0():
     from nvidia_resiliency_ext.fault_tolerance.launcher import get_args_parser
 
     installed = str(compat.installed_version())
-    fixed = spec(name="exp", nodes=4, trainer_args=["--max-steps", "50"], nvrx_release=installed)
+    fixed = spec(name="exp", nodes=4, trainer=settings("--max-steps", "50"), nvrx_release=installed)
     cmd = _pod(job_manifest(fixed))["containers"][0]["command"]
     # ft_launcher runs behind the warm-start zygote (ranks are forked from one process that imported torch).
     assert cmd[:4] == ["python", "-m", "trainer.warmstart", "ft_launcher"]
@@ -245,8 +247,10 @@ def test_pod_command_is_ft_launcher_with_a_c10d_rendezvous_on_replica_0():
     assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == ("c10d", "exp-master-0:23456", "exp")
     assert args.max_restarts == 3 and not args.standalone
     assert args.module and args.training_script == "trainer"
-    assert args.training_script_args == ["--max-steps", "50", "--data", "/fsx/datasets/pystdlib/3.11",
-                                         "--out", "/fsx/runs/exp", "--metrics-port", "9500"]
+    # The trainer's settings as one document, read by the trainer's own parser: nothing is scanned by hand.
+    assert parse_config(args.training_script_args, validate=False).document() == {
+        "data": {"data": "/fsx/datasets/pystdlib/3.11"}, "run": {"out": "/fsx/runs/exp", "max_steps": 50},
+        "metrics": {"metrics_port": 9500}}
     # Elastic (up to NVRx 0.5; from 0.6 MIN:MAX means hot spares): workers only, MIN:MAX nodes, the store on worker 0.
     if not compat.installed_release().hot_spares:
         elastic = job_manifest(spec(name="el", nodes=8, min_nodes=2, nvrx_release=installed))
@@ -339,11 +343,12 @@ BAD = {
     "bad clean pod policy": (dict(clean_pod_policy="Some"), "clean_pod_policy"),
     "negative backoff": (dict(backoff_limit=-1), "backoff_limit"),
     "grace below ft_launcher term timeout": (dict(termination_grace_s=30), "must exceed ft_launcher's term timeout"),
-    "trainer sigterm grace too long": (dict(trainer_args=["--sigterm-grace-s", "90"]), "--sigterm-grace-s"),
-    "bad trainer flag": (dict(trainer_args=["--steps-max", "10"]), "invalid trainer arguments"),
-    "bad trainer value": (dict(trainer_args=["--n-embd", "100", "--n-head", "3"]), "divisible"),
-    "out not on fsx": (dict(trainer_args=["--out", "/tmp/run"]), "not on the FSx mount"),
-    "data not on fsx": (dict(trainer_args=["--data", "data/x"]), "not on the FSx mount"),
+    "trainer sigterm grace too long": (dict(trainer=settings("--sigterm-grace-s", "90")), "--sigterm-grace-s"),
+    "bad trainer setting": (dict(trainer={"run": {"steps_max": 10}}), "unknown setting run.steps_max"),
+    "bad trainer type": (dict(trainer={"run.max_steps": "ten"}), "run.max_steps: 'ten' is not an int"),
+    "bad trainer value": (dict(trainer=settings("--n-embd", "100", "--n-head", "3")), "divisible"),
+    "out not on fsx": (dict(trainer=settings("--out", "/tmp/run")), "not on the FSx mount"),
+    "data not on fsx": (dict(trainer=settings("--data", "data/x")), "not on the FSx mount"),
     "no pvc": (dict(pvc=""), "pvc is required"),
     "bad node selector value": (dict(node_selector={"zone": "us west"}), "not a valid label value"),
     "bad label key": (dict(labels={"bad key": "x"}), "label"),
@@ -433,7 +438,8 @@ def test_render_job_prints_one_valid_pytorchjob(validator):
     assert (m["apiVersion"], m["kind"], m["metadata"]["name"]) == ("kubeflow.org/v1", "PyTorchJob", "exp1")
     assert schema_errors(validator, m) == [] and webhook_errors(m) == []
     cmd = _pod(m)["containers"][0]["command"]
-    assert cmd[cmd.index("--max-restarts") + 1] == "5" and cmd[cmd.index("--max-steps") + 1] == "100"
+    assert cmd[cmd.index("--max-restarts") + 1] == "5"
+    assert parse_config(cmd[cmd.index("trainer") + 1:], validate=False).run.max_steps == 100
     assert "&id" not in r.stdout             # no YAML anchors: each replica spelled out for kubectl
 
 
@@ -443,7 +449,7 @@ def test_render_job_prints_one_valid_pytorchjob(validator):
     (["--image", IMG, "--spot", "--node-selector", "eks.amazonaws.com/capacityType=ON_DEMAND"], "on-demand"),
     (["--image", IMG, "--name", "Not_DNS"], "DNS-1035"),
     (["--image", IMG, "--env", "NOEQUALS"], "KEY=VALUE"),
-    (["--image", IMG, "--max-stepz", "3"], "invalid trainer arguments"),
+    (["--image", IMG, "--max-stepz", "3"], "unrecognized arguments: --max-stepz 3"),
     (["--image", IMG, "--cpu", "-4"], "cpu '-4' is not a Kubernetes quantity above 0"),
     (["--image", IMG, "--memory", "0"], "memory '0' is not a Kubernetes quantity above 0"),
     (["--image", IMG, "--instance-type", "g5.xlarge"], "g5.xlarge has 1 GPUs"),

@@ -17,12 +17,22 @@ from components.pytorchjob import JobSpec, job_manifest
 from components.trainjob import JOB_NAME_ENV, RuntimeSpec, runtime_manifest, trainjob_manifest
 from pipelines.cli import main
 from trainer import compat
+from trainer.config import parse_config
 
+from tests.trainer_flags import settings
 from tests.test_compat_nvrx import VERSIONS, launcher_options, parse
 from tests.test_trainjob_build import effective_jobset, expand, node_pod
 
 IMG = "123456789012.dkr.ecr.us-west-2.amazonaws.com/goodput-trainer:0.1.0"
 TRAINER = ["--max-steps", "50", "--restart-layers", "both", "--ckpt-every", "10"]
+
+
+def runs_the_trainer_flags(ns) -> bool:
+    """ft_launcher's parsed command runs the trainer with the settings of ``TRAINER``."""
+    cfg = parse_config(ns.training_script_args, validate=False)
+    return (cfg.run.max_steps, cfg.restart.restart, cfg.checkpoint.ckpt_every) == (50, "both", "10")
+
+
 # What a release's command adds to the common flags (each read from that release's table in test_compat_nvrx).
 ONLY_ON = {"0.5.0": ("--ft-use-infra-group-rank", "false")}
 
@@ -56,7 +66,7 @@ def test_render_job_builds_a_pytorchjob_command_the_images_release_accepts(versi
     assert code == 0, out
     options = launcher_options(pytorchjob_command(m))
     ns = parse(version, options)
-    assert ns.training_script_args[:len(TRAINER)] == TRAINER and ns.nnodes == "4"
+    assert runs_the_trainer_flags(ns) and ns.nnodes == "4"
     assert options[:options.index("-m")] == compat.launcher_args(
         JobSpec(image=IMG, nodes=4, gpus_per_node=gpus, nproc_per_node=0 if gpus else 2).launch_config(),
         compat.release(version), compat.LauncherExtras(gpu=bool(gpus)))
@@ -72,7 +82,7 @@ def _pod_runs_for(version: str, job: dict, runtime: RuntimeSpec, procs: int) -> 
     """The TrainJob's pods run a command ``version`` accepts; the job carries its own exactly when the runtime's
     (built for the runtime's release) is not the one for ``version``."""
     ns = parse(version, launcher_options(trainjob_command(job, runtime_manifest(runtime), 3, procs)))
-    assert ns.training_script_args[:len(TRAINER)] == TRAINER
+    assert runs_the_trainer_flags(ns)
     pods = runtime.pods
     wanted = compat.launcher_args(pods.launch_config(), compat.release(version), pods.launcher_extras())
     assert ("command" in job["spec"]["trainer"]) == (
@@ -95,7 +105,7 @@ def test_a_cpu_trainjob_for_each_release_on_a_cpu_runtime(version):
     runtime = RuntimeSpec(name="goodput-nvrx-cpu", pods=JobSpec(image=IMG, gpus_per_node=0, nproc_per_node=2,
                                                                 scheduler=""))
     job = trainjob_manifest(JobSpec(image=IMG, nodes=3, gpus_per_node=0, nproc_per_node=2, nvrx_release=version,
-                                    trainer_args=TRAINER), runtime)
+                                    trainer=settings(*TRAINER)), runtime)
     _pod_runs_for(version, job, runtime, 2)
     runs = launcher_options(trainjob_command(job, runtime_manifest(runtime), 3, 2))
     assert ("--ft-enable-nic-healthcheck" in runs) == compat.release(version).nic_link_state_check
@@ -104,7 +114,7 @@ def test_a_cpu_trainjob_for_each_release_on_a_cpu_runtime(version):
 def test_the_pinned_release_is_the_default():
     code, out, (m,) = render("--nodes", "2")
     assert code == 0, out
-    assert pytorchjob_command(m) == JobSpec(image=IMG, nodes=2, trainer_args=TRAINER,
+    assert pytorchjob_command(m) == JobSpec(image=IMG, nodes=2, trainer=settings(*TRAINER),
                                             nvrx_release=compat.IMAGE_RELEASE).pod_command()
     r = CliRunner().invoke(main, ["render-job", "--kind", "runtime", "--image", IMG])
     assert r.exit_code == 0, r.output
@@ -148,7 +158,7 @@ def test_the_release_travels_in_the_pipelines_job_options():
     floats); a job for a 0.7 image gets 0.7's command and its hot spares."""
     options = {"nvrx_release": "0.7.0", "hot_spares": 1.0, "node_health_check_endpoint": "/var/run/nvhcd/nvhcd.sock",
                "launch": {"max_restarts": 5.0}, "gpus_per_node": 8.0}
-    s = JobSpec.from_dict({**options, "image": IMG, "nodes": 2.0, "trainer_args": TRAINER})
+    s = JobSpec.from_dict({**options, "image": IMG, "nodes": 2.0, "trainer": settings(*TRAINER)})
     ns = parse("0.7.0", launcher_options(pytorchjob_command(job_manifest(s))))
     assert (ns.nnodes, ns.max_restarts, ns.ft_node_health_check_endpoint) == ("2:3", 5, "/var/run/nvhcd/nvhcd.sock")
     with pytest.raises(ValueError, match="nvrx_release: nvidia-resiliency-ext 0.9.0 is newer"):

@@ -1,4 +1,4 @@
-"""The settings check: typed pipeline parameters -> the trainer's command line and the job settings, and the
+"""The settings check: typed pipeline parameters -> the trainer's settings and the job settings, and the
 run's model: its name, flavor, config and the init_from weights (a directory, S3, the production model)."""
 
 import json
@@ -15,12 +15,12 @@ def test_arguments_and_job_settings():
         fsx_root="/fsx/", dataset_name="corpus", dataset_version="v3", run_id="abc-123", max_steps=500,
         ckpt_every=100, inject_fault="kill@40:1, hang@90", max_restarts=5, backoff_limit=2,
         instance_type="p5.48xlarge", fsx_pvc="fsx", service_account="trainer", image="ecr/trainer:1", nodes=2,
-        gpus_per_node=8, spot=True, extra_trainer_args=["--lr", "0.001"])
+        gpus_per_node=8, spot=True, trainer_config={"optim": {"lr": 0.001}})
     assert run_dir == "/fsx/runs/abc-123"
-    assert args[:4] == ["--data", "/fsx/datasets/corpus/v3", "--out", "/fsx/runs/abc-123"]
-    assert args[args.index("--max-steps") + 1] == "500"
-    assert [args[i + 1] for i, a in enumerate(args) if a == "--inject-fault"] == ["kill@40:1", "hang@90"]
-    assert args[-2:] == ["--lr", "0.001"]
+    assert args["data"]["data"] == "/fsx/datasets/corpus/v3" and args["run"]["out"] == "/fsx/runs/abc-123"
+    assert args["run"]["max_steps"] == 500 and args["checkpoint"]["ckpt_every"] == "100"
+    assert args["faults"]["inject_fault"] == ["kill@40:1", "hang@90"]
+    assert args["optim"] == {"lr": 0.001}
     assert job == {"launch": {"max_restarts": 5}, "backoff_limit": 2, "pvc": "fsx", "fsx_mount": "/fsx",
                    "instance_type": "p5.48xlarge", "service_account": "trainer", "gpus_per_node": 8,
                    "gpu_resource": "nvidia.com/gpu", "efa_per_node": -1, "cpu": "", "memory": "", "shm_size": "",
@@ -31,7 +31,7 @@ def test_arguments_and_job_settings():
 def test_numbers_arrive_as_integers_whatever_kfp_made_of_them():
     args, job, *_ = build_train_config(fsx_root="fsx", dataset_name="d", dataset_version="1", run_id="r",
                                        max_steps=60.0, max_restarts=3.0, backend="local")
-    assert args[args.index("--max-steps") + 1] == "60"
+    assert args["run"]["max_steps"] == 60 and isinstance(args["run"]["max_steps"], int)
     assert job["launch"]["max_restarts"] == 3 and isinstance(job["launch"]["max_restarts"], int)
 
 
@@ -145,10 +145,10 @@ SETTINGS = {"fsx_root": "/fsx", "dataset_name": "d", "dataset_version": "1", "ru
 
 def test_the_model_reaches_the_trainer():
     s = build_train_config(**SETTINGS, model="llama", model_flavor="debug", model_config='{"n_layers": 2}')
-    args = s.trainer_args
-    assert args[args.index("--model") + 1] == "llama" and args[args.index("--model-flavor") + 1] == "debug"
-    assert json.loads(args[args.index("--model-config") + 1]) == {"n_layers": 2}
-    assert "--init-from" not in args and s.init_from_source == "" and s.init_from_dir == ""
+    model = s.trainer_config["model"]
+    assert model["name"] == "llama" and model["flavor"] == "debug"
+    assert json.loads(model["config"]) == {"n_layers": 2}
+    assert "init_from" not in model and s.init_from_source == "" and s.init_from_dir == ""
     assert s.model_name == "llama", "the registry name defaults to the model's"
     assert build_train_config(**SETTINGS, model="llama", model_name="chat").model_name == "chat"
     assert (s.evaluate_accelerator, s.evaluate_gpus) == ("nvidia.com/gpu", 0), "evaluate on a CPU pod by default"
@@ -163,8 +163,8 @@ def llama_dir(tmp_path_factory):
 
 def test_init_from_a_directory_is_passed_as_it_is_and_its_architecture_checked(llama_dir, tmp_path):
     s = build_train_config(**SETTINGS, model="llama", model_flavor="llama3-1b", init_from=str(llama_dir))
-    assert s.trainer_args[s.trainer_args.index("--init-from") + 1] == str(llama_dir) and s.init_from_source == ""
-    assert "--model-flavor" not in s.trainer_args, "the directory's config.json is the architecture"
+    assert s.trainer_config["model"]["init_from"] == str(llama_dir) and s.init_from_source == ""
+    assert "flavor" not in s.trainer_config["model"], "the directory's config.json is the architecture"
     assert s.baseline_dir == ""
     s = build_train_config(**SETTINGS, model="llama", init_from=str(llama_dir), baseline="init_from",
                            require_beat_baseline=True)
@@ -192,14 +192,14 @@ def test_init_from_production_continues_from_the_registrys_production_model(llam
         build_train_config(**SETTINGS, model="llama", init_from="production", registry=str(registry))
     _production(registry, "llama", str(llama_dir))
     s = build_train_config(**SETTINGS, model="llama", init_from="production", registry=str(registry))
-    assert s.trainer_args[s.trainer_args.index("--init-from") + 1] == str(llama_dir) and s.init_from_source == ""
+    assert s.trainer_config["model"]["init_from"] == str(llama_dir) and s.init_from_source == ""
     _production(registry, "bytegpt", str(registry / "bytegpt" / "v1" / "model.pt"), fmt="torch.save(state_dict)")
     with pytest.raises(ValueError, match="not a Hugging Face directory"):
         build_train_config(**SETTINGS, init_from="production", registry=str(registry))
     # Before submitting to a cluster, FSx is not here: the step looks it up.
     unreachable = build_train_config(**SETTINGS, model="llama", init_from="production",
                                      registry=str(tmp_path / "elsewhere"), reachable=False)
-    assert "--init-from" not in unreachable.trainer_args
+    assert "init_from" not in unreachable.trainer_config["model"]
 
 
 @pytest.fixture(scope="module")
@@ -221,7 +221,7 @@ def test_init_from_s3_is_staged_to_fsx_and_checked_before(s3_llama, tmp_path):
                            endpoint_url=server.url, baseline="init_from")
     assert s.init_from_source == f"s3://{bucket}/llama"
     assert s.init_from_dir == str(fsx / "pretrained" / bucket / "llama")
-    assert s.trainer_args[s.trainer_args.index("--init-from") + 1] == s.init_from_dir == s.baseline_dir
+    assert s.trainer_config["model"]["init_from"] == s.init_from_dir == s.baseline_dir
     assert not fsx.exists(), "checking writes nothing"
     with pytest.raises(ValueError, match="cannot read .*empty/config.json"):
         build_train_config(**SETTINGS, model="llama", init_from=f"s3://{bucket}/empty", endpoint_url=server.url)

@@ -24,8 +24,10 @@ import yaml
 from components.pytorchjob import JobSpec, job_manifest
 from components.trainjob import (FAILURE_RULES, RDZV_PORT, RuntimeSpec, build_runtime,
                                  build_trainjob, runtime_manifest, trainer_command, trainjob_manifest)
+from trainer.config import parse_config
 from trainer.launch import LaunchConfig, local_launcher_command
 
+from tests.trainer_flags import settings
 from tests.deploy_checks import (DEPLOY, SHARED_SCHEMAS, crd_validator, load_all, model_roundtrip_problems,
                                  schema_errors)
 
@@ -171,8 +173,8 @@ VARIANTS = {
     "launch-settings": (dict(nodes=3, launch=LaunchConfig(max_restarts=7, step_timeout_s=60)), VOLCANO),
     "deadline-tolerations": (dict(active_deadline_s=86400, tolerations=[
         {"key": "maintenance", "operator": "Exists", "effect": "NoExecute", "tolerationSeconds": 60}]), VOLCANO),
-    "trainer-args": (dict(trainer_args=["--max-steps", "500", "--data", "/fsx/datasets/c4/1", "--out",
-                                        "/fsx/runs/exp1", "--parallel", "ddp"]), VOLCANO),
+    "trainer-settings": (dict(trainer=settings("--max-steps", "500", "--data", "/fsx/datasets/c4/1", "--out",
+                                               "/fsx/runs/exp1", "--parallel", "ddp")), VOLCANO),
     "long-name-many-nodes": (dict(name="a" * 50, nodes=1000), VOLCANO),
     "coscheduling": (dict(nodes=2, scheduler="scheduler-plugins"), COSCHEDULING),
     "kueue": (dict(nodes=2, scheduler="kueue", queue="goodput"), VOLCANO),
@@ -257,7 +259,7 @@ def test_node_command_is_ft_launcher_with_a_c10d_rendezvous_on_node_0():
     from nvidia_resiliency_ext.fault_tolerance.launcher import get_args_parser
 
     for nodes in (4, 1):
-        s = spec(name="exp", nodes=nodes, trainer_args=["--max-steps", "50"])
+        s = spec(name="exp", nodes=nodes, trainer=settings("--max-steps", "50"))
         pod = node_pod(effective_jobset(runtime_manifest(), trainjob_manifest(s)))
         c = pod["spec"]["containers"][0]
         argv = expand(c["command"] + c["args"], c["env"], {"jobset.sigs.k8s.io/jobset-name": "exp"})
@@ -268,8 +270,9 @@ def test_node_command_is_ft_launcher_with_a_c10d_rendezvous_on_node_0():
         assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == ("c10d", f"exp-node-0-0.exp:{RDZV_PORT}",
                                                                          "exp")
         assert args.max_restarts == 3 and not args.standalone and args.module and args.training_script == "trainer"
-        assert args.training_script_args == ["--max-steps", "50", "--data", "/fsx/datasets/pystdlib/3.11",
-                                             "--out", "/fsx/runs/exp", "--metrics-port", "9500"]
+        assert parse_config(args.training_script_args, validate=False).document() == {
+            "data": {"data": "/fsx/datasets/pystdlib/3.11"}, "run": {"out": "/fsx/runs/exp", "max_steps": 50},
+            "metrics": {"metrics_port": 9500}}
     # Launch settings other than the runtime's travel in the TrainJob's command.
     job = trainjob_manifest(spec(launch=LaunchConfig(max_restarts=9)))
     assert job["spec"]["trainer"]["command"][job["spec"]["trainer"]["command"].index("--max-restarts") + 1] == "9"
@@ -292,12 +295,13 @@ def _without_head_and_node_flags(argv: list[str]) -> list[str]:
 
 @pytest.mark.parametrize("launch", [LaunchConfig(), LaunchConfig(max_restarts=5, step_timeout_s=30, warm_start=False)])
 def test_trainer_command_is_what_goodput_train_runs_locally_but_for_the_node_flags(launch):
-    s = spec(nodes=2, trainer_args=["--max-steps", "20", "--ckpt-every", "5"], launch=launch)
+    s = spec(nodes=2, trainer=settings("--max-steps", "20", "--ckpt-every", "5"), launch=launch)
     cluster = trainer_command(s)
+    trainer_args = s.trainer_config().argv()
     local = local_launcher_command(dataclasses.replace(launch, nproc_per_node=2, nnodes=1, rdzv_endpoint=""),
-                                   s.full_trainer_args())
+                                   trainer_args)
     assert _without_head_and_node_flags(cluster) == _without_head_and_node_flags(local)
-    assert cluster[-len(s.full_trainer_args()) - 2:] == ["-m", "trainer", *s.full_trainer_args()]
+    assert cluster[-len(trainer_args) - 2:] == ["-m", "trainer", *trainer_args]
     # ...and it is what the pod runs: the runtime's (or the job's) command followed by the job's args.
     c = node_pod(effective_jobset(runtime_manifest(), trainjob_manifest(s)))["spec"]["containers"][0]
     assert c["command"] + c["args"] == cluster
@@ -402,7 +406,7 @@ BAD = {
     "master port": (dict(master_port=29400), "fixes the rendezvous port at 29500"),
     "backoff limit": (dict(backoff_limit=5), "backoff_limit=5 differs from ClusterTrainingRuntime goodput-nvrx's 3"),
     "ttl": (dict(ttl_after_finished_s=60), "ttl_after_finished_s=60 differs"),
-    "fsx mount": (dict(fsx_mount="/data", trainer_args=["--data", "/data/d", "--out", "/data/o"]), "fsx_mount"),
+    "fsx mount": (dict(fsx_mount="/data", trainer=settings("--data", "/data/d", "--out", "/data/o")), "fsx_mount"),
     "image pull policy": (dict(image_pull_policy="Always"), "image_pull_policy='Always' differs"),
     "metrics port": (dict(metrics_port=9600), "metrics_port=9600 differs"),
     "scheduler": (dict(scheduler="scheduler-plugins"), "gang scheduling and priority are the runtime's"),
@@ -412,7 +416,7 @@ BAD = {
     "reserved env": (dict(env={"PET_NNODES": "3"}), "set by the Trainer's torch plugin"),
     "name too long": (dict(name="a" * 54, nodes=11), "pod host names like"),    # fits a PyTorchJob's -worker-9
     "pytorchjob check": (dict(nodes=0), "nodes must be at least 1"),
-    "bad trainer flag": (dict(trainer_args=["--steps-max", "10"]), "invalid trainer arguments"),
+    "bad trainer setting": (dict(trainer={"run": {"steps_max": 10}}), "unknown setting run.steps_max"),
     "spot with on-demand selector": (dict(spot=True, node_selector={"eks.amazonaws.com/capacityType": "ON_DEMAND"}),
                                      "allows only on-demand nodes"),
     "hot spares": (dict(nodes=4, hot_spares=1, nvrx_release="0.7.0"), "hot_spares=1: a TrainJob's node command"),
@@ -489,10 +493,10 @@ def test_runtime_default_image_is_the_train_components():
 
 def test_the_runtime_fits_trainer_v2_4s_limits():
     """Trainer v2.4 refuses runtimes whose replicated jobs' names are longer than 20 characters."""
-    for settings, runtime in VARIANTS.values():
+    for options, runtime in VARIANTS.values():
         for rjob in runtime_manifest(runtime)["spec"]["template"]["spec"]["replicatedJobs"]:
             assert len(rjob["name"]) <= 20, rjob["name"]
-        job = trainjob_manifest(spec(**settings), runtime)
+        job = trainjob_manifest(spec(**options), runtime)
         for patch in job["spec"]["runtimePatches"]:
             for rjob in patch["trainingRuntimeSpec"]["template"]["spec"]["replicatedJobs"]:
                 assert len(rjob["name"]) <= 20, rjob["name"]
@@ -580,7 +584,7 @@ def test_render_job_kind_trainjob_prints_the_builders_trainjob(schemas):
     assert r.exit_code == 0, r.output
     (job,) = yaml.safe_load_all(r.output)
     assert job == trainjob_manifest(spec(name="exp1", nodes=4, spot=True, node_group="p5-spot",
-                                         trainer_args=["--max-steps", "500"]))
+                                         trainer=settings("--max-steps", "500")))
     assert schema_errors(schemas["trainjob"], job) == []
     r = _render("--kind", "trainjob", "--runtime", "goodput-nvrx-other", "--image", IMG)
     assert yaml.safe_load(r.output)["spec"]["runtimeRef"]["name"] == "goodput-nvrx-other"

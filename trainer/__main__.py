@@ -4,9 +4,10 @@ import logging
 import os
 import sys
 import warnings
+from pathlib import Path
 
 from . import warmstart
-from .config import parse_config
+from .config import check_run_directory, parse_config
 from .signals import die_with_parent
 
 
@@ -23,6 +24,7 @@ def main(argv: list[str] | None = None) -> int:
         warmstart.delegate(sys.argv[1:])
     try:
         cfg = parse_config(argv)
+        check_run_directory(Path(cfg.run.out), cfg)   # another run's directory: refused before anything is written
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

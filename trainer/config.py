@@ -1,10 +1,17 @@
 """The trainer's configuration: one dataclass per concern, combined in ``TrainConfig``.
 
-Every field has a default and a help text with units; each becomes a command-line flag
-(``--field-name``, or the flag named in its metadata). Precedence is command line > ``--config FILE``
-(TOML, one table per section) > defaults, validated once in ``TrainConfig.validate``. The resolved
-config is saved as ``<out>/config.json``. This module imports no torch at import time, so that the CLI stays
-fast; validating the model (``ModelConfig.spec``) imports it.
+Every field has a type, a default and a help text with units; it is the one definition of the setting.
+From it come the command-line flag (``--field-name``, or the flag named in its metadata), the TOML/JSON keys
+(``[section] field = value``), the pipeline's ``trainer_config`` object (``{"section": {"field": value}}`` or
+``{"section.field": value}``) and the check of each value's type (``settings_problems``). Precedence is
+command line > ``--settings JSON`` > ``--config FILE`` > defaults, validated once in ``TrainConfig.validate``.
+
+A launcher hands a run's settings to its ranks as one document (``TrainConfig.document()``, through
+``--settings``), never as flags built one by one. The run directory records them (``settings.json``,
+``record_settings``): a run pointed at a directory that holds another run (a setting marked ``defines`` differs)
+is refused with what differs; settings that only place the run (nodes, parallelism, restarts, timeouts) may
+change on a resume. This module imports no torch at import time, so that the CLI stays fast; validating the
+model (``ModelConfig.spec``) imports it.
 """
 
 from __future__ import annotations
@@ -23,6 +30,11 @@ def _f(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, "flag": flag, **kw})
 
 
+def _d(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
+    """A setting that defines the run (model, data, seed, optimizer and schedule): a resume must keep it."""
+    return _f(default, help, flag, defines=True, **kw)
+
+
 # ByteGPT's architecture flags, kept for --model bytegpt (where they override its fields); other models take
 # --model-config.
 BYTEGPT_FLAGS = ("n_layer", "n_head", "n_embd", "dropout")
@@ -30,23 +42,23 @@ BYTEGPT_FLAGS = ("n_layer", "n_head", "n_embd", "dropout")
 
 @dataclass
 class ModelConfig:
-    name: str = _f("bytegpt", "the model: bytegpt, llama, or package.module:function naming your own model "
+    name: str = _d("bytegpt", "the model: bytegpt, llama, or package.module:function naming your own model "
                               "factory (docs/models.md)", flag="--model")
-    flavor: str = _f("", "a named size of the model (llama: debug, llama3-1b, llama3-3b, llama3-8b, llama3-70b; "
+    flavor: str = _d("", "a named size of the model (llama: debug, llama3-1b, llama3-3b, llama3-8b, llama3-70b; "
                          "empty = the model's default)", flag="--model-flavor")
-    config: str = _f("", "fields overriding the flavor's: inline JSON ('{\"n_layers\": 8}') or a .json/.toml file",
+    config: str = _d("", "fields overriding the flavor's: inline JSON ('{\"n_layers\": 8}') or a .json/.toml file",
                      flag="--model-config")
-    init_from: str = _f("", "a Hugging Face model directory (config.json + *.safetensors) whose weights a fresh "
+    init_from: str = _d("", "a Hugging Face model directory (config.json + *.safetensors) whose weights a fresh "
                             "run starts from; a run with a committed checkpoint resumes from that instead")
     activation_checkpointing: str = _f("none", "recompute activations in backward: none, full (each block), "
                                                "selective (keep matmul and attention outputs)",
                                        choices=("none", "full", "selective"))
     compile: bool = _f(False, "torch.compile each block's forward")
-    n_layer: int = _f(4, "bytegpt: transformer blocks")
-    n_head: int = _f(4, "bytegpt: attention heads per block")
-    n_embd: int = _f(128, "bytegpt: model width (embedding size)")
-    seq_len: int = _f(128, "tokens per training sequence (at most the model's max_seq_len)")
-    dropout: float = _f(0.0, "bytegpt: dropout probability")
+    n_layer: int = _d(4, "bytegpt: transformer blocks")
+    n_head: int = _d(4, "bytegpt: attention heads per block")
+    n_embd: int = _d(128, "bytegpt: model width (embedding size)")
+    seq_len: int = _d(128, "tokens per training sequence (at most the model's max_seq_len)")
+    dropout: float = _d(0.0, "bytegpt: dropout probability")
     vocab_size: int = _f(256, "bytegpt: vocabulary size (the dataset's, resolved at start)", cli=False)
 
     def spec(self, data_dir: str | Path):
@@ -85,21 +97,21 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    data: str = _f("", "dataset directory holding manifest.json (see `python -m trainer.data`)")
-    batch_size: int = _f(16, "sequences per micro-batch per rank")
-    grad_accum: int = _f(1, "micro-batches accumulated per optimizer step")
+    data: str = _d("", "dataset directory holding manifest.json (see `python -m trainer.data`)")
+    batch_size: int = _d(16, "sequences per micro-batch per rank")
+    grad_accum: int = _d(1, "micro-batches accumulated per optimizer step")
     eval_windows: int = _f(64, "validation windows (each seq_len bytes) for final_val_loss")
 
 
 @dataclass
 class OptimConfig:
-    lr: float = _f(2e-3, "peak learning rate of AdamW")
-    min_lr_ratio: float = _f(0.1, "final learning rate as a fraction of the peak (cosine decay)")
-    warmup_steps: int = _f(20, "linear warmup steps")
-    weight_decay: float = _f(0.1, "AdamW weight decay on matrices")
-    beta1: float = _f(0.9, "AdamW beta1")
-    beta2: float = _f(0.95, "AdamW beta2")
-    grad_clip: float = _f(1.0, "clip the global gradient norm to this value (0 = off)")
+    lr: float = _d(2e-3, "peak learning rate of AdamW")
+    min_lr_ratio: float = _d(0.1, "final learning rate as a fraction of the peak (cosine decay)")
+    warmup_steps: int = _d(20, "linear warmup steps")
+    weight_decay: float = _d(0.1, "AdamW weight decay on matrices")
+    beta1: float = _d(0.9, "AdamW beta1")
+    beta2: float = _d(0.95, "AdamW beta2")
+    grad_clip: float = _d(1.0, "clip the global gradient norm to this value (0 = off)")
 
 
 @dataclass
@@ -176,8 +188,8 @@ class CheckpointConfig:
 @dataclass
 class RunConfig:
     out: str = _f("fsx/runs/local", "run directory: checkpoints/, events.jsonl, summary.json")
-    seed: int = _f(1337, "random seed (model init, data order, dropout)")
-    max_steps: int = _f(200, "optimizer steps to train")
+    seed: int = _d(1337, "random seed (model init, data order, dropout)")
+    max_steps: int = _d(200, "optimizer steps to train")
     log_every: int = _f(10, "print a progress line every N steps")
 
 
@@ -377,6 +389,22 @@ class TrainConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    @classmethod
+    def from_values(cls, values: dict[str, dict[str, Any]]) -> "TrainConfig":
+        """A config from ``settings_values`` (not validated)."""
+        return cls(**{s: SECTIONS[s](**values.get(s, {})) for s in SECTIONS})
+
+    def argv(self) -> list[str]:
+        """The arguments of ``python -m trainer`` that run with these settings: the document, as one argument."""
+        return ["--settings", json.dumps(self.document(), sort_keys=True, separators=(",", ":"))]
+
+    def document(self) -> dict:
+        """The settings that differ from their defaults, ``{section: {field: value}}``: what a launcher hands the
+        ranks (``--settings``) and what ``settings_values`` reads back."""
+        defaults = TrainConfig().to_dict()
+        return {section: changed for section, values in self.to_dict().items()
+                if (changed := {k: v for k, v in values.items() if v != defaults[section][k]})}
+
     def save(self, path: Path, model: dict | None = None) -> None:
         """Write the config as JSON; ``model``: the resolved spec (``ModelSpec.describe()``: name, flavor,
         config), which evaluate and export rebuild the model from (``spec_from_run_config``)."""
@@ -410,12 +438,20 @@ def describe_flags() -> list[tuple[str, list[tuple[str, str]]]]:
     return out
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):
+        # One line that says what to fix (a ValueError, as every other bad setting), not the whole usage.
+        raise ValueError(f"{self.prog}: {message} (see {self.prog} --help)")
+
+
 def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
     """The trainer's argument parser, one group per config section."""
-    p = argparse.ArgumentParser(prog=prog, description="Train a model (bytegpt, llama or your own) with FSDP2/DDP, "
-                                "NVRx async checkpoints and exact resume.",
-                                argument_default=argparse.SUPPRESS)
-    p.add_argument("--config", type=Path, help="TOML file with [model], [data], ... tables")
+    p = _Parser(prog=prog, description="Train a model (bytegpt, llama or your own) with FSDP2/DDP, NVRx async "
+                                       "checkpoints and exact resume.", argument_default=argparse.SUPPRESS)
+    p.add_argument("--config", type=Path, help="settings file: TOML with [model], [data], ... tables, or JSON of the "
+                                               "same shape (a run directory's settings.json)")
+    p.add_argument("--settings", metavar="JSON", help="settings as one JSON object, {\"section\": {\"field\": value}} "
+                                                      "or {\"section.field\": value}; over --config, under flags")
     for section, cls in SECTIONS.items():
         group = p.add_argument_group(section)
         for f in dataclasses.fields(cls):
@@ -437,27 +473,134 @@ def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
     return p
 
 
-def parse_config(argv: list[str] | None = None) -> TrainConfig:
-    """Parse command line (and optional TOML file) into a validated ``TrainConfig``."""
-    args = vars(build_parser().parse_args(argv))
+def _coerce(f: dataclasses.Field, value: Any, where: str) -> Any:
+    """``value`` as the type of ``f``. A KFP object parameter is a protobuf Struct, where every number is a
+    float: 200.0 is the int 200; any other value of another type is refused."""
+    t = str(f.type)
+    ok = True
+    if t == "bool":
+        ok = isinstance(value, bool)
+    elif t == "int":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer()
+        value = int(value) if ok else value
+    elif t == "float":
+        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
+        value = float(value) if ok else value
+    elif t == "str":
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
+            value = str(int(value))            # ckpt_every = 250, a number where "N or auto" is asked
+        ok = isinstance(value, str)
+    elif t == "list":
+        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+    if not ok:
+        raise ValueError(f"{where}: {value!r} is not a{'n' if t == 'int' else ''} {t}")
+    if "choices" in f.metadata and value not in f.metadata["choices"]:
+        raise ValueError(f"{where}: {value!r} is not one of {', '.join(f.metadata['choices'])}")
+    return value
+
+
+def settings_values(doc: dict, where: str = "settings") -> dict[str, dict[str, Any]]:
+    """``{section: {field: value}}`` from a settings document (nested tables, or ``"section.field"`` keys), each
+    value checked against its field's type; an unknown section or field is a ValueError naming it."""
+    if not isinstance(doc, dict):
+        raise ValueError(f"{where}: expected an object of settings, got {type(doc).__name__}")
+    out: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    for key, value in doc.items():
+        section, _, name = key.partition(".")
+        items = {name: value} if name else value
+        if section not in SECTIONS or not isinstance(items, dict):
+            raise ValueError(f"{where}: {key!r} is neither a section ({', '.join(SECTIONS)}) holding an object nor "
+                             f"section.field")
+        fields = {f.name: f for f in dataclasses.fields(SECTIONS[section])}
+        for field_name, v in items.items():
+            if field_name not in fields:
+                raise ValueError(f"{where}: unknown setting {section}.{field_name} (the {section} settings are "
+                                 f"{', '.join(fields)})")
+            out[section][field_name] = _coerce(fields[field_name], v, f"{where}: {section}.{field_name}")
+    return out
+
+
+def _read_file(path: Path) -> dict:
+    with open(path, "rb") as fh:
+        if path.suffix == ".json":
+            try:
+                return json.load(fh)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}: not valid JSON ({e})") from None
+        try:
+            return tomllib.load(fh)
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"{path}: not valid TOML ({e})") from None
+
+
+def parse_config(argv: list[str] | None = None, *, validate: bool = True,
+                 prog: str = "python -m trainer") -> TrainConfig:
+    """Parse the command line (with ``--config FILE`` and ``--settings JSON``) into a ``TrainConfig``, validated
+    unless ``validate`` is off (a launcher completing the settings first)."""
+    args = vars(build_parser(prog).parse_args(argv))
+    documents = []
+    if "config" in args:
+        documents.append((str(args["config"]), _read_file(args.pop("config"))))
+    if "settings" in args:
+        try:
+            documents.append(("--settings", json.loads(args.pop("settings"))))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"--settings is not valid JSON ({e})") from None
     values: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-    config_file = args.pop("config", None)
-    if config_file is not None:
-        with open(config_file, "rb") as fh:
-            for section, table in tomllib.load(fh).items():
-                if section not in SECTIONS:
-                    raise ValueError(f"{config_file}: unknown section [{section}]; expected one of {list(SECTIONS)}")
-                known = {f.name for f in dataclasses.fields(SECTIONS[section])}
-                unknown = set(table) - known
-                if unknown:
-                    raise ValueError(f"{config_file}: unknown keys in [{section}]: {sorted(unknown)}")
-                values[section].update(table)
+    for where, doc in documents:
+        for section, table in settings_values(doc, where).items():
+            values[section].update(table)
     for dest, value in args.items():
         section, name = dest.split(".", 1)
         values[section][name] = value
-    return TrainConfig(**{s: SECTIONS[s](**values[s]) for s in SECTIONS}).validate()
+    cfg = TrainConfig.from_values(values)
+    return cfg.validate() if validate else cfg
 
 
-def config_from_dict(d: dict) -> TrainConfig:
-    """Rebuild a config saved with ``TrainConfig.save`` (evaluate reads the run's config this way)."""
-    return TrainConfig(**{s: SECTIONS[s](**d.get(s, {})) for s in SECTIONS})
+def config_from_dict(d: dict, where: str = "settings") -> TrainConfig:
+    """A config from a settings document (``TrainConfig.document()``, a saved ``config.json``); not validated.
+    Keys a saved config.json adds to its model section (the resolved spec) are left out."""
+    known = {s: {f.name for f in dataclasses.fields(cls)} for s, cls in SECTIONS.items()}
+    doc = {s: {k: v for k, v in (d.get(s) or {}).items() if k in known[s]} for s in SECTIONS}
+    return TrainConfig.from_values(settings_values(doc, where))
+
+
+SETTINGS_FILE = "settings.json"
+"""The run directory's record of its settings (``record_settings``)."""
+
+
+class RunMismatch(ValueError):
+    """A run pointed at a run directory that holds another run."""
+
+
+def defining_differences(recorded: TrainConfig, cfg: TrainConfig) -> list[str]:
+    """``section.field: recorded -> now`` for each setting that defines a run and differs."""
+    return [f"{section}.{f.name}: {getattr(getattr(recorded, section), f.name)!r} -> "
+            f"{getattr(getattr(cfg, section), f.name)!r}"
+            for section, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+            if f.metadata.get("defines")
+            and getattr(getattr(recorded, section), f.name) != getattr(getattr(cfg, section), f.name)]
+
+
+def check_run_directory(out: Path, cfg: TrainConfig) -> None:
+    """Refuse (``RunMismatch``) a run whose directory ``out`` records another run's settings."""
+    path = Path(out) / SETTINGS_FILE
+    if not path.is_file():
+        return
+    try:
+        recorded = config_from_dict(json.loads(path.read_text()), str(path))
+    except (OSError, ValueError) as e:
+        raise RunMismatch(f"{path} cannot be read ({e}): is {out} a run directory of this version?") from None
+    differences = defining_differences(recorded, cfg)
+    if differences:
+        raise RunMismatch(f"{out} holds another run (it was started with other settings: {'; '.join(differences)}); "
+                          f"give a new run directory, or that run's settings to resume it")
+
+
+def record_settings(out: Path, cfg: TrainConfig) -> None:
+    """Check ``out`` (``check_run_directory``) and record ``cfg`` as its run's settings."""
+    from .layout import write_atomic
+
+    check_run_directory(out, cfg)
+    Path(out).mkdir(parents=True, exist_ok=True)
+    write_atomic(Path(out) / SETTINGS_FILE, json.dumps(cfg.to_dict(), indent=1, sort_keys=True).encode())

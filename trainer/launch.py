@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from . import compat
-from .config import parse_config
+from .config import TrainConfig, check_run_directory, parse_config
 from .data import default_dataset_dir, ensure_default_dataset
 from .peer import SECRET_ENV as PEER_SECRET_ENV
 from .signals import STOP_SIGNALS, parent_death_preexec
@@ -223,19 +223,19 @@ def check_faults(specs: list[str], world_size: int, max_steps: int) -> None:
             raise LaunchError(f"--inject-fault {f.id}: step {f.step} comes after the last step ({max_steps})")
 
 
-def validate_launch(trainer_args: list[str], launch: LaunchConfig, fsx_root: Path) -> tuple[list[str], object]:
+def validate_launch(cfg: TrainConfig, launch: LaunchConfig, fsx_root: Path) -> TrainConfig:
     """Everything about a local run that can be checked before any process starts or anything is written.
 
-    Returns the trainer arguments (with the default dataset's ``--data`` added when there is none) and the
-    parsed config; raises ``LaunchError`` with one line that says what to fix.
+    Returns the settings, validated, with the default dataset (under ``fsx_root``) where they name none;
+    raises ``LaunchError`` with one line that says what to fix.
     """
-    args = list(trainer_args)
-    default_data = "--data" not in args
-    if default_data:
-        args += ["--data", str(default_dataset_dir(fsx_root))]
+    default_data = not cfg.data.data
+    cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data=str(default_dataset_dir(fsx_root)))
+                              ) if default_data else cfg
     try:
-        cfg = parse_config(args)
+        cfg.validate()
         launch.validate()
+        check_run_directory(Path(cfg.run.out), cfg)
     except ValueError as e:
         raise LaunchError(str(e)) from None
     if compat.is_placeholder(launch.nproc_per_node) or compat.is_placeholder(launch.nnodes):
@@ -248,12 +248,12 @@ def validate_launch(trainer_args: list[str], launch: LaunchConfig, fsx_root: Pat
             _check_writable(default_dataset_dir(fsx_root), "--fsx-root: the default dataset directory")
     else:
         _check_dataset(Path(cfg.data.data), cfg)
-    return args, cfg
+    return cfg
 
 
-def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: Path, *,
+def run_local_training(settings: TrainConfig, launch: LaunchConfig, fsx_root: Path, *,
                        min_nodes: int = 0) -> tuple[int, dict | None]:
-    """Validate, build the default dataset if needed, launch, wait; return (exit code, summary or None).
+    """Validate, build the default dataset if needed, launch, wait; return (exit code, this run's summary or None).
 
     The core of ``goodput train`` without click, used by the local training backend too. ``LaunchError``
     before anything starts. ``launch.nnodes`` > 1 starts that many node process trees (``LocalCluster``);
@@ -265,19 +265,20 @@ def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: 
         raise LaunchError(f"--nodes MIN:MAX needs 1 <= MIN < MAX, got {min_nodes}:{nodes}")
     # The nodes of a local run meet on a loopback port chosen when they start.
     checked = dataclasses.replace(launch, rdzv_endpoint=launch.rdzv_endpoint or "127.0.0.1:0") if nodes > 1 else launch
-    args, cfg = validate_launch(trainer_args, checked, fsx_root)
+    cfg = validate_launch(settings, checked, fsx_root)
     try:
         compat.nnodes_arg(nodes, compat.target_release(), min_nodes=min_nodes)
         if nodes > 1:
             launch.rdzv_timing_conf(compat.target_release())
     except ValueError as e:
         raise LaunchError(str(e)) from None
-    if "--data" not in trainer_args:
+    if not settings.data.data:
         try:
             ensure_default_dataset(fsx_root)
         except OSError as e:
             raise LaunchError(f"cannot build the default dataset under {fsx_root}: {e}") from None
         _check_dataset(Path(cfg.data.data), cfg)
+    args = cfg.argv()
     started = time.time()
     stopped_by: list[int] = []
     if nodes > 1:
@@ -317,8 +318,9 @@ def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: 
         return 128 + stopped_by[0], None
     if code < 0:
         code = 128 - code
-    summary_path = Path(cfg.run.out) / "summary.json"
-    summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.exists() else None
+    from .summary import read_summary
+
+    summary = read_summary(Path(cfg.run.out), since=started) if code == 0 else None
     return code, summary
 
 
@@ -417,7 +419,8 @@ class LocalCluster:
                 self.launch, keep_alive_interval_s=launch.keep_alive_interval_s or LOCAL_KEEP_ALIVE[0],
                 keep_alive_max_attempts=launch.keep_alive_max_attempts or LOCAL_KEEP_ALIVE[1],
                 rdzv_poll_interval_s=launch.rdzv_poll_interval_s or LOCAL_RDZV_POLL_S)
-        self.min_nodes, self.args, self.env = min_nodes, list(trainer_args), {**os.environ, **(env or {})}
+        self.min_nodes, self.env = min_nodes, {**os.environ, **(env or {})}
+        self.cfg = parse_config(list(trainer_args), validate=False)
         # Every node's ranks share this machine's cores: each gets its share of them (the launcher sets 1 only
         # where a node has several ranks), so that CPU ranks neither oversubscribe nor compute differently
         # from the same ranks on one node.
@@ -429,8 +432,8 @@ class LocalCluster:
         # Named after the run, so a run killed whole (SIGKILL leaves the node directories: each node's janitor
         # removes only the snapshots in it) leaves nothing the next one does not reuse; emptied at the start:
         # new nodes, empty memory.
-        self.root = self._flag("--memory-snapshot-dir", Path("/dev/shm")) / "goodput-nodes-{}".format(
-            hashlib.sha256(str(self._flag("--out", Path("out")).resolve()).encode()).hexdigest()[:16])
+        self.root = Path(self.cfg.checkpoint.memory_dir) / "goodput-nodes-{}".format(
+            hashlib.sha256(str(Path(self.cfg.run.out).resolve()).encode()).hexdigest()[:16])
         shutil.rmtree(self.root, ignore_errors=True)
         self.stopping = False
         self.nodes = [LocalNode(i, self.root / f"node{i}", workdir / f"node{i}.log" if workdir else None)
@@ -439,14 +442,10 @@ class LocalCluster:
         self.standbys = [LocalNode(n + k, self.root / f"standby{k}", workdir / f"standby{k}.log" if workdir else None,
                                    gate=self.root / f"standby{k}.gate") for k in range(standby)]
 
-    def _flag(self, flag: str, default: Path) -> Path:
-        """The last value of ``flag`` among the trainer's arguments (argparse keeps the last)."""
-        i = max((k for k, a in enumerate(self.args) if a == flag), default=None)
-        return Path(self.args[i + 1]) if i is not None and i + 1 < len(self.args) else default
-
     def command(self, node: LocalNode) -> list[str]:
         extras = compat.LauncherExtras(min_nodes=self.min_nodes)
-        return launcher_command(self.launch, [*self.args, "--memory-snapshot-dir", str(node.memory_dir)],
+        memory = dataclasses.replace(self.cfg.checkpoint, memory_dir=str(node.memory_dir))
+        return launcher_command(self.launch, dataclasses.replace(self.cfg, checkpoint=memory).argv(),
                                 executable=sys.executable, extras=extras, rdzv_conf={"is_host": int(node.index == 0)},
                                 standby_gate=node.gate)
 
@@ -629,15 +628,11 @@ class LocalCluster:
         self.close()
 
 
-def last_stop(trainer_args: list[str], since: float) -> int | None:
+def last_stop(out: Path, since: float) -> int | None:
     """The step of the checkpoint the ranks committed when a stop signal ended their run after ``since``
-    (wall clock), from ``--out``'s events; None if they were stopped before they trained."""
+    (wall clock), from the run directory's events; None if they were stopped before they trained."""
     from .events import read_events
 
-    try:
-        out = Path(parse_config(trainer_args + (["--data", "-"] if "--data" not in trainer_args else [])).run.out)
-    except ValueError:
-        return None
     exits = [e for e in read_events(out / "events.jsonl") if e["event"] == "exit" and e["t"] >= since]
     return exits[-1]["step"] if exits else None
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from . import warmstart
 from .checkpoint import CheckpointManager
-from .config import TrainConfig
+from .config import TrainConfig, record_settings
 from .data import Split
 from .events import EventLog, read_events
 from .faults import FaultInjector
@@ -75,6 +75,7 @@ class Session:
         most = max(count for count, _ in agents.values())
         # Names the run across its restarts; memory snapshots left on a node are trusted only by their run.
         self.run_id = (starts[0].get("run_id") if starts else None) or uuid.uuid4().hex
+        record_settings(self.out, self.cfg)
         self.cfg.save(self.out / "config.json", model=self.spec.describe())
         self.events.emit("run_start", world_size=self.world_size, restart_count=restart_count, run_id=self.run_id,
                          agent_attempts=attempts,

@@ -35,6 +35,7 @@ def summarize(events: list[dict], *, steps: int, tokens: int, final_val_loss: fl
         "ckpt_block_s_max": blocks[-1] if blocks else 0.0,
         "restarts": max(0, len(starts) - 1),
         "wall_s": round(t_end - starts[0]["t"], 3) if starts else 0.0,
+        "ended_t": t_end,
         "params_sha256": params_sha256,
         "mirror": mirror_stats(events),
         **account(events),
@@ -44,6 +45,17 @@ def summarize(events: list[dict], *, steps: int, tokens: int, final_val_loss: fl
 def _median(values) -> float | None:
     known = [v for v in values if v is not None]
     return statistics.median(known) if known else None
+
+
+def read_summary(out: Path, since: float) -> dict | None:
+    """The run directory's summary if a run that ended after ``since`` (wall clock) wrote it, else None: a summary
+    an earlier launch left is not this one's."""
+    path = Path(out) / "summary.json"
+    try:
+        summary = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    return summary if summary.get("ended_t", 0) >= since else None
 
 
 def write_summary(path: Path, summary: dict) -> None:

@@ -135,6 +135,7 @@ def render_job(ctx: click.Context, kind, runtime_name, node_selector, env, label
 
     from components.pytorchjob import job_manifest
     from components.trainjob import RuntimeSpec, runtime_manifest, trainjob_manifest
+    from trainer.config import parse_config
     from trainer.launch import LaunchConfig
 
     extra = dict(node_selector=_pairs(node_selector, "--node-selector"), env=_pairs(env, "--env"),
@@ -149,7 +150,8 @@ def render_job(ctx: click.Context, kind, runtime_name, node_selector, env, label
             manifest = runtime_manifest(RuntimeSpec.from_dict({"name": runtime_name, **given, **{
                 k: v for k, v in extra.items() if v != _DEFAULTS[k]}}))
         else:
-            spec = JobSpec(**settings, **extra, trainer_args=list(ctx.args))
+            trainer = parse_config(ctx.args, validate=False, prog="goodput render-job")
+            spec = JobSpec(**settings, **extra, trainer=trainer.document())
             if kind == "trainjob":
                 manifest = trainjob_manifest(spec, RuntimeSpec(name=runtime_name))
             else:

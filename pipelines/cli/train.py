@@ -9,7 +9,7 @@ from pathlib import Path
 
 import click
 
-from trainer.config import ParallelConfig, build_parser, describe_flags
+from trainer.config import ParallelConfig, describe_flags, parse_config
 from trainer.mesh import check_launch
 from trainer.launch import LaunchConfig, last_stop, run_local_training
 
@@ -38,10 +38,8 @@ def parse_nodes(value: str) -> tuple[int, int]:
     return nodes
 
 
-def check_mesh(trainer_args: list[str], nproc: int, nodes: range) -> None:
+def check_mesh(p: ParallelConfig, nproc: int, nodes: range) -> None:
     """--dp-replicate x --dp-shard x --tp against every node count of the job x --nproc, before any rank starts."""
-    given, _ = build_parser().parse_known_args(trainer_args)
-    p = ParallelConfig(**{k.split(".", 1)[1]: v for k, v in vars(given).items() if k.startswith("parallel.")})
     try:
         check_launch(p.parallel, p.dp_replicate, p.dp_shard, p.tp, nproc, nodes)
     except ValueError as e:
@@ -66,15 +64,9 @@ TRAINER_HELP = "\n\n".join(
                    "(from a resharded checkpoint, not bitwise).")
 @click.option("--fsx-root", default="fsx", show_default=True, type=click.Path(path_type=Path),
               help="Local stand-in for the FSx mount; the default dataset is built under it.")
-@click.option("--restart", type=click.Choice(["auto", "inprocess", "injob", "both"]), default="auto",
-              show_default=True,
-              help="Recovery layers: inprocess (NVRx Wrapper restarts the training function in the same "
-                   "processes), injob (ft_launcher restarts the worker group), both, or auto: what the installed "
-                   "NVRx release recommends (both up to 0.5, in-job where the in-process Wrapper is deprecated).")
 @launch_options
 @click.pass_context
-def train(ctx: click.Context, nproc: int, nodes: tuple[int, int], fsx_root: Path, restart: str,
-          **launch: float) -> None:
+def train(ctx: click.Context, nproc: int, nodes: tuple[int, int], fsx_root: Path, **launch: float) -> None:
     """Train on this machine: NVRx ft_launcher starts NPROC ranks of `python -m trainer` on each of NODES.
 
     Without --data the default dataset (this Python's standard library, no download) is built under
@@ -91,13 +83,13 @@ def train(ctx: click.Context, nproc: int, nodes: tuple[int, int], fsx_root: Path
     started = time.time()
     # A LaunchError (a ValueError) is the CLI's one-line error, exit 2: nothing was created or started.
     min_nodes, max_nodes = nodes
-    check_mesh(ctx.args, nproc, range(min_nodes or max_nodes, max_nodes + 1))
-    code, summary = run_local_training([*ctx.args, "--restart-layers", restart],
-                                       LaunchConfig(nproc_per_node=nproc, nnodes=max_nodes, **launch), fsx_root,
+    cfg = parse_config(ctx.args, validate=False, prog="goodput train")
+    check_mesh(cfg.parallel, nproc, range(min_nodes or max_nodes, max_nodes + 1))
+    code, summary = run_local_training(cfg, LaunchConfig(nproc_per_node=nproc, nnodes=max_nodes, **launch), fsx_root,
                                        min_nodes=min_nodes)
     if summary is None:
         if code in (130, 143):
-            stop = last_stop(ctx.args, since=started)
+            stop = last_stop(Path(cfg.run.out), since=started)
             click.echo(f"interrupted ({'SIGINT' if code == 130 else 'SIGTERM'}): "
                        + (f"the ranks committed a checkpoint at step {stop} - rerun the same command to resume"
                           if stop is not None else "no checkpoint was due (the ranks were not training yet)"),
