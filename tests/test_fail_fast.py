@@ -10,6 +10,7 @@ from click.testing import CliRunner
 
 from pipelines.cli import main
 from trainer.launch import LaunchConfig, LaunchError, run_local_training
+from tests.trainer_flags import flags
 
 
 def _train(tmp_path, *args: str):
@@ -78,7 +79,8 @@ def test_the_core_raises_launch_error_a_value_error_that_no_layer_retries(tmp_pa
     """The local training backend (the pipeline's train step) gets the same refusal, as a ``ValueError``."""
     data = _dataset(tmp_path, None)
     with pytest.raises(LaunchError, match="manifest.json not found") as e:
-        run_local_training(["--data", str(data), "--out", str(tmp_path / "run")], LaunchConfig(), tmp_path / "fsx")
+        run_local_training(flags("--data", str(data), "--out", str(tmp_path / "run")), LaunchConfig(),
+                           tmp_path / "fsx")
     assert isinstance(e.value, ValueError) and not (tmp_path / "run").exists()
 
 

@@ -163,5 +163,5 @@ def test_admission_timeout_is_a_job_option_only_with_kueue(tmp_path):
                          ({"scheduler": "kueue", "queue": QUEUE, "admission_timeout_s": 0},
                           "admission_timeout_s must be a number of seconds above 0")):
         with pytest.raises(ValueError, match=message):
-            train("pytorchjob", [], run_id="r", task_name="t", fsx_root=tmp_path, kube_api="http://127.0.0.1:9",
+            train("pytorchjob", {}, run_id="r", task_name="t", fsx_root=tmp_path, kube_api="http://127.0.0.1:9",
                   job={"image": "img:1", "gpus_per_node": 0, "efa_per_node": 0, **job}, supervise=FAST)

@@ -659,8 +659,8 @@ def test_the_train_step_runs_the_job_and_reads_its_summary_from_fsx(kube, cpu_ru
     op.play(scenario)
     lines: list[str] = []
     trainjob = op.ctl is TRAINJOB
-    result = train("trainjob" if trainjob else "cluster", ["--max-steps", "10"], run_id="run-7", task_name="train",
-                   fsx_root=fsx, job={"image": "img:1", "nodes": 2, "gpus_per_node": 0, "efa_per_node": 0,
+    result = train("trainjob" if trainjob else "cluster", {"run": {"max_steps": 10}}, run_id="run-7",
+                   task_name="train", fsx_root=fsx, job={"image": "img:1", "nodes": 2, "gpus_per_node": 0, "efa_per_node": 0,
                                       **({"runtime": cpu_runtime} if trainjob else {})},
                    namespace=ns.name, supervise=FAST, log=lines.append)
     op.join()
@@ -681,7 +681,7 @@ def test_a_trainjob_whose_runtime_is_not_installed_is_refused_before_it_is_creat
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     with pytest.raises(ValueError, match="ClusterTrainingRuntime 'goodput-nvrx-missing' is not installed(.|\n)*"
                                          "kubectl apply --server-side -k deploy/trainer-v2/runtime"):
-        train("trainjob", [], run_id="run-7", task_name="train", fsx_root=tmp_path, namespace=ns.name,
+        train("trainjob", {}, run_id="run-7", task_name="train", fsx_root=tmp_path, namespace=ns.name,
               job={"image": "img:1", "gpus_per_node": 0, "efa_per_node": 0,
                    "runtime": {"name": "goodput-nvrx-missing", **CPU_RUNTIME}}, supervise=FAST)
     assert not [e for e in ns.launcher_requests() if e.verb == "create"], "nothing was created"

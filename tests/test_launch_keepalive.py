@@ -19,6 +19,7 @@ import pytest
 from trainer import compat
 from trainer.launch import (LOCAL_KEEP_ALIVE, LOCAL_RDZV_POLL_S, STANDBY_GATE_FLAG, LaunchConfig, LocalCluster,
                             launcher_command)
+from tests.trainer_flags import flags
 
 # One node's rendezvous handler, made as the launcher makes it (the c10d handler of the registry after
 # ``honour_rdzv_conf``; 0.4.1 registers it in its own copy of torch's registry). It says how long it serves the
@@ -159,5 +160,5 @@ def test_goodput_train_refuses_a_too_short_keep_alive_before_anything_is_written
     monkeypatch.delenv(compat.VERSION_ENV, raising=False)
     launch = LaunchConfig(nnodes=2, nproc_per_node=1, keep_alive_interval_s=0.5, keep_alive_max_attempts=2)
     with pytest.raises(LaunchError, match="at least 2 s"):
-        run_local_training(["--max-steps", "1", "--out", str(tmp_path / "out")], launch, tmp_path / "fsx")
+        run_local_training(flags("--max-steps", "1", "--out", str(tmp_path / "out")), launch, tmp_path / "fsx")
     assert list(tmp_path.iterdir()) == []

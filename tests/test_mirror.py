@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.trainer_flags import settings
 from trainer.checkpoint import COMMITTED, committed_steps, step_dir
 from trainer.config import CheckpointConfig, SpotConfig, parse_config
 from trainer.events import EventLog, read_events
@@ -345,9 +346,9 @@ def test_config_validation_and_the_job_builder_budget():
     from components.pytorchjob import JobSpec, build_pytorchjob
 
     args = ["--data", "/fsx/d", "--out", "/fsx/runs/r", "--ckpt-mirror", "s3://b/p"]
-    build_pytorchjob(JobSpec(image="img:1", trainer_args=args))   # defaults: 30 s + 30 s fit in 60 s
+    build_pytorchjob(JobSpec(image="img:1", trainer=settings(*args)))   # defaults: 30 s + 30 s fit in 60 s
     with pytest.raises(ValueError, match="--ckpt-mirror-drain-s"):
-        build_pytorchjob(JobSpec(image="img:1", trainer_args=args + ["--ckpt-mirror-drain-s", "45"]))
+        build_pytorchjob(JobSpec(image="img:1", trainer=settings(*args, "--ckpt-mirror-drain-s", "45")))
 
 
 def test_the_pipeline_passes_ckpt_mirror_and_require_mirror_to_the_trainer(tmp_path):
@@ -359,9 +360,9 @@ def test_the_pipeline_passes_ckpt_mirror_and_require_mirror_to_the_trainer(tmp_p
 
     kw = dict(fsx_root="fsx", dataset_name="c", dataset_version="1", run_id="r", backend="local", reachable=False)
     args = build_train_config(**kw, ckpt_mirror="s3://b/p", require_mirror=True, endpoint_url="http://s3:9000")
-    assert args.trainer_args[-5:] == ["--ckpt-mirror", "s3://b/p", "--ckpt-mirror-endpoint-url", "http://s3:9000",
-                                      "--require-mirror"]
-    assert "--ckpt-mirror" not in build_train_config(**kw).trainer_args
+    assert args.trainer_config["checkpoint"] == {"mirror": "s3://b/p", "mirror_endpoint_url": "http://s3:9000",
+                                                 "require_mirror": True, "ckpt_every": "50"}
+    assert "mirror" not in build_train_config(**kw).trainer_config["checkpoint"]
     with pytest.raises(ValueError, match="--require-mirror needs a mirror"):        # refused at check settings
         build_train_config(**kw, require_mirror=True)
     path = tmp_path / "pipeline.yaml"
@@ -535,7 +536,8 @@ def test_a_failed_mirror_shows_in_events_metrics_the_step_log_and_the_summary(tm
     with ReadOnlyS3(s3.url) as proxy:
         args = ["--data", str(dataset), *TINY, "--out", str(out), *STEPS,
                 *_mirror_args(proxy.url, "runs/down", "--ckpt-mirror-max-attempts", "1", "--ckpt-mirror-drain-s", "1")]
-        result = train("local", args, run_id="r1", task_name="train", fsx_root=tmp_path / "fsx", local_nproc=2)
+        result = train("local", settings(*args), run_id="r1", task_name="train", fsx_root=tmp_path / "fsx",
+                       local_nproc=2)
     step_log = capfd.readouterr()
     step_log = step_log.out + step_log.err
     assert result.summary["steps"] == 14

@@ -26,6 +26,7 @@ from trainer.layout import committed_steps
 
 from tests.conftest import GOODPUT, MARK, STEPS, TINY, copy_due_after_checkpoint, marked, until
 from tests.multinode import events, logs, summary, wait_for
+from tests.trainer_flags import flags
 
 
 @pytest.fixture(scope="session")
@@ -76,7 +77,7 @@ def test_a_node_that_never_joins_fails_the_run_within_the_join_timeout(tmp_path,
     start = launch.LocalCluster.start
     monkeypatch.setattr(launch.LocalCluster, "start", lambda self, i=None: start(self, 0))
     t0 = time.monotonic()
-    code, result = launch.run_local_training(["--data", str(dataset), *TINY, "--out", str(tmp_path / "run")],
+    code, result = launch.run_local_training(flags("--data", str(dataset), *TINY, "--out", str(tmp_path / "run")),
                                              LaunchConfig(nnodes=2, nproc_per_node=1, join_timeout_s=5),
                                              tmp_path / "fsx")
     waited = time.monotonic() - t0

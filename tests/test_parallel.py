@@ -136,17 +136,17 @@ def test_a_mesh_that_does_not_fit_the_ranks_is_refused_in_one_line(args, expecte
 
 
 @pytest.mark.parametrize("extra, expected", [
-    (["--model-config", '{"dim": 256, "n_heads": 16, "n_kv_heads": 16, "ffn_dim": 512}', "--tp", "16"],
+    ({"model_config": '{"dim": 256, "n_heads": 16, "n_kv_heads": 16, "ffn_dim": 512}', "tp": 16},
      "--tp 16 must divide the ranks of a node (8)"),
-    (["--dp-replicate", "3"], "must be the 16 ranks (2 node(s) x 8)"),
-    (["--model", "bytegpt", "--model-flavor", "", "--tp", "2"], "--model bytegpt has no tensor-parallel plan"),
+    ({"dp_replicate": 3}, "must be the 16 ranks (2 node(s) x 8)"),
+    ({"model": "bytegpt", "model_flavor": "", "tp": 2}, "--model bytegpt has no tensor-parallel plan"),
 ])
 def test_the_pipeline_settings_check_refuses_a_mesh_that_does_not_fit_the_job(extra, expected):
     from components.train_config import build_train_config
 
     with pytest.raises(ValueError, match=None) as e:
-        build_train_config(fsx_root="/fsx", dataset_name="d", dataset_version="1", run_id="r", image="x/y:1",
-                           model="llama", model_flavor="debug", nodes=2, extra_trainer_args=extra)
+        build_train_config(**{**dict(fsx_root="/fsx", dataset_name="d", dataset_version="1", run_id="r",
+                                     image="x/y:1", model="llama", model_flavor="debug", nodes=2), **extra})
     assert expected in str(e.value)
 
 
@@ -154,9 +154,8 @@ def test_the_pipeline_settings_check_takes_a_mesh_that_fits():
     from components.train_config import build_train_config
 
     args = build_train_config(fsx_root="/fsx", dataset_name="d", dataset_version="1", run_id="r", image="x/y:1",
-                              model="llama", model_flavor="debug", nodes=2,
-                              extra_trainer_args=["--dp-replicate", "2", "--tp", "2"]).trainer_args
-    assert args[-4:] == ["--dp-replicate", "2", "--tp", "2"]
+                              model="llama", model_flavor="debug", nodes=2, dp_replicate=2, tp=2).trainer_config
+    assert args["parallel"] == {"dp_replicate": 2, "tp": 2}
 
 
 def test_goodput_train_refuses_a_mesh_before_any_rank_starts(tmp_path):
@@ -176,9 +175,9 @@ def test_the_pipelines_mesh_parameters_reach_the_trainer_and_are_checked():
 
     job = dict(fsx_root="/fsx", dataset_name="d", dataset_version="1", image="x/y:1", model="llama",
                model_flavor="debug", nodes=2)
-    args = build_train_config(run_id="r", dp_replicate=2, tp=2, **job).trainer_args
-    assert " ".join(args).count("--dp-replicate 2 --tp 2") == 1 and "--dp-shard" not in args
-    assert "--tp" not in build_train_config(run_id="r", **job).trainer_args
+    args = build_train_config(run_id="r", dp_replicate=2, tp=2, **job).trainer_config
+    assert args["parallel"] == {"dp_replicate": 2, "tp": 2}
+    assert "parallel" not in build_train_config(run_id="r", **job).trainer_config
     renamed = {"trainer_image" if k == "image" else k: v for k, v in job.items()}
     with pytest.raises(ValueError, match=r"--dp-replicate 3 x --dp-shard \? x --tp 2 must be the 16 ranks"):
         check_run_parameters({**renamed, "dp_replicate": 3, "tp": 2})

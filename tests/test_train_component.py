@@ -11,6 +11,8 @@ from kfp import local
 from kfp.dsl import Metrics, Model, TaskConfig
 
 from components.train import TRAINER_IMAGE, flat_metrics, job_settings_from_task_config, train, train_op
+from tests.trainer_flags import settings
+from trainer.config import parse_config
 
 try:
     from tests.k8s_fake import FakeKube
@@ -26,7 +28,7 @@ NS = "team-a"
 @pytest.mark.filterwarnings("ignore:You may be attemping to run a task that uses custom:RuntimeWarning")
 def test_local_backend_trains_for_real_under_the_kfp_subprocess_runner(tmp_path, fsx_root, dataset):
     local.init(runner=local.SubprocessRunner(use_venv=False), pipeline_root=str(tmp_path / "pipeline-root"))
-    task = train_op(backend="local", trainer_args=[*TINY, "--data", str(dataset)], fsx_root=str(fsx_root),
+    task = train_op(backend="local", trainer_config=settings(*TINY, "--data", str(dataset)), fsx_root=str(fsx_root),
                     local_nproc=2)
     model, metrics = task.outputs["model"], task.outputs["metrics"]
     ckpt = Path(model.uri)
@@ -75,7 +77,7 @@ def test_cluster_backend_creates_supervises_and_reports_from_fsx(tmp_path):
     fsx.mkdir()
     model, metrics = Model(name="model", uri=str(tmp_path / "model")), Metrics(name="metrics", uri=str(tmp_path / "m"))
     with FakeKube(trainer_on_fsx(fsx, SUMMARY)) as k:
-        train_op.python_func(backend="cluster", trainer_args=["--max-steps", "10"], image="img:1", nodes=2,
+        train_op.python_func(backend="cluster", trainer_config={"run": {"max_steps": 10}}, image="img:1", nodes=2,
                              gpus_per_node=8, spot=True,
                              job_options={"node_group": "p5", "launch": {"max_restarts": 5}},
                              namespace=NS, timeout_s=60.0, fsx_root=str(fsx), local_nproc=2, kube_api=k.url,
@@ -93,7 +95,7 @@ def test_cluster_backend_creates_supervises_and_reports_from_fsx(tmp_path):
     pod = job["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]
     cmd = pod["containers"][0]["command"]
     assert cmd[cmd.index("--max-restarts") + 1] == "5"
-    assert cmd[cmd.index("--out") + 1] == f"/fsx/runs/{name}"
+    assert parse_config(cmd[cmd.index("trainer") + 1:], validate=False).run.out == f"/fsx/runs/{name}"
     assert pod["nodeSelector"] == {"eks.amazonaws.com/nodegroup": "p5"} and pod["containers"][0]["image"] == "img:1"
     # The task's pod settings went to the job's pods.
     res = pod["containers"][0]["resources"]
@@ -112,22 +114,22 @@ def test_cluster_backend_creates_supervises_and_reports_from_fsx(tmp_path):
 def test_cluster_backend_errors_come_before_any_request(tmp_path):
     with FakeKube() as k:
         with pytest.raises(ValueError, match="an image is required"):
-            train("cluster", [], run_id="r", task_name="t", fsx_root=tmp_path, job={"image": ""}, kube_api=k.url)
+            train("cluster", {}, run_id="r", task_name="t", fsx_root=tmp_path, job={"image": ""}, kube_api=k.url)
         with pytest.raises(ValueError, match="unknown job settings"):
-            train("cluster", [], run_id="r", task_name="t", fsx_root=tmp_path, job={"gpu": 1}, kube_api=k.url)
-        with pytest.raises(ValueError, match="invalid trainer arguments"):
-            train("cluster", ["--nope"], run_id="r", task_name="t", fsx_root=tmp_path, job={"image": "i"},
+            train("cluster", {}, run_id="r", task_name="t", fsx_root=tmp_path, job={"gpu": 1}, kube_api=k.url)
+        with pytest.raises(ValueError, match="'nope' is neither a section"):
+            train("cluster", {"nope": 1}, run_id="r", task_name="t", fsx_root=tmp_path, job={"image": "i"},
                   kube_api=k.url)
         with pytest.raises(ValueError, match="PIPELINE_JOB_ID_PLACEHOLDER"):
-            train("cluster", [], run_id="{{$.pipeline_job_uuid}}", task_name="t", fsx_root=tmp_path, kube_api=k.url)
+            train("cluster", {}, run_id="{{$.pipeline_job_uuid}}", task_name="t", fsx_root=tmp_path, kube_api=k.url)
         with pytest.raises(ValueError, match="backend must be one of pytorchjob, trainjob, local"):
-            train("slurm", [], run_id="r", task_name="t", fsx_root=tmp_path)
+            train("slurm", {}, run_id="r", task_name="t", fsx_root=tmp_path)
         # A TrainJob is checked against its runtime, before the runtime is read or the job created.
         with pytest.raises(ValueError, match="min_nodes=1: Kubeflow Trainer v2.3 has no elastic training"):
-            train("trainjob", [], run_id="r", task_name="t", fsx_root=tmp_path, kube_api=k.url,
+            train("trainjob", {}, run_id="r", task_name="t", fsx_root=tmp_path, kube_api=k.url,
                   job={"image": "i", "nodes": 2, "min_nodes": 1})
         with pytest.raises(ValueError, match="'runtime' .* is for backend=trainjob"):
-            train("pytorchjob", [], run_id="r", task_name="t", fsx_root=tmp_path, kube_api=k.url,
+            train("pytorchjob", {}, run_id="r", task_name="t", fsx_root=tmp_path, kube_api=k.url,
                   job={"image": "i", "runtime": "goodput-nvrx"})
         assert k.requests == []
 
@@ -140,7 +142,7 @@ def test_cluster_backend_says_when_fsx_is_not_mounted_in_the_launcher(tmp_path):
 
     with FakeKube(scenario) as k:
         with pytest.raises(RuntimeError, match="summary.json is missing: is the FSx claim 'fsx-claim' mounted"):
-            train("cluster", [], run_id="r", task_name="t", fsx_root=tmp_path, job={"image": "i"}, namespace=NS,
+            train("cluster", {}, run_id="r", task_name="t", fsx_root=tmp_path, job={"image": "i"}, namespace=NS,
                   kube_api=k.url, supervise=SuperviseConfig(log_poll_s=0.05), log=lambda s: None)
 
 

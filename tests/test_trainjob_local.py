@@ -21,6 +21,7 @@ from trainer import compat
 
 from tests.conftest import TINY
 from tests.test_trainjob_build import IMG, expand
+from tests.trainer_flags import settings
 
 LAUNCHER_MODULE = "nvidia_resiliency_ext.fault_tolerance.launcher"
 # The command is built for the release that runs it here (the image's default may be a newer one).
@@ -39,7 +40,7 @@ def test_the_trainjob_command_trains_here_unchanged(fsx_root, dataset):
     # metrics_port=0: other test runs on this machine may hold 9500.
     s = JobSpec(name=name, image=IMG, gpus_per_node=0, nproc_per_node=2, fsx_mount=str(fsx_root), metrics_port=0,
                 nvrx_release=INSTALLED,
-                trainer_args=[*TINY, "--max-steps", "6", "--ckpt-every", "3", "--data", str(dataset)])
+                trainer=settings(*TINY, "--max-steps", "6", "--ckpt-every", "3", "--data", str(dataset)))
     env = [{"name": "PET_NNODES", "value": "1"}, {"name": "PET_NPROC_PER_NODE", "value": "2"},
            {"name": "PET_MASTER_ADDR", "value": "127.0.0.1"}, {"name": "PET_MASTER_PORT", "value": str(_free_port())}]
     argv = expand(trainer_command(s), env + [{"name": JOB_NAME_ENV, "value": name}], {})
@@ -76,13 +77,13 @@ def test_the_local_backend_runs_a_trainjobs_command_for_one_node(fsx_root, datas
     launch = local_launch({"launch": {"max_restarts": 5}}, 2, name)
     s = JobSpec(name=name, image=IMG, gpus_per_node=0, nproc_per_node=2, fsx_mount=str(fsx_root), metrics_port=0,
                 nvrx_release=INSTALLED,
-                trainer_args=args, launch=LaunchConfig(max_restarts=5))
+                trainer=settings(*args), launch=LaunchConfig(max_restarts=5))
     host, port = launch.rdzv_endpoint.split(":")
     env = [{"name": "PET_NNODES", "value": "1"}, {"name": "PET_NPROC_PER_NODE", "value": "2"},
            {"name": "PET_MASTER_ADDR", "value": host}, {"name": "PET_MASTER_PORT", "value": port},
            {"name": JOB_NAME_ENV, "value": name}]
     pod = expand(trainer_command(s), env, {})
     assert pod[:4] == ["python", "-m", "trainer.warmstart", "ft_launcher"]
-    local = local_launcher_command(launch, args)
+    local = local_launcher_command(launch, s.trainer_config().argv())
     assert local == [sys.executable, "-m", "trainer.warmstart", sys.executable, "-m", LAUNCHER_MODULE, *pod[4:]]
     assert local[local.index("--max-restarts") + 1] == "5" and "--standalone" not in local
