@@ -660,8 +660,9 @@ def test_the_train_step_runs_the_job_and_reads_its_summary_from_fsx(kube, cpu_ru
     lines: list[str] = []
     trainjob = op.ctl is TRAINJOB
     result = train("trainjob" if trainjob else "cluster", {"run": {"max_steps": 10}}, run_id="run-7",
-                   task_name="train", fsx_root=fsx, job={"image": "img:1", "nodes": 2, "gpus_per_node": 0, "efa_per_node": 0,
-                                      **({"runtime": cpu_runtime} if trainjob else {})},
+                   task_name="train", fsx_root=fsx,
+                   job={"image": "img:1", "nodes": 2, "gpus_per_node": 0, "efa_per_node": 0,
+                        **({"runtime": cpu_runtime} if trainjob else {})},
                    namespace=ns.name, supervise=FAST, log=lines.append)
     op.join()
     assert result.summary == summary and result.latest_step == 10 and result.namespace == ns.name
