@@ -28,7 +28,8 @@ from trainer.config import SECTIONS, TrainConfig, parse_config
 
 # Values the checks constrain, or that are names and paths.
 CHOSEN = {
-    "model.name": "bytegpt", "model.init_from": "", "model.flavor": "default", "model.config": '{"n_layer": 3}', "model.n_head": 8, "model.n_embd": 256,
+    "model.name": "bytegpt", "model.init_from": "", "model.flavor": "default", "model.config": '{"n_layer": 3}',
+    "model.n_head": 8, "model.n_embd": 256,
     "model.dropout": 0.1, "model.seq_len": 64, "data.data": "/fsx/datasets/mine/7", "run.out": "/fsx/runs/contract",
     "checkpoint.ckpt_every": "auto", "checkpoint.memory_dir": "/dev/shm/contract", "checkpoint.writer_nice": 10,
     "checkpoint.mirror": "s3://bucket/prefix", "checkpoint.mirror_endpoint_url": "http://s3.local:9000",
