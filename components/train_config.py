@@ -305,7 +305,8 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         nvrx_release: NVRx release of the trainer image; empty = the pinned one (``compat.IMAGE_RELEASE``).
         hot_spares: standby nodes beyond ``nodes`` (NVRx 0.6+, PyTorchJob only).
         node_health_check_endpoint: Unix socket of the node health daemon (NVRx 0.6+); empty = none.
-        spot: spot nodes allowed (checked for the cluster backends).
+        spot: spot nodes allowed (checked for the cluster backends); the trainer then watches for spot interruption
+            notices (``spot.watch``) unless ``trainer_config`` says otherwise.
         registry: the model registry (a directory, ``s3://bucket/prefix``, ``mlflow://HOST:PORT`` or
             ``mlflow+https://HOST``), for ``init_from=production`` and evaluate; another scheme is refused.
         model_name: the model's name in the registry; empty = the model's (``registry_name``).
@@ -382,6 +383,9 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
            "inject_fault": [f.strip() for f in inject_fault.split(",") if f.strip()]}
     cfg = _trainer_settings(trainer_config or {}, own, data=f"{root}/datasets/{dataset_name}/{dataset_version}",
                             out=run_dir, endpoint_url=endpoint_url)
+    if spot and backend_name(backend) != "local" and "watch" not in (trainer_config or {}).get("spot", {}):
+        # On spot nodes the trainer watches for the two-minute notice, and checkpoints when it comes.
+        cfg.spot.watch = True
     with _config_to_check(source, init_dir, endpoint_url, reachable) as config_dir:
         # Checked where the run's files can be read (the step's pod, a local run); before submitting, a model
         # only the trainer image has is left to the step, and so is an init_from (its architecture decides).

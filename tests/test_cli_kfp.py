@@ -328,7 +328,7 @@ def goodput_package(tmp_path_factory):
 @pytest.mark.parametrize("args, message", [
     (["run", "-p", "max_steps=-5"], "--max-steps must be at least 1, got -5"),
     (["run", "--inject-fault", "boom@3"], "bad fault 'boom@3'"),
-    (["run", "-p", "parallel=tp"], "the trainer rejects argument --parallel: invalid choice: 'tp'"),
+    (["run", "-p", "parallel=tp"], "parallel.parallel: 'tp' is not one of fsdp, ddp"),
     (["run", "-p", "nodes=0"], "nodes must be at least 1, got 0"),
     (["run", "-p", "gpus_per_node=-3"], "gpus_per_node must be at least -1"),
     (["run", "-p", "train_timeout_s=0"], "train_timeout_s must be above 0"),
