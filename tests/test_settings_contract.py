@@ -192,3 +192,16 @@ def test_every_setting_given_to_the_pipeline_is_recorded_by_its_check_settings_s
         assert _arrived(recorded, {**values, **decided}) == [], group
         # ... and the train step runs the trainer with the same settings.
         assert task.outputs["trainer_config"] == recorded.document()
+
+
+def test_the_settings_doc_lists_the_pipeline_parameters_and_the_defining_settings():
+    """docs/settings.md stays true: its tables are the code's."""
+    import re
+
+    text = (Path(__file__).parents[1] / "docs" / "settings.md").read_text()
+    rows = dict(re.findall(r"^\| `(\w+)` \| `([\w.]+)`", text, re.M))
+    assert rows == PIPELINE_SETTINGS
+    defining = {f"{s}.{f.name}" for s, cls in SECTIONS.items() for f in dataclasses.fields(cls)
+                if f.metadata.get("defines")}
+    listed = text.split("must be the same to resume it:")[1].split("A run pointed")[0]
+    assert set(re.findall(r"`([\w.]+)`", listed)) == defining
