@@ -184,6 +184,11 @@ class CheckpointConfig:
                                      "it a failure is warned about and training goes on",
                               flag="--require-mirror")
 
+    @property
+    def every_steps(self) -> int | None:
+        """``ckpt_every`` as a number of steps; None for ``auto`` (the interval policy chooses)."""
+        return None if self.ckpt_every == "auto" else int(self.ckpt_every)
+
 
 @dataclass
 class RunConfig:

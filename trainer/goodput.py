@@ -59,10 +59,10 @@ class IntervalPolicy:
         After a restart the policy goes on with the last one recorded: measuring the cost again would cost
         one more checkpoint per restart."""
         self.cfg, self.events_path, self.events = cfg, events_path, events
-        self.auto = cfg.ckpt_every == "auto"
+        self.auto = cfg.every_steps is None
         chosen = [e["steps"] for e in read_events(events_path) if e["event"] == "ckpt_interval"] if self.auto else []
         self.chosen: int | None = chosen[-1] if chosen else None
-        self.every = (self.chosen or self.first_auto_step) if self.auto else int(cfg.ckpt_every)
+        self.every = (self.chosen or self.first_auto_step) if self.auto else cfg.every_steps
         self.last_step, self.last_time = start_step, time.monotonic()
         self.last_memory_time = self.last_time
         self.step_s: deque[float] = deque(maxlen=self.window)
