@@ -208,6 +208,20 @@ def _model_importable(model: str) -> bool:
         return False
 
 
+def _gpus_from_mesh(mesh, nodes: int, shape) -> int:
+    """GPUs per node when the job leaves them to the mesh (``gpus_per_node=-1``): a mesh given whole
+    (``dp_replicate`` x ``dp_shard`` x ``tp``, none 0) sizes the job, split evenly over the nodes; else every GPU of
+    the instance type (8 without one)."""
+    every = shape.gpus if shape else 8
+    ranks = mesh.dp_replicate * mesh.dp_shard * mesh.tp
+    if not (mesh.dp_replicate and mesh.dp_shard) or mesh.parallel != "fsdp":
+        return every
+    if ranks % nodes or ranks // nodes > every:
+        raise ValueError(f"the mesh dp_replicate x dp_shard x tp = {ranks} ranks does not split evenly over {nodes} "
+                         f"node(s) of at most {every} GPUs: change the mesh or nodes, or set gpus_per_node")
+    return ranks // nodes
+
+
 def _trainer_settings(trainer_config: dict, own: dict, *, data: str, out: str, endpoint_url: str):
     """The trainer's ``TrainConfig`` (not validated) from ``trainer_config`` and ``own``, the values of the
     parameters of ``PIPELINE_SETTINGS``; ``trainer_config`` naming a setting that is set otherwise is refused."""
@@ -292,7 +306,8 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
             or the one ``runtime`` names), not for ``local``.
         image: trainer image (checked for the cluster backends).
         nodes: nodes in the job, at least 1.
-        gpus_per_node: GPUs per pod; -1 = every GPU of ``instance_type`` (8 without one).
+        gpus_per_node: GPUs per pod; -1 = the mesh's ranks over ``nodes`` when ``dp_replicate`` and ``dp_shard`` are
+            both given, else every GPU of ``instance_type`` (8 without one).
         gpu_resource: ``nvidia.com/gpu``, or a MIG slice such as ``nvidia.com/mig-3g.40gb``.
         efa_per_node: EFA interfaces per pod; -1 = the instance type's.
         cpu: CPU request per pod; empty = the node's allocatable less the DaemonSets.
@@ -400,7 +415,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
         if model_checked and vocab is not None and _torch_available():
             _check_vocab(checked, vocab, tokenizer)
         shape = INSTANCE_TYPES.get(instance_type)
-        gpus = int(gpus_per_node) if int(gpus_per_node) >= 0 else (shape.gpus if shape else 8)
+        gpus = int(gpus_per_node) if int(gpus_per_node) >= 0 else _gpus_from_mesh(cfg.parallel, int(nodes), shape)
         job = {"launch": {"max_restarts": int(max_restarts)}, "backoff_limit": int(backoff_limit), "pvc": fsx_pvc,
                "fsx_mount": root or "/", "instance_type": instance_type, "service_account": service_account,
                "gpus_per_node": gpus, "gpu_resource": gpu_resource, "efa_per_node": int(efa_per_node), "cpu": cpu,

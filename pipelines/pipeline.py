@@ -167,7 +167,8 @@ def pipeline_parameters(
         tp: tensor-parallel ranks splitting each layer inside a node (llama; 1 = none); dp_replicate x
             dp_shard x tp must be nodes x gpus_per_node.
         nodes: nodes in the job (at least 1).
-        gpus_per_node: GPUs (trainer processes) per node; -1 = every GPU of instance_type.
+        gpus_per_node: GPUs (trainer processes) per node; -1 = sized from the mesh when dp_replicate and dp_shard are
+            both given (dp_replicate x dp_shard x tp over the nodes), else every GPU of instance_type.
         instance_type: EC2 instance type of the trainer nodes (p5.48xlarge, p5e/p5en.48xlarge, p4d/p4de.24xlarge,
             g5/g6/g6e.*): sizes GPUs, EFA, CPU, memory and /dev/shm to it; empty = any node (set the sizes).
         spot: let the trainer pods run on spot nodes.

@@ -203,3 +203,21 @@ def test_memory_snapshots_are_tagged_with_the_mesh(tmp_path):
         manager.close()
         session.events.close()
     assert tags == ["run1/1x2x1", "run1/1x1x2"]
+
+
+def test_a_mesh_given_whole_sizes_the_job():
+    from components.pytorchjob import JobSpec, job_manifest
+    from components.train_config import build_train_config
+
+    kw = dict(fsx_root="/fsx", dataset_name="d", dataset_version="1", run_id="r", image="x/y:1", model="llama",
+              model_flavor="debug", instance_type="p5.48xlarge")
+    s = build_train_config(**kw, nodes=2, dp_replicate=2, dp_shard=2, tp=2)
+    assert s.job_options["gpus_per_node"] == 4, "2 x 2 x 2 ranks over 2 nodes"
+    m = job_manifest(JobSpec.from_dict({**s.job_options, "image": "x/y:1", "nodes": 2, "trainer": s.trainer_config}))
+    pod = m["spec"]["pytorchReplicaSpecs"]["Master"]["template"]["spec"]["containers"][0]
+    assert pod["resources"]["limits"]["nvidia.com/gpu"] == "4"
+    assert build_train_config(**kw, nodes=2).job_options["gpus_per_node"] == 8, "no mesh: the node's GPUs"
+    with pytest.raises(ValueError, match="does not split evenly over 2 node"):
+        build_train_config(**kw, nodes=2, dp_replicate=3, dp_shard=1, tp=1)
+    with pytest.raises(ValueError, match="of at most 8 GPUs"):
+        build_train_config(**kw, nodes=1, dp_replicate=2, dp_shard=4, tp=2)
