@@ -24,9 +24,10 @@ LLAMA = ["--model", "llama", "--model-config", json.dumps(LLAMA_CONFIG), "--seq-
          "--eval-windows", "8", "--log-every", "1"]
 
 
-def _run(dataset: Path, out: Path, *args: str, nproc: int = 4, failed: bool = False) -> dict | None:
+def _run(dataset: Path, out: Path, *args: str, nproc: int = 4, failed: bool = False,
+         max_restarts: int = 0) -> dict | None:
     run = Run(out, ["--data", str(dataset), "--out", str(out), *LLAMA, *args],
-              LaunchConfig(nproc_per_node=nproc, max_restarts=0))
+              LaunchConfig(nproc_per_node=nproc, max_restarts=max_restarts))
     try:
         assert (run.wait(timeout=600) != 0) == failed, run.tail()
     finally:
