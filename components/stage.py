@@ -58,7 +58,7 @@ from typing import Any, Iterator, NamedTuple, Protocol
 
 from components.s3 import s3_client
 from components.stage_formats import BadFile, detect_format, read_documents
-from components.stage_splits import README, SplitPlan, resolve_splits
+from components.stage_splits import DATASET_INFOS, README, SplitPlan, resolve_splits
 from components.stage_tokenize import (BAD_RECORD_POLICIES, BATCH_BYTES, PACK_BYTES, BadRecordsError, ReadConfig,
                                        dataset_manifest, plan_packs, tokenize_packs, worker_allocator)
 from components.stage_tokenizer import (TokenizerInfo, TokenizerSpec, check_tokenizer_source, parse_tokenizer,
@@ -1030,13 +1030,17 @@ def manifest_extra(objects: list[StagedObject], settings: DatasetSettings, refus
 
 
 def split_plan(dest: Path, objects: list[StagedObject], settings: DatasetSettings) -> SplitPlan:
-    """Each staged file's split (``components.stage_splits``), from the globs, the dataset card in ``raw/``
-    (fetched before this is called), the file names, or by document."""
+    """Each staged file's split (``components.stage_splits``), from the globs, the dataset card or
+    ``dataset_infos.json`` in ``raw/`` (fetched before this is called), the file names, or by document."""
     rels = sorted(o.rel for o in objects)
-    readme = dest / "raw" / README
+
+    def card(name: str) -> bytes | None:
+        path = dest / "raw" / name
+        return path.read_bytes() if name in rels and path.is_file() else None
+
     return resolve_splits(rels, train_glob=settings.train_glob, val_glob=settings.val_glob,
                           val_percent=settings.val_percent, data_format=settings.data_format,
-                          readme=readme.read_bytes() if README in rels and readme.is_file() else None)
+                          readme=card(README), dataset_infos=card(DATASET_INFOS))
 
 
 class DatasetBuilder:

@@ -29,7 +29,7 @@ from components.stage import (JOURNAL, PREVIOUS_MANIFEST, STAGE_DIR, DatasetBuil
                               read_previous_manifest, refused_message, remove_stale_files, remove_unlisted_shards,
                               retire_manifest, size_on_disk, split_globs, split_plan, summarise, sync_raw,
                               tokenize_objects, unique_refused)
-from components.stage_splits import README, SplitPlan
+from components.stage_splits import DATASET_INFOS, README, SplitPlan
 from components.stage_tokenize import BATCH_BYTES, PACK_BYTES, partitions, plan_packs, worker_allocator
 from components.stage_tokenizer import TokenizerInfo, check_tokenizer_source
 from trainer.data import read_manifest
@@ -137,11 +137,11 @@ def plan_stage(
         (dest / "raw").mkdir(exist_ok=True)
         result.removed = remove_stale_files(dest / "raw", {o.rel for o in objects})
         shutil.rmtree(state / PARTS, ignore_errors=True)
-        # The dataset card decides the splits, and a bpe: tokenizer learns from the sample files: fetch those
-        # first (the workers will skip them).
-        first = [o for o in objects if o.rel == README]
+        # The dataset card (or dataset_infos.json) decides the splits, and a bpe: tokenizer learns from the sample
+        # files: fetch those first (the workers will skip them).
+        first = [o for o in objects if o.rel in (README, DATASET_INFOS)]
         if spec.kind == "bpe":
-            first += [o for o in build.bpe_sample(objects) if o.rel != README]
+            first += [o for o in build.bpe_sample(objects) if o not in first]
         if first:
             sync_raw(src, iter([[(o.key, o.size, o.etag) for o in first]]), dest / "raw", state / "plan", dest,
                      result, None, remove_stale=False, t_start=t0)

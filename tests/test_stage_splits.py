@@ -200,3 +200,40 @@ def test_globs_override_the_source_layout_and_the_document_split(tmp_path):
     with pytest.raises(StageError, match=r"val_glob \['nothing-\*'\] matched none"):
         stage_dataset(str(tmp_path / "j"), tmp_path / "fsx", "g", "3", val_glob="nothing-*", workers=1)
     assert not (tmp_path / "fsx" / "datasets" / "g" / "3" / "manifest.json").exists()
+
+
+def test_split_names_declared_by_dataset_info_are_honoured(tmp_path):
+    # GLUE's MNLI as the Hub has it: by file names alone, validation_mismatched would be validation too.
+    splits = ["train", "validation_matched", "validation_mismatched", "test_matched"]
+    files = {f"{s}-00000-of-00001.parquet": parquet_bytes({"text": [marked(f"{s}-{i}", "words") for i in range(12)]})
+             for s in splits}
+    info = "".join(f"  - name: {s}\n    num_bytes: 100\n    num_examples: 12\n" for s in splits)
+    files["README.md"] = (f"---\ndataset_info:\n- config_name: other\n  splits:\n  - name: train\n"
+                          f"- config_name: default\n  splits:\n{info}---\n# MNLI\n").encode()
+    src = write_dir(tmp_path / "mnli", files)
+    res = CliRunner().invoke(cli, ["stage", str(src), "--fsx-root", str(tmp_path / "fsx"), "--name", "mnli",
+                                   "--version", "1", "-q"])
+    assert res.exit_code == 0, res.output
+    assert "from the source's dataset_info (README.md): validation_matched files for validation" in res.output
+    dest = tmp_path / "fsx" / "datasets" / "mnli" / "1"
+    assert names_in(dest, "val") == {f"validation_matched-{i}" for i in range(12)}
+    assert names_in(dest, "train") == {f"train-{i}" for i in range(12)}
+    m = read_manifest(dest)
+    assert m["split_source"] == {
+        "by": "dataset_info", "val_from": "validation_matched", "declared_in": "README.md", "config": "default",
+        "declared": {s: 12 for s in splits}, "left_out_files": 3,
+        "left_out": ["README.md", "test_matched-00000-of-00001.parquet",
+                     "validation_mismatched-00000-of-00001.parquet"]}
+    assert m["splits"]["val"]["documents"] == m["split_source"]["declared"]["validation_matched"]
+    # dataset_infos.json (the older place) and a split in a directory; the card's configs still come first.
+    infos = {"default": {"splits": {"train": {"name": "train", "num_examples": 10},
+                                    "dev_clean": {"name": "dev_clean", "num_examples": 10}}}}
+    write_dir(tmp_path / "infos", {"dataset_infos.json": json.dumps(infos).encode(),
+                                   "train/part-0.jsonl": records("tr", 10, False),
+                                   "dev_clean/part-0.jsonl": records("dc", 10, False)})
+    stage_dataset(str(tmp_path / "infos"), tmp_path / "fsx", "mnli", "2", workers=1)
+    dest2 = tmp_path / "fsx" / "datasets" / "mnli" / "2"
+    assert names_in(dest2, "val") == {f"dc-{i}" for i in range(10)}
+    src2 = read_manifest(dest2)["split_source"]
+    assert (src2["by"], src2["declared_in"], src2["val_from"], src2["left_out"]) == (
+        "dataset_info", "dataset_infos.json", "dev_clean", ["dataset_infos.json"])

@@ -158,8 +158,8 @@ def splits_line(result) -> str:
     left = f", {src['left_out_files']} files left out" if src.get("left_out_files") else ""
     if by == "globs":
         return f"by --train-glob/--val-glob{left}"
-    return f"from the source's {'dataset card' if by == 'readme' else 'file names'}: {src['val_from']} files" \
-           f" for validation{left}"
+    found = {"readme": "dataset card", "dataset_info": f"dataset_info ({src.get('declared_in')})"}.get(by, "file names")
+    return f"from the source's {found}: {src['val_from']} files for validation{left}"
 
 
 def _report_refused(refused: list[dict], width: int) -> None:
