@@ -21,7 +21,8 @@ In order, the first that applies decides (``plan.source`` records which, for the
    validation or test split.
 5. ``document``: no split in the source. Each document of a JSONL or Parquet file is drawn by a hash of its
    key (its ``id``, or its file's path and position), ``val_percent`` of them for validation; a plain text
-   file is one document, drawn by a hash of its path. Adding files moves no document between splits.
+   file is one document, drawn by a hash of its path. Adding files moves no document between splits. With
+   ``val_tokens`` instead, the share is chosen from a budget of tokens (``components.stage_budget``).
 
 In 2 to 4, ``validation`` (``valid``, ``val``, ``dev``) is the validation split; ``test`` is used in its
 place only when the source has none; other files (another split's, or no split's: the card, ``.gitattributes``)
@@ -57,6 +58,12 @@ class SplitPlan:
 
     rules: dict[str, str]
     source: dict = field(default_factory=dict)
+
+    def threshold(self) -> int:
+        """Documents of a ``documents`` file whose key hash is below this are validation: the budget's
+        (``components.stage_budget``), else ``val_percent``'s."""
+        return self.source["threshold"] if "threshold" in self.source else val_threshold(
+            self.source.get("val_percent", 0))
 
 
 def val_threshold(val_percent: int) -> int:
@@ -214,9 +221,11 @@ def _left_out(rels: list[str]) -> dict:
 
 def resolve_splits(rels: list[str], *, train_glob: tuple[str, ...] = (), val_glob: tuple[str, ...] = (),
                    val_percent: int = 5, data_format: str = "auto", readme: bytes | None = None,
-                   dataset_infos: bytes | None = None) -> SplitPlan:
+                   dataset_infos: bytes | None = None, val_tokens: int = 0) -> SplitPlan:
     """The split of every staged path (see the module's docstring); ``readme`` is the source's README.md,
-    ``dataset_infos`` its dataset_infos.json."""
+    ``dataset_infos`` its dataset_infos.json. With ``val_tokens``, every file of a source split by document is
+    split by document (a plain text file is one document keyed by its path) and ``components.stage_budget``
+    sets the threshold."""
     if train_glob or val_glob:
         rules = {}
         for rel in rels:
@@ -248,7 +257,9 @@ def resolve_splits(rels: list[str], *, train_glob: tuple[str, ...] = (), val_glo
     named_in_paths = _by_names(rels)
     if named_in_paths is not None:
         return _named_plan(named_in_paths, "layout")
+    key = "the record's id, else its file's path and position; a text file's path"
+    if val_tokens:
+        return SplitPlan({rel: "documents" for rel in rels}, {"by": "document", "key": key})
     rules = {rel: "documents" if detect_format(rel, data_format) != "text" else file_split(rel, val_percent)
              for rel in rels}
-    return SplitPlan(rules, {"by": "document", "val_percent": val_percent,
-                             "key": "the record's id, else its file's path and position; a text file's path"})
+    return SplitPlan(rules, {"by": "document", "val_percent": val_percent, "key": key})
