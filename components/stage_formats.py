@@ -20,6 +20,7 @@ import io
 import itertools
 import json
 import re
+import struct
 from collections import Counter
 from pathlib import Path
 from typing import Iterator, NamedTuple
@@ -330,10 +331,20 @@ def _parquet_rows(pf, column: int, piece_bytes: int) -> int:
     return max(1, min(PARQUET_BATCH_ROWS, int(piece_bytes // max(1.0, widest))))
 
 
-def _long_value(key: str, value, piece_bytes: int) -> Iterator[Piece]:
-    """A value longer than ``piece_bytes`` as pieces cut from its Arrow buffer, never copied whole into a
+def _value_bytes(array, i: int) -> memoryview:
+    """The UTF-8 bytes of the string ``array[i]``, in Arrow's data buffer: not copied (a scalar's ``as_buffer``
+    copies the value)."""
+    import pyarrow as pa
+
+    _, offsets, data = array.buffers()
+    fmt = "<q" if pa.types.is_large_string(array.type) else "<i"
+    start, end = struct.unpack_from(f"{fmt}{fmt[1]}", offsets, (array.offset + i) * struct.calcsize(fmt))
+    return memoryview(data)[start:end]
+
+
+def _long_value(key: str, data: memoryview, piece_bytes: int) -> Iterator[Piece]:
+    """A value longer than ``piece_bytes`` (its bytes in Arrow's buffer) as pieces, never copied whole into a
     Python string (a 200 MB cell would take 200 MB more, and up to four times that for non-ASCII text)."""
-    data = memoryview(value.as_buffer())
     start = 0
     while len(data) - start > piece_bytes:
         window = bytes(data[start:start + piece_bytes + 1])
@@ -380,7 +391,7 @@ def _parquet(path: Path, rel: str, text_column: str, bad: Counter, piece_bytes: 
                 elif not n:
                     bad["empty"] += 1
                 elif n > piece_bytes:
-                    yield from _long_value(key, texts[i], piece_bytes)
+                    yield from _long_value(key, _value_bytes(texts, i), piece_bytes)
                 else:
                     yield Piece(key, values[i] if values is not None else texts[i].as_py(), True)
                 position += 1
