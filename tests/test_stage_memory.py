@@ -172,7 +172,7 @@ def test_a_large_parquet_file_is_read_in_record_batches_of_batch_bytes(tmp_path)
     out = staged_peak(src, tmp_path / "fsx", "bytes", BATCH)
     # Read in batches of 1024 rows (the whole file here) and converted to Python strings whole, this file took the
     # stage about 420 MB above its start; in batches of about batch_bytes, about 90 MB (the 16 MB value is read
-    # whole, Parquet holds it in one page, and costs about twice its size).
+    # whole: Parquet holds it in one page, and Arrow the page and the value).
     assert out["after_mb"] - out["before_mb"] < CAP_MB, out
     assert out["train_tokens"] == sum(len(d.encode()) for d in docs)
 
