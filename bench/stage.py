@@ -33,7 +33,9 @@ Peak memory (``--memory``, no S3, about 5 minutes and 7 GB of disk under --work)
 ``--jsonl-gb`` GB JSONL file (4 kB documents, the byte vocabulary) and of a ``--doc-mb`` MB single document
 (one JSONL line, a byte-level BPE of 400 tokens made here), each generated in --work from a repeated block and
 staged in a fresh process with one tokenizer process (a single file is one job: the stage's own process
-tokenizes it); prints the process's peak resident memory (``VmHWM``) before and after, with ``batch_bytes``:
+tokenizes it), and of a Parquet file of ``--parquet-mb`` MB of 1 MB values and one value of ``--parquet-value-mb``
+MB (the byte vocabulary); prints the process's peak resident memory (``VmHWM``) before and after, with
+``batch_bytes``:
 
     python bench/stage.py --memory                         # 2 GB file, 200 MB document, batch_bytes 4 MiB
     python bench/stage.py --memory --batch-bytes 1048576
@@ -221,6 +223,20 @@ BLOCK = (r"a long document is read and tokenized in pieces cut at spaces, so the
          r"caf\u00e9 na\u00efve \u6771\u4eac \"quoted\" ")
 
 
+def write_parquet(path: Path, mb: float, value_mb: float) -> None:
+    """``mb`` MB of distinct 1 MB values, then one of ``value_mb`` MB, uncompressed, in row groups of 64 values
+    and pages of about one value (a writer checks its page size bound every write_batch_size values)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    text = json.loads(f'"{BLOCK}"')
+    value = text * (1024 * 1024 // len(text.encode()))
+    with pq.ParquetWriter(path, pa.schema([("text", pa.string())]), compression="none", write_batch_size=1) as w:
+        for g in range(int(mb) // 64):
+            w.write_table(pa.table({"text": [f"{g}.{i} {value}" for i in range(64)]}))
+        w.write_table(pa.table({"text": [text * int(value_mb * 1024 * 1024 // len(text.encode()))]}))
+
+
 def memory(args) -> None:
     """Peak memory of a stage of a large file and of a long document (see the module's docstring)."""
     from tokenizers import Tokenizer, models, pre_tokenizers, trainers
@@ -255,6 +271,11 @@ def memory(args) -> None:
             f.write(b'"}\n')
         cases.append((f"{doc.stat().st_size / 1024 ** 2:.0f} MB single document, BPE 400", doc.parent,
                       str(work / "tokenizer.json")))
+        table = work / "parquet" / "corpus.parquet"
+        table.parent.mkdir(exist_ok=True)
+        write_parquet(table, args.parquet_mb, args.parquet_value_mb)
+        cases.append((f"{table.stat().st_size / 1024 ** 2:.0f} MB Parquet file, 1 MB values and one of "
+                      f"{args.parquet_value_mb:.0f} MB, bytes", table.parent, "bytes"))
         for name, src, tokenizer in cases:
             out = subprocess.run([sys.executable, "-c", PEAK, str(src), str(work / f"fsx-{src.name}"), tokenizer,
                                   str(args.batch_bytes)], capture_output=True, text=True, cwd=root,
@@ -284,6 +305,8 @@ def main() -> None:
     p.add_argument("--memory", action="store_true", help="measure peak memory instead (see above)")
     p.add_argument("--jsonl-gb", type=float, default=2.0, help="--memory: GB of the JSONL file")
     p.add_argument("--doc-mb", type=float, default=200.0, help="--memory: MB of the single document")
+    p.add_argument("--parquet-mb", type=float, default=1024.0, help="--memory: MB of 1 MB values in the Parquet file")
+    p.add_argument("--parquet-value-mb", type=float, default=200.0, help="--memory: MB of its one long value")
     p.add_argument("--batch-bytes", type=int, default=4 * 1024 * 1024, help="--memory: the stage's batch_bytes")
     args = p.parse_args()
     if args.memory:

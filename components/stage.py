@@ -58,7 +58,7 @@ from typing import Any, Iterator, NamedTuple, Protocol
 
 from components.s3 import s3_client
 from components.stage_formats import BadFile, detect_format, read_documents
-from components.stage_splits import README, SplitPlan, resolve_splits
+from components.stage_splits import DATASET_INFOS, README, SplitPlan, resolve_splits
 from components.stage_tokenize import (BAD_RECORD_POLICIES, BATCH_BYTES, PACK_BYTES, BadRecordsError, ReadConfig,
                                        dataset_manifest, plan_packs, tokenize_packs, worker_allocator)
 from components.stage_tokenizer import (TokenizerInfo, TokenizerSpec, check_tokenizer_source, parse_tokenizer,
@@ -598,6 +598,7 @@ class DatasetSettings:
     train_glob: tuple[str, ...] = ()     # globs of the training split's files (components.stage_splits)
     val_glob: tuple[str, ...] = ()       # globs of the validation split's files
     batch_bytes: int = BATCH_BYTES       # text a tokenizer process holds at once: a batch, or a long document's piece
+    val_tokens: int = 0                  # a validation budget in tokens, in place of val_percent (stage_budget)
 
     def check(self) -> TokenizerSpec:
         """ValueError for a bad setting (before anything is written); the parsed tokenizer."""
@@ -610,12 +611,16 @@ class DatasetSettings:
             raise ValueError("pack_bytes and bpe_sample_bytes must be positive")
         if self.batch_bytes < MIN_BATCH_BYTES:
             raise ValueError(f"batch_bytes must be at least {MIN_BATCH_BYTES}, got {self.batch_bytes}")
+        if self.val_tokens < 0:
+            raise ValueError(f"val_tokens must be 0 (use val_percent) or a number of tokens, got {self.val_tokens}")
         return parse_tokenizer(self.tokenizer)
 
     def to_dict(self) -> dict:
         d = asdict(self)
         for name in ("include", "exclude", "train_glob", "val_glob"):
             d[name] = list(d[name])
+        if not d["val_tokens"]:
+            del d["val_tokens"]        # unset: the settings of datasets staged before it compare equal (no rebuild)
         return d
 
     @classmethod
@@ -668,6 +673,7 @@ def stage_dataset(
     train_glob: str | list[str] | tuple[str, ...] = (),
     val_glob: str | list[str] | tuple[str, ...] = (),
     batch_bytes: int = BATCH_BYTES,
+    val_tokens: int = 0,
     fsx_dra: bool = False,
     hsm_batch_size: int = 500,
     hsm_poll_s: float = 2.0,
@@ -713,6 +719,10 @@ def stage_dataset(
         batch_bytes: text a tokenizer process encodes at once, and the longest piece a document (or a JSONL
             line) is read in: a process's memory is a few times this, whatever a file's size or a
             document's length.
+        val_tokens: when the source has no splits of its own: about this many tokens of documents in the
+            validation split, in place of ``val_percent`` (which it overrides), drawn by the same hash against a
+            share of documents chosen from the source's estimated tokens (``components.stage_budget``). A
+            source with splits of its own is refused with it.
         fsx_dra: ``raw/`` is linked to the bucket by an FSx data repository association: preload its files
             with ``lfs hsm_restore`` instead of copying.
         hsm_batch_size: files per ``lfs hsm_restore`` call in that mode.
@@ -731,7 +741,7 @@ def stage_dataset(
     t_start = time.monotonic()
     settings = DatasetSettings(tokenizer, data_format, text_field, text_column, split_globs(include),
                                split_globs(exclude), val_percent, bad_record_policy, bpe_sample_bytes, pack_bytes,
-                               split_globs(train_glob), split_globs(val_glob), batch_bytes)
+                               split_globs(train_glob), split_globs(val_glob), batch_bytes, val_tokens)
     spec = settings.check()
     worker_allocator()                   # a bad GOODPUT_TOKENIZE_MALLOC fails here, not after the downloads
     if refused_key_policy not in ("skip", "fail"):
@@ -1030,13 +1040,17 @@ def manifest_extra(objects: list[StagedObject], settings: DatasetSettings, refus
 
 
 def split_plan(dest: Path, objects: list[StagedObject], settings: DatasetSettings) -> SplitPlan:
-    """Each staged file's split (``components.stage_splits``), from the globs, the dataset card in ``raw/``
-    (fetched before this is called), the file names, or by document."""
+    """Each staged file's split (``components.stage_splits``), from the globs, the dataset card or
+    ``dataset_infos.json`` in ``raw/`` (fetched before this is called), the file names, or by document."""
     rels = sorted(o.rel for o in objects)
-    readme = dest / "raw" / README
+
+    def card(name: str) -> bytes | None:
+        path = dest / "raw" / name
+        return path.read_bytes() if name in rels and path.is_file() else None
+
     return resolve_splits(rels, train_glob=settings.train_glob, val_glob=settings.val_glob,
                           val_percent=settings.val_percent, data_format=settings.data_format,
-                          readme=readme.read_bytes() if README in rels and readme.is_file() else None)
+                          readme=card(README), dataset_infos=card(DATASET_INFOS), val_tokens=settings.val_tokens)
 
 
 class DatasetBuilder:
@@ -1065,7 +1079,10 @@ class DatasetBuilder:
         from components.stage_splits import document_split, val_threshold
 
         raw = self.dest / "raw"
-        read, threshold = self.settings.read, val_threshold(self.settings.val_percent)
+        # With val_tokens the threshold is chosen with this tokenizer (stage_budget): it learns from every document
+        # of the sample.
+        read = self.settings.read
+        threshold = 0 if self.settings.val_tokens else val_threshold(self.settings.val_percent)
 
         def documents() -> Iterator[str]:
             for o in self.bpe_sample(objects, plan):
@@ -1088,6 +1105,29 @@ class DatasetBuilder:
         except ValueError as e:
             raise StageError(str(e), self.result) from e
 
+    def check_budget(self, plan: SplitPlan) -> None:
+        """StageError when ``val_tokens`` is set and the source has splits of its own (before anything changes)."""
+        by = plan.source["by"]
+        if self.settings.val_tokens and by != "document":
+            raise StageError(f"val_tokens={self.settings.val_tokens} applies to a source split by document, but "
+                             f"this one's splits come from its {by} (see split_source); stage without val_tokens",
+                             self.result)
+
+    def budgeted(self, plan: SplitPlan, objects: list[StagedObject], info: TokenizerInfo) -> SplitPlan:
+        """``plan`` with the threshold of the ``val_tokens`` budget (``components.stage_budget``); as it is
+        without one. StageError when the budget does not fit."""
+        from components.stage_budget import budget_plan
+
+        if not self.settings.val_tokens:
+            return plan
+        self.check_budget(plan)
+        try:
+            return budget_plan(plan, self.dest / "raw", objects, val_tokens=self.settings.val_tokens,
+                               read=self.settings.read, tokenizer=info, tokenizer_dir=self.dest,
+                               piece_bytes=self.settings.batch_bytes)
+        except ValueError as e:
+            raise StageError(str(e), self.result) from e
+
     def run(self, objects: list[StagedObject], state: Path, progress: StageProgress | None,
             mode: str | None = None) -> None:
         t0 = time.monotonic()
@@ -1098,6 +1138,7 @@ class DatasetBuilder:
                      and result.removed == 0 and previous.get("source") == self.uri
                      and all(previous.get(k) == v for k, v in extra.items()))
         plan = split_plan(self.dest, objects, self.settings)
+        self.check_budget(plan)
         if unchanged and self.spec.kind == "file":
             # The file may have changed where it came from: fetch it again, and compare.
             unchanged = self.tokenizer(objects, plan).sha256 == (previous.get("tokenizer") or {}).get("sha256")
@@ -1106,6 +1147,7 @@ class DatasetBuilder:
         else:
             retire_manifest(self.dest)
             info = self.tokenizer(objects, plan)
+            plan = self.budgeted(plan, objects, info)
             if progress is not None:
                 progress.tokenizing(len(plan.rules))
             dtype, entries, shards = tokenize_objects(self.dest, objects, self.settings, plan, info, state / "tok",
@@ -1134,7 +1176,7 @@ def tokenize_objects(dest: Path, objects: list[StagedObject], settings: DatasetS
     try:
         entries, shards = tokenize_packs(dest / "raw", dest, chosen, plan.rules, read=settings.read, tokenizer=info,
                                          dtype=dtype, bad_record_policy=settings.bad_record_policy, tmp_dir=tmp_dir,
-                                         val_percent=settings.val_percent, batch_bytes=settings.batch_bytes,
+                                         threshold=plan.threshold(), batch_bytes=settings.batch_bytes,
                                          workers=workers, progress=progress)
     except BadRecordsError as e:
         raise StageRefused(str(e), result) from e
@@ -1149,7 +1191,7 @@ def tokenize_objects(dest: Path, objects: list[StagedObject], settings: DatasetS
 def assemble_manifest(uri: str, settings: DatasetSettings, plan: SplitPlan, info: TokenizerInfo, dtype: str,
                       entries: list[dict], shards: dict[int, dict], extra: dict, result: StageResult) -> dict:
     # val_percent=0 asks for no validation split; a split the source names must hold documents.
-    need_val = plan.source["by"] != "document" or settings.val_percent > 0
+    need_val = plan.source["by"] != "document" or settings.val_percent > 0 or settings.val_tokens > 0
     try:
         return dataset_manifest(source=uri, tokenizer=info, dtype=dtype, read=settings.read, entries=entries,
                                 shards=shards, split_source=plan.source, need_val=need_val, extra=extra)

@@ -29,7 +29,7 @@ from components.stage import (JOURNAL, PREVIOUS_MANIFEST, STAGE_DIR, DatasetBuil
                               read_previous_manifest, refused_message, remove_stale_files, remove_unlisted_shards,
                               retire_manifest, size_on_disk, split_globs, split_plan, summarise, sync_raw,
                               tokenize_objects, unique_refused)
-from components.stage_splits import README, SplitPlan
+from components.stage_splits import DATASET_INFOS, README, SplitPlan
 from components.stage_tokenize import BATCH_BYTES, PACK_BYTES, partitions, plan_packs, worker_allocator
 from components.stage_tokenizer import TokenizerInfo, check_tokenizer_source
 from trainer.data import read_manifest
@@ -82,6 +82,7 @@ def plan_stage(
     bpe_sample_bytes: int = 256 * MB,
     pack_bytes: int = PACK_BYTES,
     batch_bytes: int = BATCH_BYTES,
+    val_tokens: int = 0,
     partition_min_bytes: int = 1024 * MB,
     max_concurrency: int = 32,
 ) -> list[int]:
@@ -96,7 +97,7 @@ def plan_stage(
     t0 = time.monotonic()
     settings = DatasetSettings(tokenizer, data_format, text_field, text_column, split_globs(include),
                                split_globs(exclude), val_percent, bad_record_policy, bpe_sample_bytes, pack_bytes,
-                               split_globs(train_glob), split_globs(val_glob), batch_bytes)
+                               split_globs(train_glob), split_globs(val_glob), batch_bytes, val_tokens)
     spec = settings.check()
     if stage_parallelism < 1 or partition_min_bytes < 1:
         raise ValueError(f"stage_parallelism and partition_min_bytes must be at least 1, got {stage_parallelism} "
@@ -137,16 +138,24 @@ def plan_stage(
         (dest / "raw").mkdir(exist_ok=True)
         result.removed = remove_stale_files(dest / "raw", {o.rel for o in objects})
         shutil.rmtree(state / PARTS, ignore_errors=True)
-        # The dataset card decides the splits, and a bpe: tokenizer learns from the sample files: fetch those
-        # first (the workers will skip them).
-        first = [o for o in objects if o.rel == README]
+        # The dataset card (or dataset_infos.json) decides the splits, and a bpe: tokenizer learns from the sample
+        # files: fetch those first (the workers will skip them).
+        first = [o for o in objects if o.rel in (README, DATASET_INFOS)]
         if spec.kind == "bpe":
-            first += [o for o in build.bpe_sample(objects) if o.rel != README]
+            first += [o for o in build.bpe_sample(objects) if o not in first]
         if first:
             sync_raw(src, iter([[(o.key, o.size, o.etag) for o in first]]), dest / "raw", state / "plan", dest,
                      result, None, remove_stale=False, t_start=t0)
         splits = split_plan(dest, objects, settings)
+        if settings.val_tokens and splits.source["by"] == "document":
+            # The budget's sample of tokens per byte (stage_budget) is read here too.
+            from components.stage_budget import sample_files
+
+            sample = [o for o in sample_files(splits, objects) if o not in first]
+            sync_raw(src, iter([[(o.key, o.size, o.etag) for o in sample]]), dest / "raw", state / "plan", dest,
+                     result, None, remove_stale=False, t_start=t0)
         info = build.tokenizer(objects, splits)
+        splits = build.budgeted(splits, objects, info)
         packs = plan_packs([(o.rel, o.size) for o in objects], pack_bytes)
         total = sum(o.size for o in objects)
         parts = partitions(len(packs), min(stage_parallelism, -(-total // partition_min_bytes)))

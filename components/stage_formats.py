@@ -7,8 +7,9 @@ A file's format is named by the ``data_format`` stage parameter or, with ``auto`
 plain text (one document per file). Records that cannot become a document are counted in ``bad`` by
 kind (``BAD_KINDS``) and left out; a file that cannot be read at all raises ``BadFile`` with its kind,
 and the caller drops everything that file produced. Memory stays bounded: documents come out as pieces of
-at most ``piece_bytes`` (a JSONL line or a text file longer than that is parsed as it streams), Parquet a
-record batch of one column at a time.
+at most ``piece_bytes`` (a JSONL line or a text file longer than that is parsed as it streams); Parquet is
+read a record batch of about ``piece_bytes`` of text at a time (a single value is read whole: Parquet
+stores it in one page), and a value longer than that goes out in pieces cut from Arrow's buffer.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import io
 import itertools
 import json
 import re
+import struct
 from collections import Counter
 from pathlib import Path
 from typing import Iterator, NamedTuple
@@ -33,7 +35,7 @@ BAD_KINDS = {
     "wrong_schema": "a Parquet file without the text column, or with a non-string one",
     "unreadable": "a file that cannot be read: corrupt compression, not Parquet, truncated",
 }
-PARQUET_BATCH_ROWS = 1024
+PARQUET_BATCH_ROWS = 1024         # the most rows of a Parquet record batch (fewer when values are long)
 PIECE_BYTES = 4 * 1024 * 1024      # the longest piece of a document read at once (see ``Piece``)
 ID_FIELD = "id"                    # a record's identity, when it has one: its split is drawn from it
 
@@ -320,8 +322,41 @@ class _LongRecord:
             yield Piece(key, text, True)
 
 
+def _parquet_rows(pf, column: int, piece_bytes: int) -> int:
+    """Rows per record batch so that a batch holds about ``piece_bytes`` of text: from the largest average
+    value of the text column over the row groups (their metadata's uncompressed size), at least one row."""
+    meta = pf.metadata
+    widest = max((meta.row_group(g).column(column).total_uncompressed_size / max(1, meta.row_group(g).num_rows)
+                  for g in range(meta.num_row_groups)), default=1.0)
+    return max(1, min(PARQUET_BATCH_ROWS, int(piece_bytes // max(1.0, widest))))
+
+
+def _value_bytes(array, i: int) -> memoryview:
+    """The UTF-8 bytes of the string ``array[i]``, in Arrow's data buffer: not copied (a scalar's ``as_buffer``
+    copies the value)."""
+    import pyarrow as pa
+
+    _, offsets, data = array.buffers()
+    fmt = "<q" if pa.types.is_large_string(array.type) else "<i"
+    start, end = struct.unpack_from(f"{fmt}{fmt[1]}", offsets, (array.offset + i) * struct.calcsize(fmt))
+    return memoryview(data)[start:end]
+
+
+def _long_value(key: str, data: memoryview, piece_bytes: int) -> Iterator[Piece]:
+    """A value longer than ``piece_bytes`` (its bytes in Arrow's buffer) as pieces, never copied whole into a
+    Python string (a 200 MB cell would take 200 MB more, and up to four times that for non-ASCII text)."""
+    start = 0
+    while len(data) - start > piece_bytes:
+        window = bytes(data[start:start + piece_bytes + 1])
+        at = _cut(window, piece_bytes)
+        yield Piece(key, window[:at].decode(), False)
+        start += at
+    yield Piece(key, bytes(data[start:]).decode(), True)
+
+
 def _parquet(path: Path, rel: str, text_column: str, bad: Counter, piece_bytes: int) -> Iterator[Piece]:
     import pyarrow as pa
+    import pyarrow.compute as pc
     import pyarrow.parquet as pq
 
     try:
@@ -342,16 +377,23 @@ def _parquet(path: Path, rel: str, text_column: str, bad: Counter, piece_bytes: 
     columns = [text_column, ID_FIELD] if keyed else [text_column]
     position = 0
     try:
-        for batch in pf.iter_batches(batch_size=PARQUET_BATCH_ROWS, columns=columns):
+        leaf = [pf.schema.column(i).path for i in range(len(pf.schema))].index(text_column)
+        for batch in pf.iter_batches(batch_size=_parquet_rows(pf, leaf, piece_bytes), columns=columns):
             ids = batch.column(1).to_pylist() if keyed else itertools.repeat(None)
-            for text, ident in zip(batch.column(0).to_pylist(), ids):
-                if text is None:
+            texts = batch.column(0)
+            lengths = pc.binary_length(texts).to_pylist()
+            # A batch of about piece_bytes converts at once (faster); one with a long value, value by value.
+            values = texts.to_pylist() if sum(filter(None, lengths)) <= 2 * piece_bytes else None
+            for i, (n, ident) in enumerate(zip(lengths, ids)):
+                key = f"id:{ident}" if ident is not None else f"{rel}#{position}"
+                if n is None:
                     bad["missing_field"] += 1
-                elif not text:
+                elif not n:
                     bad["empty"] += 1
+                elif n > piece_bytes:
+                    yield from _long_value(key, _value_bytes(texts, i), piece_bytes)
                 else:
-                    yield from _pieces(f"id:{ident}" if ident is not None else f"{rel}#{position}", text,
-                                       piece_bytes)
+                    yield Piece(key, values[i] if values is not None else texts[i].as_py(), True)
                 position += 1
     except (OSError, pa.ArrowException) as e:
         raise BadFile("unreadable", f"{path.name}: {type(e).__name__}: {e}") from e

@@ -32,6 +32,7 @@ def stage_op(
     train_glob: str = "",
     val_glob: str = "",
     batch_bytes: int = 4 * 1024 * 1024,
+    val_tokens: int = 0,
     *,
     dataset: Output[Dataset],
     metrics: Output[Metrics],
@@ -61,6 +62,8 @@ def stage_op(
         val_glob: comma-separated globs of the validation split's files.
         batch_bytes: text a tokenizer process holds at once (a batch, or a long document's piece): the bound on
             the step's memory per core.
+        val_tokens: when the source has no splits of its own, about this many tokens of documents in the validation
+            split, in place of ``val_percent`` (0: use ``val_percent``).
         dataset: output; its URI is the dataset directory, its metadata the counts.
         metrics: output; tokens, refused keys and bad records, as the KFP UI shows them.
     """
@@ -70,7 +73,7 @@ def stage_op(
                            val_percent=val_percent, fsx_dra=fsx_dra, tokenizer=tokenizer, data_format=data_format,
                            text_field=text_field, text_column=text_column, include=include, exclude=exclude,
                            bad_record_policy=bad_record_policy, refused_key_policy=refused_key_policy,
-                           train_glob=train_glob, val_glob=val_glob, batch_bytes=batch_bytes)
+                           train_glob=train_glob, val_glob=val_glob, batch_bytes=batch_bytes, val_tokens=val_tokens)
     dataset.uri = result.dataset_dir
     dataset.metadata.update(result_metadata(result))
     for key in ("train_tokens", "val_tokens", "vocab_size", "transferred", "excluded", "refused", "bad_records"):

@@ -29,6 +29,7 @@ def stage_plan_op(
     train_glob: str = "",
     val_glob: str = "",
     batch_bytes: int = 4 * 1024 * 1024,
+    val_tokens: int = 0,
 ) -> list:
     """Plan the staging of ``source`` into ``<fsx_root>/datasets/<name>/<version>/`` by parallel workers.
 
@@ -57,6 +58,8 @@ def stage_plan_op(
         train_glob: comma-separated globs of the training split's files (overrides the source's own splits).
         val_glob: comma-separated globs of the validation split's files.
         batch_bytes: text a tokenizer process holds at once (a batch, or a long document's piece).
+        val_tokens: when the source has no splits of its own, about this many tokens of documents in the validation
+            split, in place of ``val_percent`` (0: use ``val_percent``).
 
     Returns:
         The partition numbers, one per worker (the items of the ParallelFor).
@@ -69,4 +72,4 @@ def stage_plan_op(
                       refused_key_policy=refused_key_policy, max_concurrency=max_concurrency,
                       pack_bytes=pack_bytes, bpe_sample_bytes=bpe_sample_bytes,
                       partition_min_bytes=partition_min_bytes, train_glob=train_glob, val_glob=val_glob,
-                      batch_bytes=batch_bytes)
+                      batch_bytes=batch_bytes, val_tokens=val_tokens)

@@ -11,14 +11,20 @@ In order, the first that applies decides (``plan.source`` records which, for the
    two given, every other file is the other split; with both, a file matching neither is left out.
 2. ``readme``: the ``configs`` of the dataset card's YAML header (``README.md`` of a Hugging Face dataset
    repository): the ``data_files`` of the config named ``default`` (else the first), by split.
-3. ``layout``: split names in file names, else in directory names, as Hugging Face ``datasets`` finds them
+3. ``dataset_info``: the split names the card's ``dataset_info`` (else ``dataset_infos.json``) declares, for the
+   config named ``default`` (else the first): a file belongs to a declared split when its name starts with the
+   split's name followed by ``-``, ``.`` or ``_`` (``validation_matched-00000-of-00001.parquet``), or a directory
+   on its path is named so. The validation split is the declared one named ``validation`` (``valid``, ``val``,
+   ``dev``), else the first whose name starts with one of those (``validation_matched``), else test's likewise.
+4. ``layout``: split names in file names, else in directory names, as Hugging Face ``datasets`` finds them
    (``train-00000-of-00004.parquet``, ``validation-*.jsonl``, ``data/test/*``): used when some file names a
    validation or test split.
-4. ``document``: no split in the source. Each document of a JSONL or Parquet file is drawn by a hash of its
+5. ``document``: no split in the source. Each document of a JSONL or Parquet file is drawn by a hash of its
    key (its ``id``, or its file's path and position), ``val_percent`` of them for validation; a plain text
-   file is one document, drawn by a hash of its path. Adding files moves no document between splits.
+   file is one document, drawn by a hash of its path. Adding files moves no document between splits. With
+   ``val_tokens`` instead, the share is chosen from a budget of tokens (``components.stage_budget``).
 
-In 2 and 3, ``validation`` (``valid``, ``val``, ``dev``) is the validation split; ``test`` is used in its
+In 2 to 4, ``validation`` (``valid``, ``val``, ``dev``) is the validation split; ``test`` is used in its
 place only when the source has none; other files (another split's, or no split's: the card, ``.gitattributes``)
 are left out.
 """
@@ -41,6 +47,7 @@ _IN_NAME = {split: re.compile(rf"(?:^|{_SEP})(?:{'|'.join(words)}){_SEP}") for s
 _IN_DIR = {split: re.compile(rf"(?:^|{_SEP})(?:{'|'.join(words)})(?:$|{_SEP})")
            for split, words in SPLIT_KEYWORDS.items()}
 README = "README.md"
+DATASET_INFOS = "dataset_infos.json"     # the older place of a Hugging Face dataset's dataset_info
 LEFT_OUT_LISTED = 100          # left-out files named in the manifest (all are counted)
 
 
@@ -51,6 +58,12 @@ class SplitPlan:
 
     rules: dict[str, str]
     source: dict = field(default_factory=dict)
+
+    def threshold(self) -> int:
+        """Documents of a ``documents`` file whose key hash is below this are validation: the budget's
+        (``components.stage_budget``), else ``val_percent``'s."""
+        return self.source["threshold"] if "threshold" in self.source else val_threshold(
+            self.source.get("val_percent", 0))
 
 
 def val_threshold(val_percent: int) -> int:
@@ -91,18 +104,23 @@ def _by_names(rels: list[str]) -> dict[str, str | None] | None:
     return None
 
 
-def _readme_config(readme: bytes) -> tuple[str, dict[str, list[str]]] | None:
-    """(config name, {split: globs}) from a dataset card's ``configs``; None when it has none."""
+def _card_header(readme: bytes) -> dict:
+    """The YAML header of a dataset card (``---`` ... ``---``); {} when it has none or it is not YAML."""
     import yaml
 
     text = readme.decode("utf-8", "replace")
     if not text.startswith("---"):
-        return None
+        return {}
     try:
         header = yaml.safe_load(text.split("---", 2)[1])
     except yaml.YAMLError:
-        return None
-    configs = (header or {}).get("configs") if isinstance(header, dict) else None
+        return {}
+    return header if isinstance(header, dict) else {}
+
+
+def _readme_config(readme: bytes) -> tuple[str, dict[str, list[str]]] | None:
+    """(config name, {split: globs}) from a dataset card's ``configs``; None when it has none."""
+    configs = _card_header(readme).get("configs")
     if not isinstance(configs, list) or not configs:
         return None
     config = next((c for c in configs if isinstance(c, dict) and c.get("config_name") == "default"), configs[0])
@@ -117,6 +135,62 @@ def _readme_config(readme: bytes) -> tuple[str, dict[str, list[str]]] | None:
             paths = entry["path"] if isinstance(entry["path"], list) else [entry["path"]]
             out.setdefault(str(entry["split"]), []).extend(str(p) for p in paths)
     return (str(config.get("config_name", "default")), out) if out else None
+
+
+def _declared_splits(readme: bytes | None, infos: bytes | None) -> tuple[str, str, dict[str, int | None]] | None:
+    """(where, config name, {split name: num_examples}) from the card's ``dataset_info``, else from
+    ``dataset_infos.json``; None when neither declares a split."""
+    import json
+
+    found: list[tuple[str, str, object]] = []       # (where, config, that config's splits)
+    info = _card_header(readme).get("dataset_info") if readme is not None else None
+    for entry in info if isinstance(info, list) else [info]:
+        if isinstance(entry, dict):
+            found.append((README, str(entry.get("config_name", "default")), entry.get("splits")))
+    if not found and infos is not None:
+        try:
+            configs = json.loads(infos)
+        except ValueError:
+            configs = None
+        if isinstance(configs, dict):
+            found = [(DATASET_INFOS, str(name), c.get("splits")) for name, c in configs.items() if isinstance(c, dict)]
+    if not found:
+        return None
+    where, config, splits = next((f for f in found if f[1] == "default"), found[0])
+    if isinstance(splits, dict):                     # dataset_infos.json: {name: {name, num_examples, ...}}
+        splits = [{"name": k, **v} if isinstance(v, dict) else {"name": k} for k, v in splits.items()]
+    declared = {str(s["name"]): s.get("num_examples") for s in splits or [] if isinstance(s, dict) and "name" in s}
+    return (where, config, declared) if declared else None
+
+
+def _declared_split_of(rel: str, names: list[str]) -> str | None:
+    """The declared split ``rel`` belongs to (``names`` longest first): its file name starts with the name and a
+    ``-``, ``.`` or ``_``, or a directory on its path is the name."""
+    parts = rel.split("/")
+    for name in names:
+        if name in parts[:-1] or re.match(rf"{re.escape(name)}(?:[-._]|$)", parts[-1]):
+            return name
+    return None
+
+
+def _by_declared(rels: list[str], declared: dict[str, int | None]) -> tuple[dict[str, str | None], str] | None:
+    """{rel: train / validation / test / another declared name / None}, and the declared name used for
+    validation; None unless files belong to the declared training split and to a validation or test one."""
+    def first(split: str) -> str | None:
+        words = SPLIT_KEYWORDS[split]
+        return next((n for n in declared if n.lower() in words), None) or next(
+            (n for n in declared if re.match(rf"(?:{'|'.join(words)})_", n.lower())), None)
+
+    val = first("validation") or first("test")
+    train = first("train")
+    if val is None or train is None:
+        return None
+    canonical = {train: "train", val: "validation" if val == first("validation") else "test"}
+    found = {rel: _declared_split_of(rel, sorted(declared, key=len, reverse=True)) for rel in rels}
+    named = {rel: canonical.get(split, split) for rel, split in found.items()}
+    if "train" not in named.values() or canonical[val] not in named.values():
+        return None
+    return named, val
 
 
 def _card_glob(rel: str, pattern: str) -> bool:
@@ -134,9 +208,10 @@ def _named_plan(named: dict[str, str | None], by: str, **extra) -> SplitPlan:
         name = rel.rsplit("/", 1)[-1]
         if split == val_name:
             rules[rel] = "val"
-        elif split == "train" or (split is None and not has_train and name != README and not name.startswith(".")):
+        elif split == "train" or (split is None and not has_train and name not in (README, DATASET_INFOS)
+                                  and not name.startswith(".")):
             rules[rel] = "train"
-    return SplitPlan(rules, {"by": by, **extra, "val_from": val_name,
+    return SplitPlan(rules, {"by": by, "val_from": val_name, **extra,
                              **_left_out([rel for rel in named if rel not in rules])})
 
 
@@ -145,8 +220,12 @@ def _left_out(rels: list[str]) -> dict:
 
 
 def resolve_splits(rels: list[str], *, train_glob: tuple[str, ...] = (), val_glob: tuple[str, ...] = (),
-                   val_percent: int = 5, data_format: str = "auto", readme: bytes | None = None) -> SplitPlan:
-    """The split of every staged path (see the module's docstring); ``readme`` is the source's README.md."""
+                   val_percent: int = 5, data_format: str = "auto", readme: bytes | None = None,
+                   dataset_infos: bytes | None = None, val_tokens: int = 0) -> SplitPlan:
+    """The split of every staged path (see the module's docstring); ``readme`` is the source's README.md,
+    ``dataset_infos`` its dataset_infos.json. With ``val_tokens``, every file of a source split by document is
+    split by document (a plain text file is one document keyed by its path) and ``components.stage_budget``
+    sets the threshold."""
     if train_glob or val_glob:
         rules = {}
         for rel in rels:
@@ -168,10 +247,19 @@ def resolve_splits(rels: list[str], *, train_glob: tuple[str, ...] = (), val_glo
             named[rel] = next((k for k, words in SPLIT_KEYWORDS.items() if split in words), split)
         if any(s in ("validation", "test") for s in named.values()) and "train" in named.values():
             return _named_plan(named, "readme", config=config)
+    declared = _declared_splits(readme, dataset_infos)
+    by_declared = _by_declared(rels, declared[2]) if declared is not None else None
+    if by_declared is not None:
+        where, config, counts = declared
+        named, val_from = by_declared
+        return _named_plan(named, "dataset_info", declared_in=where, config=config, val_from=val_from,
+                           declared=counts)
     named_in_paths = _by_names(rels)
     if named_in_paths is not None:
         return _named_plan(named_in_paths, "layout")
+    key = "the record's id, else its file's path and position; a text file's path"
+    if val_tokens:
+        return SplitPlan({rel: "documents" for rel in rels}, {"by": "document", "key": key})
     rules = {rel: "documents" if detect_format(rel, data_format) != "text" else file_split(rel, val_percent)
              for rel in rels}
-    return SplitPlan(rules, {"by": "document", "val_percent": val_percent,
-                             "key": "the record's id, else its file's path and position; a text file's path"})
+    return SplitPlan(rules, {"by": "document", "val_percent": val_percent, "key": key})

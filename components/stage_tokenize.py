@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Iterable, Iterator
 
 from components.stage_formats import BAD_KINDS, PIECE_BYTES, BadFile, detect_format, read_documents
-from components.stage_splits import document_split, val_threshold
+from components.stage_splits import document_split
 from components.stage_tokenizer import TokenizerInfo
 
 log = logging.getLogger(__name__)
@@ -126,7 +126,7 @@ SPLITS = ("train", "val")
 
 
 def _init_worker(tokenizer_path: str | None, eos_id: int | None, dtype: str, read: ReadConfig, tmp_dir: str,
-                 val_percent: int, batch_bytes: int) -> None:
+                 threshold: int, batch_bytes: int) -> None:
     import numpy as np
 
     os.environ["TOKENIZERS_PARALLELISM"] = "false"     # one process per core already
@@ -136,7 +136,7 @@ def _init_worker(tokenizer_path: str | None, eos_id: int | None, dtype: str, rea
 
         tok = Tokenizer.from_file(tokenizer_path)
     _W.update(tok=tok, eos=eos_id, dtype=np.dtype(dtype), read=read, tmp=tmp_dir,
-              threshold=val_threshold(val_percent), batch_bytes=batch_bytes)
+              threshold=threshold, batch_bytes=batch_bytes)
 
 
 class _SplitOut:
@@ -267,10 +267,11 @@ def _tokenize_file(job: tuple[str, str, str]) -> dict:
 # ----------------------------------------------------------------------------------- the parent
 def tokenize_packs(raw: Path, out_dir: Path, packs: dict[int, list[str]], rules: dict[str, str], *,
                    read: ReadConfig, tokenizer: TokenizerInfo, dtype: str, bad_record_policy: str, tmp_dir: Path,
-                   val_percent: int, batch_bytes: int = BATCH_BYTES, workers: int | None = None,
+                   threshold: int, batch_bytes: int = BATCH_BYTES, workers: int | None = None,
                    progress=None) -> tuple[list[dict], dict[int, dict]]:
     """Tokenize ``packs`` (index -> paths under ``raw``) into ``out_dir``; ``rules`` gives each path's split
-    (``components.stage_splits``; a path without one is left out).
+    (``components.stage_splits``; a path without one is left out), ``threshold`` the split of a document of a
+    ``documents`` file (``SplitPlan.threshold``).
 
     Returns:
         (file entries in path order, {pack index: {split: shard entry}}).
@@ -285,7 +286,7 @@ def tokenize_packs(raw: Path, out_dir: Path, packs: dict[int, list[str]], rules:
     pack_of = {rel: i for i in packs for rel in packs[i]}
     tmp_dir.mkdir(parents=True, exist_ok=True)
     tok_path = str(out_dir / tokenizer.path) if tokenizer.path else None
-    init = (tok_path, tokenizer.eos_id, dtype, read, str(tmp_dir), val_percent, batch_bytes)
+    init = (tok_path, tokenizer.eos_id, dtype, read, str(tmp_dir), threshold, batch_bytes)
     workers = max(1, min(workers or os.cpu_count() or 1, len(jobs) or 1))
     entries: list[dict] = []
     shards: dict[int, dict] = {}
@@ -355,6 +356,9 @@ def tokenize_packs(raw: Path, out_dir: Path, packs: dict[int, list[str]], rules:
 def empty_val_hint(split_source: dict, files: int) -> str:
     """What to change when the validation split came out empty, by how the splits were found."""
     by = split_source.get("by")
+    if by == "document" and "val_tokens" in split_source:
+        return (f"{files} files; no document was drawn at val_tokens={split_source['val_tokens']} (a share of "
+                f"{split_source['val_share']}): raise val_tokens, or add documents")
     if by == "document":
         return (f"{files} files; no document was drawn at val_percent={split_source['val_percent']}: raise "
                 f"val_percent, or add documents (plain text files are drawn whole, by path)")

@@ -47,6 +47,7 @@ def pipeline_parameters(
     dataset_exclude: str = "",
     dataset_train_glob: str = "",
     dataset_val_glob: str = "",
+    dataset_val_tokens: int = 0,
     bad_record_policy: str = "skip",
     refused_key_policy: str = "fail",
     stage_parallelism: int = 4,
@@ -136,6 +137,8 @@ def pipeline_parameters(
         dataset_train_glob: comma-separated globs of the training split's files; they override the splits
             the source names (Hugging Face layouts) and the split by document.
         dataset_val_glob: comma-separated globs of the validation split's files.
+        dataset_val_tokens: when the source has no splits of its own, about this many tokens of documents in the
+            validation split (0: 5% of the documents).
         bad_record_policy: skip (leave bad records out and report them) or fail.
         refused_key_policy: fail (unsafe object keys stop the run before anything is written) or skip.
         stage_parallelism: most stage worker pods (one per GiB of source, at most this many).
@@ -300,6 +303,7 @@ def _wire(backend: str, *, local_nproc=None, local_nodes=None, **p) -> None:
             stage_parallelism=p["stage_parallelism"], tokenizer=p["tokenizer"], data_format=p["data_format"],
             text_field=p["text_field"], text_column=p["text_column"], include=p["dataset_include"],
             exclude=p["dataset_exclude"], train_glob=p["dataset_train_glob"], val_glob=p["dataset_val_glob"],
+            val_tokens=p["dataset_val_tokens"],
             bad_record_policy=p["bad_record_policy"],
             refused_key_policy=p["refused_key_policy"], fsx_pvc=p["fsx_pvc"], s3_secret=p["s3_secret"],
             step_node_selector=p["step_node_selector"], step_tolerations=p["step_tolerations"])

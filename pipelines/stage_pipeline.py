@@ -45,6 +45,7 @@ def stage_pipeline(
     train_glob: str = "",
     val_glob: str = "",
     batch_bytes: int = 4 * 1024 * 1024,
+    val_tokens: int = 0,
     fsx_pvc: str = "fsx-claim",
     s3_secret: str = "goodput-s3",
     step_node_selector: dict = {},
@@ -80,6 +81,8 @@ def stage_pipeline(
         train_glob: comma-separated globs of the training split's files (overrides the source's own splits).
         val_glob: comma-separated globs of the validation split's files.
         batch_bytes: text a tokenizer process holds at once (a batch, or a long document's piece).
+        val_tokens: when the source has no splits of its own, about this many tokens of documents in the validation
+            split, in place of ``val_percent`` (0: use ``val_percent``).
         fsx_pvc: the FSx for Lustre PersistentVolumeClaim.
         s3_secret: Kubernetes secret with AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, used if it exists.
         step_node_selector: nodeSelector of the step pods.
@@ -92,7 +95,7 @@ def stage_pipeline(
                          val_percent=val_percent, bad_record_policy=bad_record_policy,
                          refused_key_policy=refused_key_policy, pack_bytes=pack_bytes,
                          bpe_sample_bytes=bpe_sample_bytes, partition_min_bytes=partition_min_bytes,
-                         train_glob=train_glob, val_glob=val_glob, batch_bytes=batch_bytes)
+                         train_glob=train_glob, val_glob=val_glob, batch_bytes=batch_bytes, val_tokens=val_tokens)
     # A refusal under the fail policy recurs on every attempt, so the plan is not retried.
     _pod(plan, **pod).set_display_name("stage: plan").set_caching_options(False)
     with dsl.ParallelFor(plan.output, parallelism=MAX_PARALLEL_PODS, name="stage-partitions") as partition:

@@ -153,3 +153,36 @@ def test_a_long_record_that_turns_out_bad_is_taken_back_whole(tmp_path, tokenize
         else:
             cur.append(t)
     assert docs == good
+
+
+def write_parquet(path: Path, docs: list[str]) -> None:
+    """Uncompressed, in one row group (the reader gets no help from small row groups or compression), in pages
+    of about a value (a writer checks its page size bound every write_batch_size values)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    pq.write_table(pa.table({"text": docs}), path, compression="none", row_group_size=len(docs), write_batch_size=1)
+
+
+def test_a_large_parquet_file_is_read_in_record_batches_of_batch_bytes(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    docs = [f"{i} {long_text(512 * 1024)}" for i in range(128)] + [long_text(16 * MB)]   # 64 MB, then 16 MB
+    write_parquet(src / "big.parquet", docs)
+    out = staged_peak(src, tmp_path / "fsx", "bytes", BATCH)
+    # Read in batches of 1024 rows (the whole file here) and converted to Python strings whole, this file took the
+    # stage about 420 MB above its start; in batches of about batch_bytes, about 90 MB (the 16 MB value is read
+    # whole: Parquet holds it in one page, and Arrow the page and the value).
+    assert out["after_mb"] - out["before_mb"] < CAP_MB, out
+    assert out["train_tokens"] == sum(len(d.encode()) for d in docs)
+
+
+def test_a_long_parquet_value_comes_out_in_pieces_that_make_the_whole(tmp_path):
+    doc = long_text(200_000) + " " + "x" * 30_000 + " end"
+    write_parquet(tmp_path / "a.parquet", ["short", doc, "also short"])
+    pieces = list(read_documents(tmp_path / "a.parquet", "parquet", rel="a.parquet", bad=Counter(), piece_bytes=4096))
+    assert [p.text for p in pieces[:1]] == ["short"] and pieces[-1] == ("a.parquet#2", "also short", True)
+    long = pieces[1:-1]
+    assert len(long) > 40 and all(len(p.text.encode()) <= 4096 for p in long)
+    assert "".join(p.text for p in long) == doc and [p.last for p in long] == [False] * (len(long) - 1) + [True]
+    assert {p.key for p in long} == {"a.parquet#1"}

@@ -17,9 +17,9 @@ from pipelines.cli import main as cli
 from trainer.data import Split, default_source_files, read_manifest
 
 try:                                  # tests/ is a package when run from the repository root
-    from tests.test_stage_formats import jsonl_bytes, parquet_bytes, write_dir
+    from tests.test_stage_formats import compress, jsonl_bytes, parquet_bytes, write_dir
 except ImportError:                   # pragma: no cover - tests/ on sys.path
-    from test_stage_formats import jsonl_bytes, parquet_bytes, write_dir
+    from test_stage_formats import compress, jsonl_bytes, parquet_bytes, write_dir
 
 TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8"]
 
@@ -200,3 +200,131 @@ def test_globs_override_the_source_layout_and_the_document_split(tmp_path):
     with pytest.raises(StageError, match=r"val_glob \['nothing-\*'\] matched none"):
         stage_dataset(str(tmp_path / "j"), tmp_path / "fsx", "g", "3", val_glob="nothing-*", workers=1)
     assert not (tmp_path / "fsx" / "datasets" / "g" / "3" / "manifest.json").exists()
+
+
+def test_split_names_declared_by_dataset_info_are_honoured(tmp_path):
+    # GLUE's MNLI as the Hub has it: by file names alone, validation_mismatched would be validation too.
+    splits = ["train", "validation_matched", "validation_mismatched", "test_matched"]
+    files = {f"{s}-00000-of-00001.parquet": parquet_bytes({"text": [marked(f"{s}-{i}", "words") for i in range(12)]})
+             for s in splits}
+    info = "".join(f"  - name: {s}\n    num_bytes: 100\n    num_examples: 12\n" for s in splits)
+    files["README.md"] = (f"---\ndataset_info:\n- config_name: other\n  splits:\n  - name: train\n"
+                          f"- config_name: default\n  splits:\n{info}---\n# MNLI\n").encode()
+    src = write_dir(tmp_path / "mnli", files)
+    res = CliRunner().invoke(cli, ["stage", str(src), "--fsx-root", str(tmp_path / "fsx"), "--name", "mnli",
+                                   "--version", "1", "-q"])
+    assert res.exit_code == 0, res.output
+    assert "from the source's dataset_info (README.md): validation_matched files for validation" in res.output
+    dest = tmp_path / "fsx" / "datasets" / "mnli" / "1"
+    assert names_in(dest, "val") == {f"validation_matched-{i}" for i in range(12)}
+    assert names_in(dest, "train") == {f"train-{i}" for i in range(12)}
+    m = read_manifest(dest)
+    assert m["split_source"] == {
+        "by": "dataset_info", "val_from": "validation_matched", "declared_in": "README.md", "config": "default",
+        "declared": {s: 12 for s in splits}, "left_out_files": 3,
+        "left_out": ["README.md", "test_matched-00000-of-00001.parquet",
+                     "validation_mismatched-00000-of-00001.parquet"]}
+    assert m["splits"]["val"]["documents"] == m["split_source"]["declared"]["validation_matched"]
+    # dataset_infos.json (the older place) and a split in a directory; the card's configs still come first.
+    infos = {"default": {"splits": {"train": {"name": "train", "num_examples": 10},
+                                    "dev_clean": {"name": "dev_clean", "num_examples": 10}}}}
+    write_dir(tmp_path / "infos", {"dataset_infos.json": json.dumps(infos).encode(),
+                                   "train/part-0.jsonl": records("tr", 10, False),
+                                   "dev_clean/part-0.jsonl": records("dc", 10, False)})
+    stage_dataset(str(tmp_path / "infos"), tmp_path / "fsx", "mnli", "2", workers=1)
+    dest2 = tmp_path / "fsx" / "datasets" / "mnli" / "2"
+    assert names_in(dest2, "val") == {f"dc-{i}" for i in range(10)}
+    src2 = read_manifest(dest2)["split_source"]
+    assert (src2["by"], src2["declared_in"], src2["val_from"], src2["left_out"]) == (
+        "dataset_info", "dataset_infos.json", "dev_clean", ["dataset_infos.json"])
+
+
+def budget_source(root: Path, files: dict[str, int]) -> Path:
+    """JSONL (with and without ids), Parquet and plain text files of ~100-byte documents, ``files``: name -> count."""
+    out = {}
+    for name, n in files.items():
+        stem = name.split(".")[0]
+        if name.endswith(".parquet"):
+            out[name] = parquet_bytes({"text": [marked(f"{stem}-{i}", "words of a row " * 6) for i in range(n)]})
+        elif name.endswith(".txt"):
+            out[name] = marked(stem, "a plain text file " * 6).encode()
+        else:
+            out[name] = records(stem, n, with_id=stem.startswith("i"))
+    return write_dir(root, out)
+
+
+def test_a_val_tokens_budget_is_met_stable_and_the_same_fanned_out(tmp_path):
+    from components.stage_fanout import merge_stage, plan_stage, stage_partition
+
+    files = {"id-a.jsonl": 300, "id-b.jsonl": 300, "pos-c.jsonl": 300, "rows-d.parquet": 300,
+             **{f"t{i}.txt": 1 for i in range(20)}}
+    src = budget_source(tmp_path / "src", files)
+    fsx = tmp_path / "fsx"
+    res = CliRunner().invoke(cli, ["stage", str(src), "--fsx-root", str(fsx), "--name", "b", "--version", "1",
+                                   "--val-tokens", "12000", "-q"])
+    assert res.exit_code == 0, res.output
+    one = fsx / "datasets" / "b" / "1"
+    m = read_manifest(one)
+    src1 = m["split_source"]
+    assert src1["by"] == "document" and src1["val_tokens"] == 12000 and "val_percent" not in src1
+    total = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
+    assert src1["estimated_tokens"] == total              # the sample is the whole source: the estimate is exact
+    assert 0.8 * 12000 < m["splits"]["val"]["tokens"] < 1.3 * 12000, (src1, m["splits"]["val"])
+    assert f"of about {src1['estimated_tokens']:,}" in res.output
+    val, train = names_in(one, "val"), names_in(one, "train")
+    assert not val & train and len(val | train) == 1220 and {n.split("-")[0] for n in val} >= {"id", "pos", "rows"}
+    # The same source again, in one stage and fanned out: byte-identical.
+    stage_dataset(str(src), fsx, "b", "2", val_tokens=12000, workers=2)
+    parts = plan_stage(str(src), fsx, "b", "fan", stage_parallelism=3, partition_min_bytes=1, pack_bytes=20_000,
+                       val_tokens=12000)
+    for i in parts:
+        stage_partition(fsx, "b", "fan", i, workers=1)
+    merge_stage(fsx, "b", "fan")
+    stage_dataset(str(src), fsx, "b", "packs", val_tokens=12000, workers=1, pack_bytes=20_000)
+    for a, b in (("1", "2"), ("packs", "fan")):
+        da, db = fsx / "datasets" / "b" / a, fsx / "datasets" / "b" / b
+        listing = sorted(p.relative_to(da).as_posix() for p in da.iterdir() if p.is_file())
+        assert listing == sorted(p.relative_to(db).as_posix() for p in db.iterdir() if p.is_file())
+        assert all((da / f).read_bytes() == (db / f).read_bytes() for f in listing), (a, b)
+    assert read_manifest(fsx / "datasets" / "b" / "fan")["split_source"] == src1
+    # Files added (5% more, before and after the others in path order): the threshold holds, no document moves.
+    budget_source(src, {"a-new.jsonl": 30, "z-new.jsonl": 30})
+    stage_dataset(str(src), fsx, "b", "3", val_tokens=12000, workers=2)
+    three = fsx / "datasets" / "b" / "3"
+    assert read_manifest(three)["split_source"]["threshold"] == src1["threshold"]
+    val3, train3 = names_in(three, "val"), names_in(three, "train")
+    assert {n for n in val3 if "new" not in n} == val and {n for n in train3 if "new" not in n} == train
+    assert any("new" in n for n in val3)
+
+
+def test_a_val_tokens_budget_that_cannot_apply_is_refused(tmp_path):
+    hf_parquet_repo(tmp_path / "hf")
+    with pytest.raises(StageError, match=r"val_tokens=100 applies to a source split by document, but this one's "
+                                         r"splits come from its layout"):
+        stage_dataset(str(tmp_path / "hf"), tmp_path / "fsx", "r", "1", val_tokens=100, workers=1)
+    src = budget_source(tmp_path / "src", {"a.jsonl": 20})
+    with pytest.raises(StageError, match=r"val_tokens=2,000 is more than half of the source's estimated \d"):
+        stage_dataset(str(src), tmp_path / "fsx", "r", "2", val_tokens=2000, workers=1)
+    with pytest.raises(ValueError, match="val_tokens must be 0"):
+        stage_dataset(str(src), tmp_path / "fsx", "r", "3", val_tokens=-1)
+    for version in ("1", "2"):
+        assert not (tmp_path / "fsx" / "datasets" / "r" / version / "manifest.json").exists()
+    res = CliRunner().invoke(cli, ["stage", str(src), "--fsx-root", str(tmp_path / "fsx"), "--name", "r",
+                                   "--version", "4", "--val-percent", "5", "--val-tokens", "100"])
+    assert res.exit_code == 2 and "--val-percent and --val-tokens both size the validation split; give one" in \
+        res.output
+    assert not (tmp_path / "fsx" / "datasets" / "r" / "4").exists()
+
+
+def test_a_val_tokens_estimate_from_part_of_a_large_file(tmp_path, monkeypatch):
+    import components.stage_budget as budget
+
+    monkeypatch.setattr(budget, "SAMPLE_BYTES", 20_000)    # the sample ends inside the first file
+    src = write_dir(tmp_path / "src", {f"{p}.jsonl.gz": compress(".gz", records(p, 700, with_id=False))
+                                       for p in "abc"})
+    stage_dataset(str(src), tmp_path / "fsx", "e", "1", val_tokens=20_000, workers=1)
+    m = read_manifest(tmp_path / "fsx" / "datasets" / "e" / "1")
+    total = m["splits"]["train"]["tokens"] + m["splits"]["val"]["tokens"]
+    # gzip's size says how much JSON the file holds, not how much of it is text: the estimate counts the JSON.
+    assert 1.0 <= m["split_source"]["estimated_tokens"] / total < 1.4, (m["split_source"], total)
+    assert 0.7 * 20_000 < m["splits"]["val"]["tokens"] < 1.3 * 20_000, m["splits"]["val"]

@@ -59,6 +59,10 @@ class _RichProgress:
 @click.option("--val-percent", default=5, show_default=True,
               help="When the source has no splits of its own: the share of documents in the validation split, "
                    "drawn by a hash of each document's id (else its file's path and position).")
+@click.option("--val-tokens", type=click.IntRange(min=1), default=None,
+              help="Instead of --val-percent: about this many tokens of documents in the validation split, drawn by "
+                   "the same hash against a share chosen from the source's estimated tokens (recorded in the "
+                   "manifest's split_source). Only for a source without splits of its own.")
 @click.option("--train-glob", default="",
               help="Comma-separated globs of the training split's files; overrides the source's own splits.")
 @click.option("--val-glob", default="",
@@ -88,7 +92,8 @@ class _RichProgress:
 @click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON on stdout (for scripts).")
 def stage(source: str, fsx_root: Path, name: str, version: str, endpoint_url: str | None, concurrency: int,
-          retry_mode: str, max_attempts: int, val_percent: int, train_glob: str, val_glob: str, batch_bytes: int,
+          retry_mode: str, max_attempts: int, val_percent: int, val_tokens: int | None, train_glob: str, val_glob: str,
+          batch_bytes: int,
           no_verify_etag: bool, tokenizer: str,
           data_format: str, text_field: str, text_column: str, include: str, exclude: str,
           bad_record_policy: str, refused_key_policy: str, workers: int | None, fsx_dra: bool,
@@ -112,6 +117,8 @@ def stage(source: str, fsx_root: Path, name: str, version: str, endpoint_url: st
 
     from components.stage import StageError, refused_counts, stage_dataset
 
+    if val_tokens is not None and click.get_current_context().get_parameter_source("val_percent").name != "DEFAULT":
+        raise click.UsageError("--val-percent and --val-tokens both size the validation split; give one")
     console = Console(stderr=True)
     columns = [TextColumn("{task.description:>8}"), BarColumn(), MofNCompleteColumn(), DownloadColumn(),
                TransferSpeedColumn(), TimeRemainingColumn()]
@@ -124,7 +131,8 @@ def stage(source: str, fsx_root: Path, name: str, version: str, endpoint_url: st
                                    data_format=data_format, text_field=text_field, text_column=text_column,
                                    include=include, exclude=exclude, bad_record_policy=bad_record_policy,
                                    refused_key_policy=refused_key_policy, workers=workers, train_glob=train_glob,
-                                   val_glob=val_glob, batch_bytes=batch_bytes, progress=progress)
+                                   val_glob=val_glob, batch_bytes=batch_bytes, val_tokens=val_tokens or 0,
+                                   progress=progress)
     except StageError as e:
         if as_json and e.result is not None:
             click.echo(json.dumps(e.result.to_dict()))
@@ -153,13 +161,16 @@ def splits_line(result) -> str:
     """How the splits were found, in a few words: ``by document, 5%`` or ``layout: validation files``."""
     src = result.split_source or {}
     by = src.get("by", "file")
+    if by == "document" and "val_tokens" in src:
+        return (f"by document, {src['val_share']:.2%} for validation: val_tokens {src['val_tokens']:,} of about "
+                f"{src['estimated_tokens']:,}")
     if by == "document":
         return f"by document, {src['val_percent']}% for validation"
     left = f", {src['left_out_files']} files left out" if src.get("left_out_files") else ""
     if by == "globs":
         return f"by --train-glob/--val-glob{left}"
-    return f"from the source's {'dataset card' if by == 'readme' else 'file names'}: {src['val_from']} files" \
-           f" for validation{left}"
+    found = {"readme": "dataset card", "dataset_info": f"dataset_info ({src.get('declared_in')})"}.get(by, "file names")
+    return f"from the source's {found}: {src['val_from']} files for validation{left}"
 
 
 def _report_refused(refused: list[dict], width: int) -> None:
