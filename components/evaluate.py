@@ -46,7 +46,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import tempfile
 import time
 import warnings
@@ -59,6 +58,8 @@ from components.eval_tasks import (TaskError, check_task_settings, gate_on_task,
 from components.register import (METADATA_FILE, PRODUCTION_FILE, Registry, load_registered_model, open_registry,
                                  publish_model)
 from components.report import render_report
+from trainer.digests import params_sha256
+from trainer.durable import write_text
 
 log = logging.getLogger(__name__)
 
@@ -144,18 +145,6 @@ def training_seq_len(run_config: dict, spec) -> int:
         if value:
             return int(value)
     return spec.max_seq_len
-
-
-def params_sha256(state_dict: dict) -> str:
-    """The identity of a set of weights, computed as the trainer's ``summary.json`` ``params_sha256``."""
-    import torch
-
-    h = hashlib.sha256()
-    for name in sorted(state_dict):
-        t = state_dict[name].detach().to("cpu").contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _check_whole(path: Path) -> None:
@@ -379,12 +368,6 @@ def _score_baseline(hf_dir: Path, run_spec_, data_dir: Path, windows: list, seq_
     return {"dir": str(hf_dir), "model": spec.describe(), "val_loss": loss,
             "bpb": bits_per_byte(loss, bytes_per_token), "windows": len(windows), "tokens": tokens,
             "eval_s": round(time.monotonic() - t0, 3)}
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
 
 
 # ------------------------------------------------------------------------------------------- core
@@ -654,5 +637,5 @@ def _finish(result: EvaluationResult, run_dir: Path, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
     result.evaluation_path = str(out_dir / "evaluation.json")
     result.report_path = str(out_dir / "report.html")
-    _write_atomic(out_dir / "report.html", render_report(result.to_dict(), run_dir))
-    _write_atomic(out_dir / "evaluation.json", json.dumps(result.to_dict(), indent=1))
+    write_text(out_dir / "report.html", render_report(result.to_dict(), run_dir))
+    write_text(out_dir / "evaluation.json", json.dumps(result.to_dict(), indent=1))

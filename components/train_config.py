@@ -39,6 +39,9 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+from trainer import layout
+from trainer.s3url import is_s3_url
+
 PRODUCTION = "production"
 """``init_from`` value naming the registry's current production model."""
 BASELINE_INIT_FROM = "init_from"
@@ -61,7 +64,7 @@ class TrainSettings(NamedTuple):
 
 def registry_name(model: str, model_name: str = "") -> str:
     """The registry name of the model: ``model_name``, else the built-in's name or the user module's last part."""
-    from components.stage import NAME_RE
+    from trainer.layout import NAME_RE
 
     name = model_name or model.partition(":")[0].rsplit(".", 1)[-1]
     if not NAME_RE.match(name):
@@ -105,7 +108,7 @@ def resolve_init_from(init_from: str, *, fsx_root: str, registry: str, model_nam
                              f"{record.get('format')!r}, not a Hugging Face directory (only models with a Hugging "
                              f"Face layout, such as llama, can be continued from)")
         init_from = record["model_uri"]
-    if init_from.startswith("s3://"):
+    if is_s3_url(init_from):
         return init_from, staged_model_dir(fsx_root, init_from)
     if "://" in init_from:
         raise ValueError(f"init_from {init_from!r}: give a Hugging Face model directory, s3://BUCKET/PREFIX of "
@@ -165,7 +168,7 @@ def tokenizer_vocab(tokenizer: str, reachable: bool = True) -> int | None:
     if spec == "bytes" or spec.startswith("bpe:"):
         parsed = parse_tokenizer(spec)
         return 256 if parsed.kind == "bytes" else parsed.vocab
-    if spec.startswith("s3://") or not reachable:
+    if is_s3_url(spec) or not reachable:
         return None                 # read when the data is staged; the trainer checks it then
     from tokenizers import Tokenizer
 
@@ -337,12 +340,12 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
     source, init_dir = resolve_init_from(init_from, fsx_root=root, registry=registry, model_name=name,
                                          endpoint_url=endpoint_url, reachable=reachable)
     baseline_dir = _baseline_dir(baseline, init_from, init_dir, require_beat_baseline, reachable)
-    run_dir = f"{root}/runs/{run_id}"
+    run_dir = str(layout.run_dir(root, run_id))
     # With init_from the directory's config.json is the architecture: a flavor would be ignored, so none is passed.
     flavor = model_flavor if model_flavor and not init_from.strip() else ""
     model_args = ["--model", model] + (["--model-flavor", flavor] if flavor else []) \
         + (["--model-config", model_config] if model_config.strip() else [])
-    head = ["--data", f"{root}/datasets/{dataset_name}/{dataset_version}", "--out", run_dir,
+    head = ["--data", str(layout.dataset_dir(root, dataset_name, dataset_version)), "--out", run_dir,
             "--max-steps", str(int(max_steps)), "--ckpt-every", str(int(ckpt_every))]
     tail = ["--seq-len", str(int(seq_len)), "--batch-size", str(int(batch_size)), "--parallel", parallel,
             "--seed", str(int(seed))]

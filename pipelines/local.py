@@ -43,6 +43,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer.durable import staging_dir
 from trainer.events import read_events
 
 # Pipeline arguments of the local demo, sized for 2 CPU cores: about 30 s of training steps, so that its
@@ -91,15 +92,9 @@ def default_source(fsx_root: Path) -> Path:
     files = default_source_files()
     if dest.is_dir() and len(list(dest.iterdir())) == len(files):
         return dest
-    tmp = Path(tempfile.mkdtemp(prefix=".src-", dir=dest.parent if dest.parent.exists() else None))
-    try:
+    with staging_dir(dest) as tmp:
         for f in files:
             shutil.copyfile(f, tmp / f.name)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 

@@ -18,6 +18,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .durable import write_text
+from .s3url import parse_s3_url
+
 
 def _f(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, "flag": flag, **kw})
@@ -237,8 +240,11 @@ class SpotConfig:
 
 def _mirror_and_spot_problems(c: CheckpointConfig, s: SpotConfig) -> list[str]:
     problems = []
-    if c.mirror and (not c.mirror.startswith("s3://") or not c.mirror[5:].split("/", 1)[0]):
-        problems.append(f"--ckpt-mirror must look like s3://BUCKET[/PREFIX], got {c.mirror!r}")
+    if c.mirror:
+        try:
+            parse_s3_url(c.mirror, "--ckpt-mirror")
+        except ValueError as e:
+            problems.append(str(e))
     for name, value, low in (("--ckpt-mirror-keep", c.mirror_keep, 1), ("--ckpt-mirror-concurrency",
                              c.mirror_concurrency, 1), ("--ckpt-mirror-part-mib", c.mirror_part_mib, 5),
                              ("--ckpt-mirror-max-attempts", c.mirror_max_attempts, 1)):
@@ -382,7 +388,7 @@ class TrainConfig:
         config), which evaluate and export rebuild the model from (``spec_from_run_config``)."""
         d = self.to_dict()
         d["model"].update(model or {})
-        path.write_text(json.dumps(d, indent=1, sort_keys=True))
+        write_text(path, json.dumps(d, indent=1, sort_keys=True))
 
 
 def _torch_available() -> bool:

@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -28,6 +27,7 @@ from pathlib import Path
 from . import compat
 from .config import parse_config
 from .data import default_dataset_dir, ensure_default_dataset
+from .digests import path_digest
 from .peer import SECRET_ENV as PEER_SECRET_ENV
 from .signals import STOP_SIGNALS, parent_death_preexec
 from .warmstart import STOPPED_S, process_state, wait_unless_stopped
@@ -430,7 +430,7 @@ class LocalCluster:
         # removes only the snapshots in it) leaves nothing the next one does not reuse; emptied at the start:
         # new nodes, empty memory.
         self.root = self._flag("--memory-snapshot-dir", Path("/dev/shm")) / "goodput-nodes-{}".format(
-            hashlib.sha256(str(self._flag("--out", Path("out")).resolve()).encode()).hexdigest()[:16])
+            path_digest(self._flag("--out", Path("out"))))
         shutil.rmtree(self.root, ignore_errors=True)
         self.stopping = False
         self.nodes = [LocalNode(i, self.root / f"node{i}", workdir / f"node{i}.log" if workdir else None)

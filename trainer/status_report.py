@@ -37,7 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .hooks import StepHook, StepReport
-from .layout import write_atomic
+from .durable import write_bytes
 from .metrics import RESTART_LAYERS, RunCollector
 
 log = logging.getLogger("trainer")
@@ -118,7 +118,7 @@ class FileSink(Sink):
         self.path = Path(out) / STATUS_FILE
 
     def send(self, figures: Figures) -> None:
-        write_atomic(self.path, figures.to_json().encode())
+        write_bytes(self.path, figures.to_json().encode())
 
 
 class TrainJobStatusSink(Sink):

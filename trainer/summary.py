@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import json
 import statistics
 from pathlib import Path
 
+from .durable import write_json
 from .goodput import account
 from .mirror import mirror_stats
 
@@ -47,6 +47,4 @@ def _median(values) -> float | None:
 
 
 def write_summary(path: Path, summary: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(summary, indent=1))
-    tmp.replace(path)
+    write_json(path, summary, indent=1)

@@ -22,7 +22,6 @@ the ``Session`` (``trainer.session``).
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 import math
 import time
@@ -33,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_state_dict
 
+from . import digests
 from .checkpoint import Checkpointer
 from .config import OptimConfig, TrainConfig
 from .data import BatchSampler, Split, eval_windows
@@ -99,14 +99,7 @@ def params_sha256(model: torch.nn.Module) -> str | None:
     Collective: every rank must call it.
     """
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:
-        return None
-    h = hashlib.sha256()
-    for name in sorted(full):
-        t = full[name].detach().to("cpu").contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return digests.params_sha256(full) if dist.get_rank() == 0 else None
 
 
 @torch.no_grad()

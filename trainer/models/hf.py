@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 import warnings
@@ -30,7 +29,7 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from ..layout import fsync_dir
+from ..durable import publish_dir
 from .spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -269,19 +268,7 @@ def _write_hf_dir(spec: ModelSpec, entries: list[tuple[str, tuple[int, ...], tor
     (tmp / CONFIG).write_text(json.dumps(spec.hf.hf_config(spec.config, cast or entries[0][2]), indent=2))
     if tokenizer_dir is not None:
         progress(f"copied {', '.join(_copy_tokenizer(Path(tokenizer_dir), tmp))}")
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    fsync_dir(tmp)
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
-    fsync_dir(out.parent)
+    publish_dir(tmp, out)
     return out
 
 
