@@ -30,7 +30,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from components import peer_secret
-from trainer import compat
+from trainer import compat, layout
 from trainer.launch import LaunchConfig, launcher_command
 from trainer.status_report import POD_NAME_ENV
 
@@ -326,9 +326,9 @@ class JobSpec:
 
         args = [str(a) for a in self.trainer_args]
         if not _has_flag(args, "--data"):
-            args += ["--data", f"{self.fsx_mount}/datasets/{DEFAULT_DATASET_NAME}/{default_dataset_version()}"]
+            args += ["--data", str(layout.dataset_dir(self.fsx_mount, DEFAULT_DATASET_NAME, default_dataset_version()))]
         if not _has_flag(args, "--out"):
-            args += ["--out", f"{self.fsx_mount}/runs/{self.name}"]
+            args += ["--out", str(layout.run_dir(self.fsx_mount, self.name))]
         if self.metrics_port and not _has_flag(args, "--metrics-port"):
             args += ["--metrics-port", str(self.metrics_port)]
         return args

@@ -64,7 +64,7 @@ from components.stage_tokenize import (BAD_RECORD_POLICIES, BATCH_BYTES, PACK_BY
 from components.stage_tokenizer import (TokenizerInfo, TokenizerSpec, check_tokenizer_source, parse_tokenizer,
                                         stage_tokenizer)
 from trainer.durable import move, rename, write_bytes
-from trainer.layout import dataset_dir
+from trainer.layout import MANIFEST, dataset_dir
 from trainer.s3url import is_s3_url, parse_s3_url
 
 log = logging.getLogger(__name__)
@@ -984,7 +984,7 @@ def remove_stale_files(raw: Path, wanted: set[str]) -> int:
 
 def read_previous_manifest(dest: Path) -> dict | None:
     """The dataset's manifest, or the one a rebuild in progress set aside (``.stage/previous-manifest.json``)."""
-    for path in (dest / "manifest.json", dest / STAGE_DIR / PREVIOUS_MANIFEST):
+    for path in (dest / MANIFEST, dest / STAGE_DIR / PREVIOUS_MANIFEST):
         try:
             return json.loads(path.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
@@ -995,9 +995,9 @@ def read_previous_manifest(dest: Path) -> dict | None:
 def retire_manifest(dest: Path) -> None:
     """Before any shard is rewritten: the old manifest leaves (a directory with a manifest is complete), kept
     aside so that its object records still let a rerun skip unchanged objects."""
-    if (dest / "manifest.json").exists():
+    if (dest / MANIFEST).exists():
         (dest / STAGE_DIR).mkdir(exist_ok=True)
-        move(dest / "manifest.json", dest / STAGE_DIR / PREVIOUS_MANIFEST)
+        move(dest / MANIFEST, dest / STAGE_DIR / PREVIOUS_MANIFEST)
 
 
 def remove_unlisted_shards(dest: Path, manifest: dict) -> None:
@@ -1081,7 +1081,7 @@ class DatasetBuilder:
         result = self.result
         extra = manifest_extra(objects, self.settings, result.refused, mode)
         previous = read_previous_manifest(self.dest)
-        unchanged = (previous is not None and (self.dest / "manifest.json").exists() and result.transferred == 0
+        unchanged = (previous is not None and (self.dest / MANIFEST).exists() and result.transferred == 0
                      and result.removed == 0 and previous.get("source") == self.uri
                      and all(previous.get(k) == v for k, v in extra.items()))
         plan = split_plan(self.dest, objects, self.settings)
@@ -1099,7 +1099,7 @@ class DatasetBuilder:
                                                       self.workers, result, progress)
             manifest = assemble_manifest(self.uri, self.settings, plan, info, dtype, entries, shards, extra,
                                          result)
-            write_bytes(self.dest / "manifest.json", json.dumps(manifest, indent=1).encode())
+            write_bytes(self.dest / MANIFEST, json.dumps(manifest, indent=1).encode())
             remove_unlisted_shards(self.dest, manifest)
             (self.dest / STAGE_DIR / PREVIOUS_MANIFEST).unlink(missing_ok=True)
             result.rebuilt = True

@@ -34,6 +34,7 @@ from components.stage_tokenize import BATCH_BYTES, PACK_BYTES, partitions, plan_
 from components.stage_tokenizer import TokenizerInfo, check_tokenizer_source
 from trainer.data import read_manifest
 from trainer.durable import write_bytes
+from trainer.layout import MANIFEST
 
 PLAN = "plan.json"
 PARTS = "parts"
@@ -161,7 +162,7 @@ def plan_stage(
 def _unchanged(dest: Path, uri: str, objects: list[StagedObject], settings: DatasetSettings, refused: list[dict],
                build: DatasetBuilder) -> bool:
     """The dataset's manifest already describes these objects, settings and tokenizer, and raw/ holds them."""
-    previous = read_previous_manifest(dest) if (dest / "manifest.json").exists() else None
+    previous = read_previous_manifest(dest) if (dest / MANIFEST).exists() else None
     extra = manifest_extra(objects, settings, refused)
     if previous is None or previous.get("source") != uri or any(previous.get(k) != v for k, v in extra.items()):
         return False
@@ -235,7 +236,7 @@ def merge_stage(fsx_root: str | Path, name: str, version: str) -> StageResult:
     info = TokenizerInfo(**plan["tokenizer"])
     manifest = assemble_manifest(plan["source"], settings, _split_plan(plan), info, dtypes.pop(), entries, shards,
                                  manifest_extra(objects, settings, plan["refused"]), result)
-    write_bytes(dest / "manifest.json", json.dumps(manifest, indent=1).encode())
+    write_bytes(dest / MANIFEST, json.dumps(manifest, indent=1).encode())
     remove_unlisted_shards(dest, manifest)
     state = dest / STAGE_DIR
     for journal in [state / JOURNAL, *state.glob(f"*/{JOURNAL}")]:

@@ -31,8 +31,8 @@ from typing import Iterable
 import numpy as np
 
 from .durable import publish_file, temp_name, write_bytes
+from .layout import MANIFEST, dataset_dir
 
-MANIFEST = "manifest.json"
 FORMAT = "goodput-dataset/2"
 # /1 had no token_dtype other than uint8 and no tokenizer fields; it reads as a byte-level dataset.
 READABLE_FORMATS = ("goodput-dataset/1", FORMAT)
@@ -248,7 +248,7 @@ def bytes_per_token(manifest: dict, split: str = "val") -> float:
 
 
 def default_dataset_dir(fsx_root: Path) -> Path:
-    return Path(fsx_root) / "datasets" / DEFAULT_DATASET_NAME / default_dataset_version()
+    return dataset_dir(fsx_root, DEFAULT_DATASET_NAME, default_dataset_version())
 
 
 def ensure_default_dataset(fsx_root: Path) -> Path:

@@ -26,6 +26,7 @@ from pathlib import Path
 
 from . import compat
 from .config import parse_config
+from . import layout
 from .data import default_dataset_dir, ensure_default_dataset
 from .digests import path_digest
 from .peer import SECRET_ENV as PEER_SECRET_ENV
@@ -244,7 +245,7 @@ def validate_launch(trainer_args: list[str], launch: LaunchConfig, fsx_root: Pat
     check_faults(cfg.faults.inject_fault, int(launch.nproc_per_node) * int(launch.nnodes), cfg.run.max_steps)
     _check_writable(Path(cfg.run.out), "--out")
     if default_data:
-        if not (default_dataset_dir(fsx_root) / "manifest.json").is_file():   # to be built
+        if not (default_dataset_dir(fsx_root) / layout.MANIFEST).is_file():   # to be built
             _check_writable(default_dataset_dir(fsx_root), "--fsx-root: the default dataset directory")
     else:
         _check_dataset(Path(cfg.data.data), cfg)
@@ -317,7 +318,7 @@ def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: 
         return 128 + stopped_by[0], None
     if code < 0:
         code = 128 - code
-    summary_path = Path(cfg.run.out) / "summary.json"
+    summary_path = layout.summary_path(cfg.run.out)
     summary = json.loads(summary_path.read_text()) if code == 0 and summary_path.exists() else None
     return code, summary
 
@@ -325,7 +326,7 @@ def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: 
 def _any_rank_started(out: Path, since: float) -> bool:
     from .events import read_events
 
-    return any(e["event"] == "run_start" and e["t"] >= since for e in read_events(out / "events.jsonl"))
+    return any(e["event"] == "run_start" and e["t"] >= since for e in read_events(layout.events_path(out)))
 
 
 # ---- many nodes on this machine -----------------------------------------------------------------------
@@ -638,7 +639,7 @@ def last_stop(trainer_args: list[str], since: float) -> int | None:
         out = Path(parse_config(trainer_args + (["--data", "-"] if "--data" not in trainer_args else [])).run.out)
     except ValueError:
         return None
-    exits = [e for e in read_events(out / "events.jsonl") if e["event"] == "exit" and e["t"] >= since]
+    exits = [e for e in read_events(layout.events_path(out)) if e["event"] == "exit" and e["t"] >= since]
     return exits[-1]["step"] if exits else None
 
 

@@ -33,6 +33,9 @@ def _component(what: str, value: str) -> str:
     return value
 
 
+MANIFEST = "manifest.json"      # a dataset directory is complete once its manifest exists
+
+
 def dataset_dir(fsx_root: str | Path, name: str, version: str) -> Path:
     """``<fsx_root>/datasets/<name>/<version>``; name and version must be plain path components."""
     return Path(fsx_root) / DATASETS / _component("dataset name", name) / _component("dataset version", version)
@@ -49,9 +52,13 @@ def pretrained_dir(fsx_root: str | Path, bucket: str = "", prefix: str = "") -> 
     return Path(fsx_root) / PRETRAINED / bucket / prefix.strip("/")
 
 
+def runs_dir(fsx_root: str | Path) -> Path:
+    return Path(fsx_root) / RUNS
+
+
 def run_dir(fsx_root: str | Path, run_id: str) -> Path:
     """The run directory of run ``run_id`` (a KFP run id, a job name)."""
-    return Path(fsx_root) / RUNS / run_id
+    return runs_dir(fsx_root) / run_id
 
 
 def models_dir(fsx_root: str | Path) -> Path:
@@ -89,8 +96,11 @@ def progress_path(out: str | Path) -> Path:
 
 
 def evaluation_dir(out: str | Path) -> Path:
-    """Evaluate's default output directory (evaluation.json, report.html)."""
+    """Evaluate's default output directory (``EVALUATION_FILE``, ``REPORT_FILE``)."""
     return Path(out) / "evaluation"
+
+
+EVALUATION_FILE, REPORT_FILE = "evaluation.json", "report.html"      # in evaluate's output directory
 
 
 COMMITTED = "COMMITTED"

@@ -38,6 +38,7 @@ from .config import OptimConfig, TrainConfig
 from .data import BatchSampler, Split, eval_windows
 from .events import EventLog, read_events
 from .hooks import StepHook, StepReport
+from .layout import summary_path
 from .live_state import LiveStateDict
 from .mesh import launcher_mesh
 from .models import ModelSpec, ParallelPlan, build_model, num_params
@@ -304,7 +305,7 @@ class Trainer:
                 summary = summarize(read_events(self.session.events_path), steps=state.step, tokens=state.tokens,
                                     final_val_loss=val_loss, params_sha256=sha, n_params=self.n_params,
                                     mesh=self.d.shape.describe())
-                write_summary(self.session.out / "summary.json", summary)
+                write_summary(summary_path(self.session.out), summary)
                 log.info("done: %d steps, val loss %.4f, %d checkpoints, goodput %.3f, params %s", state.step,
                          val_loss, summary["checkpoints_committed"], summary["goodput"], sha[:16])
             dist.destroy_process_group()
