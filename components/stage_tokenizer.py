@@ -75,6 +75,7 @@ def parse_tokenizer(spec: str) -> TokenizerSpec:
                              f"({BPE_MIN_VOCAB})")
         return TokenizerSpec("bpe", spec, vocab=vocab)
     if is_s3_url(spec):
+        parse_s3_url(spec, "tokenizer")     # a bad URL is refused here, before anything is staged
         return TokenizerSpec("file", spec, location=spec)
     if "://" in spec:
         raise ValueError(f"tokenizer {spec!r}: use bytes, bpe:VOCAB, a tokenizer.json or model directory, or s3://")

@@ -13,6 +13,8 @@ fsynced, swapped in (the old one set aside first), and its parent fsynced.
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import errno
 import json
 import os
 import shutil
@@ -97,10 +99,18 @@ def copy_file(src: Path, path: Path) -> None:
 
 
 def publish_dir(staged: Path, path: Path) -> None:
-    """Directory ``staged``, complete, becomes ``path``: its files fsynced, then swapped in, any old ``path``
-    set aside first, so that ``path`` is at every moment absent, the old one or the whole new one."""
+    """Directory ``staged``, complete, becomes ``path``: its files fsynced, then swapped in, so that ``path``
+    is at every moment the old directory or the whole new one.
+
+    Where the file system cannot exchange two names atomically (Lustre, kernels before 3.15), the old one is
+    set aside first: ``path`` is then absent for the moment between two renames.
+    """
     staged, path = Path(staged), Path(path)
     fsync_tree(staged)
+    if path.exists() and _exchange(staged, path):
+        fsync_dir(path.parent)
+        shutil.rmtree(staged)       # the old one, under the staged name
+        return
     old = path.with_name(f".{path.name}.old")
     if path.exists():
         shutil.rmtree(old, ignore_errors=True)
@@ -108,6 +118,23 @@ def publish_dir(staged: Path, path: Path) -> None:
     os.replace(staged, path)
     fsync_dir(path.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2
+_libc = ctypes.CDLL(None, use_errno=True)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap names ``a`` and ``b`` in one step (Linux ``renameat2(RENAME_EXCHANGE)``); False where unsupported."""
+    renameat2 = getattr(_libc, "renameat2", None)
+    if renameat2 is None:
+        return False
+    if renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
 @contextlib.contextmanager
