@@ -21,7 +21,7 @@ from trainer.durable import staging_dir, write_bytes, write_json
 from trainer.s3url import S3Url, parse_s3_url
 
 REPO = Path(__file__).resolve().parent.parent
-SOURCES = [p for d in ("trainer", "components", "pipelines") for p in sorted((REPO / d).rglob("*.py"))]
+SOURCES = [p for d in ("trainer", "components", "pipelines", "bench") for p in sorted((REPO / d).rglob("*.py"))]
 
 
 # ------------------------------------------------------------------------------ durable writes
