@@ -3,9 +3,9 @@ components use it too), so that a crash at any moment leaves the old content or 
 
 A file is written under a temporary name beside it, fsynced, renamed over the target, and the directory is
 fsynced (the rename itself is durable only then). A directory is built beside its target, every file in it
-fsynced, swapped in (the old one set aside first), and its parent fsynced.
+fsynced, exchanged with the old one in one step, and its parent fsynced.
 
-    write_json(out / "summary.json", summary, indent=1)
+    write_json(layout.summary_path(out), summary, indent=1)
     with staging_dir(dest) as tmp:
         (tmp / "model.safetensors").write_bytes(data)     # dest appears, complete, when the block ends
 """
