@@ -63,7 +63,7 @@ from components.stage_tokenize import (BAD_RECORD_POLICIES, BATCH_BYTES, PACK_BY
                                        dataset_manifest, plan_packs, tokenize_packs, worker_allocator)
 from components.stage_tokenizer import (TokenizerInfo, TokenizerSpec, check_tokenizer_source, parse_tokenizer,
                                         stage_tokenizer)
-from trainer.durable import move, rename, write_bytes
+from trainer.durable import move, rename_unsynced, write_bytes
 from trainer.layout import MANIFEST, dataset_dir
 from trainer.s3url import is_s3_url, parse_s3_url
 
@@ -367,7 +367,7 @@ class _Finisher:
         if parent not in self.made_dirs:
             os.makedirs(parent, exist_ok=True)
             self.made_dirs.add(parent)
-        rename(target.path, final)     # made to count by the journal and the manifest
+        rename_unsynced(target.path, final)     # made to count by the journal and the manifest
         self.journal.record(obj)
         with self.lock:
             self.result.transferred += 1

@@ -21,8 +21,8 @@ import shutil
 from pathlib import Path
 from typing import Iterator
 
-__all__ = ["temp_name", "fsync_file", "fsync_dir", "fsync_tree", "rename", "move", "publish_file", "write_bytes",
-           "write_text", "write_json", "copy_file", "publish_dir", "staging_dir"]
+__all__ = ["temp_name", "fsync_file", "fsync_dir", "fsync_tree", "rename_unsynced", "move", "publish_file",
+           "write_bytes", "write_text", "write_json", "copy_file", "publish_dir", "staging_dir"]
 
 
 def temp_name(path: Path) -> Path:
@@ -53,7 +53,7 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(dirpath)
 
 
-def rename(src: Path, dst: Path) -> None:
+def rename_unsynced(src: Path, dst: Path) -> None:
     """Rename ``src`` over ``dst`` atomically but without waiting for the disk: only for many files placed in
     a directory that a later commit record (a manifest, a marker) written with ``write_*`` makes count."""
     os.replace(src, dst)
