@@ -11,6 +11,7 @@ import sys
 import time
 from pathlib import Path
 
+from trainer import layout
 from trainer.data import ensure_default_dataset
 from trainer.events import read_events
 from trainer.launch import LaunchConfig, local_launcher_command
@@ -43,11 +44,11 @@ def train(out: Path, args: list[str], launch: LaunchConfig | None = None, launch
 
 
 def summary(out: Path) -> dict:
-    return json.loads((out / "summary.json").read_text())
+    return json.loads(layout.summary_path(out).read_text())
 
 
 def events(out: Path) -> list[dict]:
-    return read_events(out / "events.jsonl")
+    return read_events(layout.events_path(out))
 
 
 def torchrun(nproc: int, max_restarts: int) -> list[str]:

@@ -38,6 +38,7 @@ from _runs import dataset, events, summary, table, train
 
 from trainer.checkpoint.integrity import digest
 from trainer.launch import LaunchConfig
+from trainer.layout import checkpoints_dir
 
 
 def _p50(fn, n: int = 10) -> float:
@@ -84,8 +85,8 @@ def main() -> None:
         median_step = statistics.median(v for k, v in step_s.items() if k not in after and k > 2)
         extra = statistics.mean(step_s[k] - median_step for k in after if k in step_s)
         s = summary(out)
-        state_mb = sum(f.stat().st_size for f in (out / "checkpoints").glob("step_*/*.distcp")) / 2 / 1e6
-        newest = sorted((out / "checkpoints").glob("step_*"))[-1]
+        state_mb = sum(f.stat().st_size for f in checkpoints_dir(out).glob("step_*/*.distcp")) / 2 / 1e6
+        newest = sorted(checkpoints_dir(out).glob("step_*"))[-1]
         rank0_bytes = sum(f.stat().st_size for f in newest.glob("__0_*.distcp"))
         commit_s = [e["commit_s"] for e in log if e["event"] == "ckpt_committed" and e["step"] < a.steps]
         results[name] = {"blocks": blocks, "wall": wall, "sha": s["params_sha256"], "state_mb": state_mb,

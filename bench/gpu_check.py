@@ -39,6 +39,7 @@ import torch
 from _runs import dataset, events, summary, table, train
 
 from trainer.launch import LaunchConfig
+from trainer.layout import checkpoints_dir
 
 
 def main() -> None:
@@ -85,7 +86,7 @@ def main() -> None:
         steps = [e["step_s"] for e in log if e["event"] == "step" and e["step"] > 5]
         copies = [e["copy_s"] for e in log if e["event"] == "memory_snapshot"]
         ckpt_copies = [e["copy_s"] for e in log if e["event"] == "ckpt_snapshot" and "copy_s" in e]
-        ckpts = (out / "checkpoints").glob("step_*")
+        ckpts = checkpoints_dir(out).glob("step_*")
         state_gb = max((sum(f.stat().st_size for f in d.glob("*.distcp")) for d in ckpts), default=0) / nproc / 1e9
         loads = [(e["source"], e["step"]) for e in log if e["event"] == "ckpt_loaded"]
         sha[name] = s["params_sha256"]

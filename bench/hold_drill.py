@@ -71,10 +71,11 @@ def _round(root: Path, hold: bool, steps_between: int) -> list[tuple[int, list[s
     from trainer.checkpoint import CheckpointManager, step_dir
     from trainer.config import CheckpointConfig
     from trainer.events import EventLog
+    from trainer.layout import events_path
     from trainer.parallel import Dist
 
     d = Dist(0, 1, 0, torch.device("cpu"))
-    mgr = CheckpointManager(root / "ckpt", CheckpointConfig(), d, EventLog(root / "events.jsonl", 0))
+    mgr = CheckpointManager(root / "ckpt", CheckpointConfig(), d, EventLog(events_path(root), 0))
     mgr.writer.holds_while_booting = hold
     expected = {}
     try:

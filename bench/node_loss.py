@@ -51,6 +51,7 @@ from pathlib import Path
 from _runs import dataset, events, table
 
 from trainer.launch import LOCAL_KEEP_ALIVE, LOCAL_RDZV_POLL_S, LaunchConfig, LocalCluster
+from trainer.layout import run_dir, summary_path
 
 TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8",
         "--eval-windows", "16", "--log-every", "5", "--max-steps", "160", "--ckpt-every", "40",
@@ -98,7 +99,7 @@ def _steady(ev: list[dict]) -> bool:
 
 def run(kind: str, root: Path, data: Path, lose: bool, timeout: float, launch: LaunchConfig = LAUNCH,
         name: str | None = None) -> dict:
-    out = root / "runs" / (name or f"{kind}{'' if lose else '-clean'}")
+    out = run_dir(root, name or f"{kind}{'' if lose else '-clean'}")
     args = ["--data", str(data), *TINY, "--out", str(out), *(["--no-peer-snapshots"] if kind in PEER_OFF else [])]
     cluster = (TorchrunCluster if kind == "torchrun" else LocalCluster)(
         launch, args, workdir=out.parent / out.name, standby=int(kind == "standby" and lose))
@@ -120,7 +121,7 @@ def run(kind: str, root: Path, data: Path, lose: bool, timeout: float, launch: L
         except TimeoutError:
             result["code"] = "timeout"
         logs = [n.log for n in cluster.nodes]    # the survivor's, and the replacement's (a standby's own)
-    summary = out / "summary.json"
+    summary = summary_path(out)
     result["sha"] = json.loads(summary.read_text())["params_sha256"] if summary.exists() else None
     ev = events(out)
     result["step_s_p50"] = statistics.median(e["step_s"] for e in ev if e["event"] == "step" and e["step"] > 5)

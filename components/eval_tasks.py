@@ -35,6 +35,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from trainer.s3url import is_s3_url, parse_s3_url
+
 log = logging.getLogger(__name__)
 
 VAL_LOSS = "val_loss"
@@ -82,9 +84,11 @@ def parse_eval_tasks(value: str | list | tuple | None) -> list[str]:
         if not item:
             continue
         is_file = item.endswith(TASK_FILE_SUFFIXES)
-        if "://" in item and not (item.startswith("s3://") and is_file):
+        if "://" in item and not (is_s3_url(item) and is_file):
             raise TaskError(f"eval task {item!r}: give a harness task name, a task file (.yaml) or s3://BUCKET/"
                             f"PREFIX/FILE.yaml")
+        if is_s3_url(item) and not parse_s3_url(item, "eval task").key:
+            raise TaskError(f"eval task {item!r}: name the task file, s3://BUCKET/PREFIX/FILE.yaml")
         if not is_file and not _NAME.match(item):
             raise TaskError(f"eval task {item!r}: not a harness task name (letters, digits, '_', '-', '.') nor a "
                             f"task file (.yaml)")
@@ -154,10 +158,10 @@ def _cwd(path: Path | None):
 def _copy_s3_task_dir(uri: str, dest: Path, endpoint_url: str | None) -> Path:
     """Every object under the task file's S3 "directory" into ``dest``; returns the local task file."""
     from components.s3 import s3_client
-    from components.stage import parse_source, unsafe_reason
+    from components.stage import unsafe_reason
 
-    bucket, key = parse_source(uri)
-    key = key.rstrip("/")              # parse_source reads a prefix; this names a file
+    url = parse_s3_url(uri, "eval task")
+    bucket, key = url.bucket, url.key
     prefix = key.rpartition("/")[0] + "/" if "/" in key else ""
     client = s3_client(endpoint_url, retry_mode="standard", max_attempts=5)
     for page in client.get_paginator("list_objects_v2").paginate(Bucket=bucket, Prefix=prefix):
@@ -207,7 +211,7 @@ def load_tasks(items: list[str], limit: int | None, scratch: Path, endpoint_url:
     for n, item in enumerate(items):
         path, where = None, None
         if item.endswith(TASK_FILE_SUFFIXES):
-            if item.startswith("s3://"):
+            if is_s3_url(item):
                 dest = scratch / f"task-{n}"
                 dest.mkdir(parents=True, exist_ok=True)
                 path = _copy_s3_task_dir(item, dest, endpoint_url)

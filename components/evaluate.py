@@ -46,7 +46,6 @@ import hashlib
 import json
 import logging
 import math
-import os
 import tempfile
 import time
 import warnings
@@ -59,6 +58,9 @@ from components.eval_tasks import (TaskError, check_task_settings, gate_on_task,
 from components.register import (METADATA_FILE, PRODUCTION_FILE, Registry, load_registered_model, open_registry,
                                  publish_model)
 from components.report import render_report
+from trainer import layout
+from trainer.digests import params_sha256
+from trainer.durable import write_text
 
 log = logging.getLogger(__name__)
 
@@ -116,7 +118,7 @@ class EvaluationResult:
 # ------------------------------------------------------------------------------------- model I/O
 def read_run_config(run_dir: Path) -> dict:
     """The run's saved ``config.json`` (a dict: its sections as the trainer wrote them)."""
-    path = run_dir / "config.json"
+    path = layout.config_path(run_dir)
     if not path.is_file():
         raise EvaluationError(f"{path} not found: {run_dir} is not a run directory of `goodput train`")
     try:
@@ -144,18 +146,6 @@ def training_seq_len(run_config: dict, spec) -> int:
         if value:
             return int(value)
     return spec.max_seq_len
-
-
-def params_sha256(state_dict: dict) -> str:
-    """The identity of a set of weights, computed as the trainer's ``summary.json`` ``params_sha256``."""
-    import torch
-
-    h = hashlib.sha256()
-    for name in sorted(state_dict):
-        t = state_dict[name].detach().to("cpu").contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
 
 
 def _check_whole(path: Path) -> None:
@@ -381,12 +371,6 @@ def _score_baseline(hf_dir: Path, run_spec_, data_dir: Path, windows: list, seq_
             "eval_s": round(time.monotonic() - t0, 3)}
 
 
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 # ------------------------------------------------------------------------------------------- core
 def evaluate_run(
     run_dir: str | Path,
@@ -464,7 +448,7 @@ def evaluate_run(
     data_dir = Path(data_dir or data.get("data") or "")
     if not str(data_dir) or data_dir == Path("."):
         raise EvaluationError(f"{run_dir}/config.json names no dataset; give the dataset directory (--data)")
-    out_dir = Path(out_dir) if out_dir else run_dir / "evaluation"
+    out_dir = Path(out_dir) if out_dir else layout.evaluation_dir(run_dir)
     reg = open_registry(registry, endpoint_url) if registry else None
     val = Split.open(data_dir, "val")       # a bad dataset fails here, before any work
     bpt = bytes_per_token(read_manifest(data_dir), "val")
@@ -482,22 +466,22 @@ def evaluate_run(
         return cache[length]
 
     windows = windows_for(seq_len)
-    root = run_dir / "checkpoints"
+    root = layout.checkpoints_dir(run_dir)
     committed = committed_steps(root)
     steps = committed[-last_n:] if last_n else committed
     result = EvaluationResult(run_dir=str(run_dir), data_dir=str(data_dir), out_dir=str(out_dir),
                               model=spec.describe(), seq_len=seq_len, bytes_per_token=bpt)
-    summary_path = run_dir / "summary.json"
+    summary_path = layout.summary_path(run_dir)
     if summary_path.is_file():
         try:
             result.summary = json.loads(summary_path.read_text())
         except json.JSONDecodeError as e:
             log.warning("%s is unreadable: %s", summary_path, e)
     if root.is_dir():
-        for p in sorted(root.glob("step_*")):
-            step = p.name[len("step_"):]
-            if p.is_dir() and step.isdigit() and int(step) not in committed:
-                result.skipped.append({"step": int(step), "path": str(p),
+        for p in sorted(root.iterdir()):
+            step = layout.step_of(p)
+            if p.is_dir() and step is not None and step not in committed:
+                result.skipped.append({"step": step, "path": str(p),
                                        "reason": "not committed (torn or in progress)"})
     if not steps:
         raise EvaluationError(f"no committed checkpoint under {root}")
@@ -616,8 +600,8 @@ def _register(reg: Registry, model_name: str, run_dir: Path, data_dir: Path, spe
     if tokenizer_dir is None and tokenizer["kind"] == "bytes" and spec.hf is not None and has_transformers():
         tokenizer_dir = byte_tokenizer_dir(tmp)     # so the registered directory loads with AutoTokenizer too
     manifest_sha = None
-    if (data_dir / "manifest.json").is_file():
-        manifest_sha = hashlib.sha256((data_dir / "manifest.json").read_bytes()).hexdigest()
+    if (data_dir / layout.MANIFEST).is_file():
+        manifest_sha = hashlib.sha256((data_dir / layout.MANIFEST).read_bytes()).hexdigest()
     metadata = {
         "model_name": model_name,
         "version": version,
@@ -643,8 +627,8 @@ def _register(reg: Registry, model_name: str, run_dir: Path, data_dir: Path, spe
         return publish_model_mlflow(reg, model_name, version, spec, result.best_state, metadata, tmp,
                                     tokenizer_dir=tokenizer_dir, max_shard_bytes=max_shard_bytes,
                                     checkpoints=result.checkpoints,
-                                    files={"report.html": report,
-                                           "evaluation.json": json.dumps(result.to_dict(), indent=1)})
+                                    files={layout.REPORT_FILE: report,
+                                           layout.EVALUATION_FILE: json.dumps(result.to_dict(), indent=1)})
     return publish_model(reg, model_name, version, spec, result.best_state, metadata, tmp,
                          tokenizer_dir=tokenizer_dir, max_shard_bytes=max_shard_bytes,
                          production_extra={"val_loss": best["val_loss"], "tasks": best.get("tasks")})
@@ -652,7 +636,7 @@ def _register(reg: Registry, model_name: str, run_dir: Path, data_dir: Path, spe
 
 def _finish(result: EvaluationResult, run_dir: Path, out_dir: Path) -> None:
     out_dir.mkdir(parents=True, exist_ok=True)
-    result.evaluation_path = str(out_dir / "evaluation.json")
-    result.report_path = str(out_dir / "report.html")
-    _write_atomic(out_dir / "report.html", render_report(result.to_dict(), run_dir))
-    _write_atomic(out_dir / "evaluation.json", json.dumps(result.to_dict(), indent=1))
+    result.evaluation_path = str(out_dir / layout.EVALUATION_FILE)
+    result.report_path = str(out_dir / layout.REPORT_FILE)
+    write_text(out_dir / layout.REPORT_FILE, render_report(result.to_dict(), run_dir))
+    write_text(out_dir / layout.EVALUATION_FILE, json.dumps(result.to_dict(), indent=1))

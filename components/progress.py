@@ -14,7 +14,8 @@ import threading
 from pathlib import Path
 from typing import Callable, Iterator
 
-from trainer.status_report import ANNOTATION, STATUS_FILE, Figures
+from trainer.layout import progress_path
+from trainer.status_report import ANNOTATION, Figures
 
 
 def format_duration(seconds: float) -> str:
@@ -64,7 +65,7 @@ def from_pods(pods: list[dict]) -> Figures | None:
 
 def from_file(run_dir: Path) -> Figures | None:
     try:
-        return Figures.from_json((Path(run_dir) / STATUS_FILE).read_text())
+        return Figures.from_json(progress_path(run_dir).read_text())
     except (OSError, ValueError, TypeError, KeyError):
         return None
 

@@ -28,7 +28,7 @@ from pathlib import PurePosixPath
 from typing import Any
 
 from components import peer_secret
-from trainer import compat
+from trainer import compat, layout
 from trainer.launch import LaunchConfig, launcher_command
 from trainer.status_report import POD_NAME_ENV
 
@@ -326,9 +326,9 @@ class JobSpec:
         from trainer.data import DEFAULT_DATASET_NAME, default_dataset_version
 
         values = settings_values(self.trainer, "trainer")
-        values["data"].setdefault("data", f"{self.fsx_mount}/datasets/{DEFAULT_DATASET_NAME}/"
-                                          f"{default_dataset_version()}")
-        values["run"].setdefault("out", f"{self.fsx_mount}/runs/{self.name}")
+        default_data = layout.dataset_dir(self.fsx_mount, DEFAULT_DATASET_NAME, default_dataset_version())
+        values["data"].setdefault("data", str(default_data))
+        values["run"].setdefault("out", str(layout.run_dir(self.fsx_mount, self.name)))
         values["metrics"].setdefault("metrics_port", self.metrics_port)
         return TrainConfig.from_values(values)
 

@@ -29,11 +29,12 @@ metadata are the version, URI, format, step, loss and ``params_sha256``. The KFP
 from __future__ import annotations
 
 import json
-import os
-import shutil
 import time
 from pathlib import Path
 from typing import Any, Callable
+
+from trainer.durable import copy_file, write_bytes
+from trainer.s3url import is_s3_url, parse_s3_url
 
 MODEL_FILE = "model.pt"
 METADATA_FILE = "metadata.json"
@@ -74,13 +75,12 @@ class Registry:
     def __init__(self, uri: str, endpoint_url: str | None = None):
         check_registry_uri(uri)
         self.uri = uri.rstrip("/")
-        self.s3 = self.uri.startswith("s3://")
+        self.s3 = is_s3_url(self.uri)
         if self.s3:
             from components.s3 import s3_client
 
-            self.bucket, _, self.prefix = self.uri[len("s3://"):].partition("/")
-            if not self.bucket:
-                raise ValueError(f"registry {uri!r}: no bucket name; expected s3://BUCKET[/PREFIX]")
+            url = parse_s3_url(self.uri, "registry")
+            self.bucket, self.prefix = url.bucket, url.key
             self.client = s3_client(endpoint_url, retry_mode="standard", max_attempts=5)
 
     def _key(self, rel: str) -> str:
@@ -125,9 +125,7 @@ class Registry:
         else:
             dest = Path(self.uri) / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(f".{dest.name}.tmp")
-            shutil.copyfile(src, tmp)
-            os.replace(tmp, dest)
+            copy_file(src, dest)
         return self.location(rel)
 
     def put_json(self, obj: dict, rel: str) -> str:
@@ -138,9 +136,7 @@ class Registry:
         else:
             dest = Path(self.uri) / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
-            tmp = dest.with_name(f".{dest.name}.tmp")
-            tmp.write_bytes(data)
-            os.replace(tmp, dest)
+            write_bytes(dest, data)
         return self.location(rel)
 
 

@@ -26,6 +26,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from trainer.events import read_events
+from trainer.layout import events_path, summary_path
 from trainer.mesh import MeshShape
 
 _E = html.escape
@@ -586,12 +587,12 @@ def render_report(evaluation: dict, run_dir: Path) -> str:
     """The report page of a run: ``evaluation`` is ``EvaluationResult.to_dict()`` (its ``summary`` is the
     run's summary.json; read from ``run_dir`` when absent), ``run_dir`` holds ``events.jsonl``."""
     run_dir = Path(run_dir)
-    events = sorted((e for e in read_events(run_dir / "events.jsonl") if isinstance(e.get("t"), (int, float))),
+    events = sorted((e for e in read_events(events_path(run_dir)) if isinstance(e.get("t"), (int, float))),
                     key=lambda e: e["t"])
     summary = evaluation.get("summary")
-    if summary is None and (run_dir / "summary.json").is_file():
+    if summary is None and summary_path(run_dir).is_file():
         try:
-            summary = json.loads((run_dir / "summary.json").read_text())
+            summary = json.loads(summary_path(run_dir).read_text())
         except ValueError:
             summary = None
     summary = summary or {}

@@ -63,14 +63,15 @@ from components.stage_tokenize import (BAD_RECORD_POLICIES, BATCH_BYTES, PACK_BY
                                        dataset_manifest, plan_packs, tokenize_packs, worker_allocator)
 from components.stage_tokenizer import (TokenizerInfo, TokenizerSpec, check_tokenizer_source, parse_tokenizer,
                                         stage_tokenizer)
-from trainer.layout import write_atomic
+from trainer.durable import move, rename_unsynced, write_bytes
+from trainer.layout import MANIFEST, dataset_dir
+from trainer.s3url import is_s3_url, parse_s3_url
 
 log = logging.getLogger(__name__)
 
 STAGE_DIR = ".stage"
 JOURNAL = "journal.jsonl"
 PREVIOUS_MANIFEST = "previous-manifest.json"
-NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 NAME_MAX = 255        # bytes in one path component (Linux, Lustre)
 PATH_MAX = 4096       # bytes in a whole path
 MB = 1024 * 1024
@@ -147,29 +148,15 @@ class StagedObject(NamedTuple):
 # --------------------------------------------------------------------------------------- helpers
 def parse_source(source: str) -> tuple[str | None, str]:
     """``s3://bucket/prefix`` -> (bucket, prefix with a trailing slash or ""); a directory -> (None, path)."""
-    if source.startswith("s3://"):
-        bucket, _, prefix = source[len("s3://"):].partition("/")
-        if not bucket:
-            raise ValueError(f"{source!r}: no bucket name; expected s3://BUCKET[/PREFIX]")
-        prefix = prefix.lstrip("/")
-        if prefix and not prefix.endswith("/"):
-            prefix += "/"     # a prefix names a directory: s3://b/data must not match data2/...
-        return bucket, prefix
+    if is_s3_url(source):
+        url = parse_s3_url(source, "source")
+        return url.bucket, url.prefix
     if "://" in source:
         raise ValueError(f"{source!r}: unsupported source; use s3://BUCKET/PREFIX or a local directory")
     path = Path(source).expanduser()
     if not path.is_dir():
         raise ValueError(f"source directory {source!r} does not exist")
     return None, str(path.resolve())
-
-
-def dataset_dir(fsx_root: str | Path, name: str, version: str) -> Path:
-    """``<fsx_root>/datasets/<name>/<version>``; name and version must be plain path components."""
-    for what, value in (("name", name), ("version", version)):
-        if not NAME_RE.match(value or ""):
-            raise ValueError(f"dataset {what} {value!r} must be 1-128 characters of letters, digits, '.', '_' "
-                             f"or '-', starting with a letter or digit")
-    return Path(fsx_root) / "datasets" / name / version
 
 
 def unsafe_reason(rel: str, raw_dir: Path) -> str | None:
@@ -380,7 +367,7 @@ class _Finisher:
         if parent not in self.made_dirs:
             os.makedirs(parent, exist_ok=True)
             self.made_dirs.add(parent)
-        os.replace(target.path, final)
+        rename_unsynced(target.path, final)     # made to count by the journal and the manifest
         self.journal.record(obj)
         with self.lock:
             self.result.transferred += 1
@@ -1007,7 +994,7 @@ def remove_stale_files(raw: Path, wanted: set[str]) -> int:
 
 def read_previous_manifest(dest: Path) -> dict | None:
     """The dataset's manifest, or the one a rebuild in progress set aside (``.stage/previous-manifest.json``)."""
-    for path in (dest / "manifest.json", dest / STAGE_DIR / PREVIOUS_MANIFEST):
+    for path in (dest / MANIFEST, dest / STAGE_DIR / PREVIOUS_MANIFEST):
         try:
             return json.loads(path.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
@@ -1018,9 +1005,9 @@ def read_previous_manifest(dest: Path) -> dict | None:
 def retire_manifest(dest: Path) -> None:
     """Before any shard is rewritten: the old manifest leaves (a directory with a manifest is complete), kept
     aside so that its object records still let a rerun skip unchanged objects."""
-    if (dest / "manifest.json").exists():
+    if (dest / MANIFEST).exists():
         (dest / STAGE_DIR).mkdir(exist_ok=True)
-        os.replace(dest / "manifest.json", dest / STAGE_DIR / PREVIOUS_MANIFEST)
+        move(dest / MANIFEST, dest / STAGE_DIR / PREVIOUS_MANIFEST)
 
 
 def remove_unlisted_shards(dest: Path, manifest: dict) -> None:
@@ -1134,7 +1121,7 @@ class DatasetBuilder:
         result = self.result
         extra = manifest_extra(objects, self.settings, result.refused, mode)
         previous = read_previous_manifest(self.dest)
-        unchanged = (previous is not None and (self.dest / "manifest.json").exists() and result.transferred == 0
+        unchanged = (previous is not None and (self.dest / MANIFEST).exists() and result.transferred == 0
                      and result.removed == 0 and previous.get("source") == self.uri
                      and all(previous.get(k) == v for k, v in extra.items()))
         plan = split_plan(self.dest, objects, self.settings)
@@ -1154,7 +1141,7 @@ class DatasetBuilder:
                                                       self.workers, result, progress)
             manifest = assemble_manifest(self.uri, self.settings, plan, info, dtype, entries, shards, extra,
                                          result)
-            write_atomic(self.dest / "manifest.json", json.dumps(manifest, indent=1).encode())
+            write_bytes(self.dest / MANIFEST, json.dumps(manifest, indent=1).encode())
             remove_unlisted_shards(self.dest, manifest)
             (self.dest / STAGE_DIR / PREVIOUS_MANIFEST).unlink(missing_ok=True)
             result.rebuilt = True

@@ -33,7 +33,8 @@ from components.stage_splits import DATASET_INFOS, README, SplitPlan
 from components.stage_tokenize import BATCH_BYTES, PACK_BYTES, partitions, plan_packs, worker_allocator
 from components.stage_tokenizer import TokenizerInfo, check_tokenizer_source
 from trainer.data import read_manifest
-from trainer.layout import write_atomic
+from trainer.durable import write_bytes
+from trainer.layout import MANIFEST
 
 PLAN = "plan.json"
 PARTS = "parts"
@@ -131,7 +132,7 @@ def plan_stage(
     with StageLock(state / "lock"):
         build = DatasetBuilder(dest, uri, settings, spec, endpoint_url, None, result)
         if _unchanged(dest, uri, objects, settings, refused, build):
-            write_atomic(state / PLAN, json.dumps({"source": uri, "unchanged": True, "partitions": [[]]}).encode())
+            write_bytes(state / PLAN, json.dumps({"source": uri, "unchanged": True, "partitions": [[]]}).encode())
             shutil.rmtree(state / PARTS, ignore_errors=True)
             return [0]
         retire_manifest(dest)
@@ -163,14 +164,14 @@ def plan_stage(
                 "objects": [list(o) for o in objects], "split_rules": splits.rules, "split_source": splits.source,
                 "refused": refused, "excluded": result.excluded,
                 "removed": result.removed, "partitions": parts}
-        write_atomic(state / PLAN, json.dumps(plan).encode())
+        write_bytes(state / PLAN, json.dumps(plan).encode())
     return list(range(len(parts)))
 
 
 def _unchanged(dest: Path, uri: str, objects: list[StagedObject], settings: DatasetSettings, refused: list[dict],
                build: DatasetBuilder) -> bool:
     """The dataset's manifest already describes these objects, settings and tokenizer, and raw/ holds them."""
-    previous = read_previous_manifest(dest) if (dest / "manifest.json").exists() else None
+    previous = read_previous_manifest(dest) if (dest / MANIFEST).exists() else None
     extra = manifest_extra(objects, settings, refused)
     if previous is None or previous.get("source") != uri or any(previous.get(k) != v for k, v in extra.items()):
         return False
@@ -208,8 +209,8 @@ def stage_partition(fsx_root: str | Path, name: str, version: str, partition: in
         dtype, entries, shards = tokenize_objects(dest, objects, settings, _split_plan(plan), info, state / "tok",
                                                   workers, result, packs=packs)
         (dest / STAGE_DIR / PARTS).mkdir(exist_ok=True)
-        write_atomic(dest / STAGE_DIR / PARTS / f"{partition:05d}.json",
-                     json.dumps({"dtype": dtype, "entries": entries, "shards": shards}).encode())
+        write_bytes(dest / STAGE_DIR / PARTS / f"{partition:05d}.json",
+                    json.dumps({"dtype": dtype, "entries": entries, "shards": shards}).encode())
     result.files = len(entries)
     result.wall_s = round(time.monotonic() - t0, 3)
     return result
@@ -244,7 +245,7 @@ def merge_stage(fsx_root: str | Path, name: str, version: str) -> StageResult:
     info = TokenizerInfo(**plan["tokenizer"])
     manifest = assemble_manifest(plan["source"], settings, _split_plan(plan), info, dtypes.pop(), entries, shards,
                                  manifest_extra(objects, settings, plan["refused"]), result)
-    write_atomic(dest / "manifest.json", json.dumps(manifest, indent=1).encode())
+    write_bytes(dest / MANIFEST, json.dumps(manifest, indent=1).encode())
     remove_unlisted_shards(dest, manifest)
     state = dest / STAGE_DIR
     for journal in [state / JOURNAL, *state.glob(f"*/{JOURNAL}")]:

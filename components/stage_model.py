@@ -18,31 +18,30 @@ is written (``staged_model_dir``); the KFP component is ``components.stage_model
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import time
 from pathlib import Path
 from typing import Callable
 
-PRETRAINED_DIR = "pretrained"
+from trainer.durable import publish_dir
+from trainer.layout import pretrained_dir
+from trainer.s3url import parse_s3_url
+
 STAGED_FILE = ".staged.json"
 HF_CONFIG = "config.json"
 
 
 def staged_model_dir(fsx_root: str, source: str) -> str:
     """Where ``s3://bucket/prefix`` is staged under ``fsx_root``: the bucket and prefix as directories."""
-    from components.stage import parse_source, unsafe_reason
+    from components.stage import unsafe_reason
 
-    bucket, prefix = parse_source(source)
-    if bucket is None:
-        raise ValueError(f"init_from {source!r}: only an s3:// model directory is staged")
-    rel = f"{bucket}/{prefix.rstrip('/')}".rstrip("/")
-    base = Path(fsx_root) / PRETRAINED_DIR
-    reason = unsafe_reason(rel, base)
-    if reason or not prefix:
+    url = parse_s3_url(source, "init_from")
+    base = pretrained_dir(fsx_root)
+    reason = unsafe_reason(f"{url.bucket}/{url.prefix}".rstrip("/"), base)
+    if reason or not url.prefix:
         raise ValueError(f"init_from {source!r}: cannot be a directory under {base} "
                          f"({reason or 'give the prefix of a model directory, not a whole bucket'})")
-    return str(base / rel)
+    return str(pretrained_dir(fsx_root, url.bucket, url.prefix))
 
 
 def stage_model(source: str, dest: str, endpoint_url: str | None = None, *, max_concurrency: int = 16,
@@ -88,11 +87,7 @@ def stage_model(source: str, dest: str, endpoint_url: str | None = None, *, max_
         files = work / "files"
         sync_raw(src, iter([listing]), files, work / STAGE_DIR, work, result, None, remove_stale=True, t_start=t0)
         (files / STAGED_FILE).write_text(json.dumps(record, indent=1))      # last: the copy is complete
-        # Swap in: the old copy goes aside first, so dest is at every moment absent or complete.
-        old = work / "old"
-        if dest_path.exists():
-            os.replace(dest_path, old)
-        os.replace(files, dest_path)
+        publish_dir(files, dest_path)     # dest is at every moment absent or complete
     shutil.rmtree(work, ignore_errors=True)
     log(f"staged {source} -> {dest}: {result.transferred} of {len(listing)} files copied "
         f"({result.transferred_bytes / MB:.1f} MiB) in {time.monotonic() - t0:.1f} s")

@@ -18,11 +18,13 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
 import posixpath
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Iterable
+
+from trainer.durable import publish_file, temp_name
+from trainer.s3url import is_s3_url, parse_s3_url
 
 TOKENIZER_DIR = "tokenizer"
 TOKENIZER_FILE = "tokenizer.json"
@@ -72,7 +74,8 @@ def parse_tokenizer(spec: str) -> TokenizerSpec:
             raise ValueError(f"tokenizer {spec!r}: the vocabulary must hold at least the 256 bytes and the EOS "
                              f"({BPE_MIN_VOCAB})")
         return TokenizerSpec("bpe", spec, vocab=vocab)
-    if spec.startswith("s3://"):
+    if is_s3_url(spec):
+        parse_s3_url(spec, "tokenizer")     # a bad URL is refused here, before anything is staged
         return TokenizerSpec("file", spec, location=spec)
     if "://" in spec:
         raise ValueError(f"tokenizer {spec!r}: use bytes, bpe:VOCAB, a tokenizer.json or model directory, or s3://")
@@ -87,13 +90,13 @@ def parse_tokenizer(spec: str) -> TokenizerSpec:
 
 def _s3_location(uri: str) -> tuple[str, str]:
     """(bucket, key of tokenizer.json) of an object URI or a model prefix."""
-    bucket, _, key = uri[len("s3://"):].partition("/")
-    return bucket, key if key.endswith(".json") else posixpath.join(key, TOKENIZER_FILE)
+    url = parse_s3_url(uri, "tokenizer")
+    return url.bucket, url.key if url.key.endswith(".json") else posixpath.join(url.key, TOKENIZER_FILE)
 
 
 def check_tokenizer_source(spec: TokenizerSpec, endpoint_url: str | None = None) -> None:
     """An ``s3://`` tokenizer exists (ValueError if not): checked before any data is staged."""
-    if not spec.location.startswith("s3://"):
+    if not is_s3_url(spec.location):
         return
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -164,12 +167,12 @@ def stage_tokenizer(spec: TokenizerSpec, dest: Path, *, endpoint_url: str | None
     out_dir = Path(dest) / TOKENIZER_DIR
     out_dir.mkdir(parents=True, exist_ok=True)
     final = out_dir / TOKENIZER_FILE
-    tmp = out_dir / f".{TOKENIZER_FILE}.tmp"
+    tmp = temp_name(final)
     config = None
     if spec.kind == "bpe":
         tok = train_bpe(documents or [], spec.vocab)
         tmp.write_text(tok.to_str())
-    elif spec.location.startswith("s3://"):
+    elif is_s3_url(spec.location):
         _, config = _fetch_s3(spec.location, tmp, endpoint_url)
     else:
         tmp.write_bytes(Path(spec.location).read_bytes())
@@ -182,7 +185,7 @@ def stage_tokenizer(spec: TokenizerSpec, dest: Path, *, endpoint_url: str | None
         tmp.unlink(missing_ok=True)
         raise ValueError(f"tokenizer {spec.spec!r} is not a Hugging Face tokenizers file: {e}") from e
     eos_token, eos_id = _eos(tok, config, spec.spec)
-    os.replace(tmp, final)
+    publish_file(tmp, final)
     # The vocabulary size the model needs: one past the largest id (added tokens may leave gaps).
     vocab_size = max(tok.get_vocab(with_added_tokens=True).values()) + 1
     return TokenizerInfo(spec.kind, spec.spec, vocab_size=vocab_size, eos_id=eos_id,

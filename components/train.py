@@ -37,6 +37,8 @@ from typing import Callable
 from kfp import dsl
 from kfp.dsl import Metrics, Model, Output
 
+from trainer import layout
+
 __all__ = ["TrainResult", "train", "train_op", "write_outputs", "local_launch", "BASE_IMAGE", "TRAINER_IMAGE"]
 
 # The image the component runs in (this package and kfp installed), and the trainer image of the
@@ -139,7 +141,7 @@ def _train_local(trainer_config: dict, name: str, fsx_root: Path, job: dict, npr
     from trainer.launch import run_local_training
 
     values = settings_values(trainer_config, "trainer_config")
-    values["run"].setdefault("out", str(fsx_root / "runs" / name))
+    values["run"].setdefault("out", str(layout.run_dir(fsx_root, name)))
     cfg = TrainConfig.from_values(values)
     out = Path(cfg.run.out).resolve()
     launch = local_launch(job, nproc, name, nodes)
@@ -148,7 +150,7 @@ def _train_local(trainer_config: dict, name: str, fsx_root: Path, job: dict, npr
         code, summary = run_local_training(cfg, launch, fsx_root)
     if code in (130, 143):
         raise RuntimeError(f"local training was interrupted ({'SIGINT' if code == 130 else 'SIGTERM'}); the ranks "
-                           f"committed a checkpoint in {out / 'checkpoints'}")
+                           f"committed a checkpoint in {layout.checkpoints_dir(out)}")
     if code == 2:
         # The trainer refused something that would fail the same way again (settings, data): not retried.
         raise ValueError(f"local training refused its settings or data (exit code 2); the run directory is {out} "
@@ -158,7 +160,7 @@ def _train_local(trainer_config: dict, name: str, fsx_root: Path, job: dict, npr
                            "(events.jsonl says what happened)")
     if summary is None:
         raise RuntimeError(f"local training stopped before its last step (SIGTERM); the last committed "
-                           f"checkpoint is in {out / 'checkpoints'}")
+                           f"checkpoint is in {layout.checkpoints_dir(out)}")
     return _result("local", name, out, summary)
 
 
@@ -197,7 +199,7 @@ def _train_cluster(backend, trainer_config: dict, name, run_id, task_name, fsx_r
     log(f"{what} {spec.namespace}/{name}: {spec.nodes} node(s) x {spec.procs} process(es), image "
         f"{spec.image}, run directory {out} (here {local_out})")
     outcome = run_job(manifest, namespace=spec.namespace, client=client, cfg=supervise, log=log)
-    summary_path = local_out / "summary.json"
+    summary_path = layout.summary_path(local_out)
     if not summary_path.is_file():
         raise RuntimeError(f"{what} {spec.namespace}/{name} succeeded but {summary_path} is missing: is the "
                            f"FSx claim {spec.pvc!r} mounted at {fsx_root} in this pod?")
@@ -257,7 +259,7 @@ def _result(backend: str, name: str, out: Path, summary: dict) -> TrainResult:
     warning = mirror_warning(summary.get("mirror"))
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    ckpt = out / "checkpoints"
+    ckpt = layout.checkpoints_dir(out)
     steps = committed_steps(ckpt)
     return TrainResult(backend, name, str(out), str(ckpt), summary, steps[-1] if steps else None)
 

@@ -40,6 +40,9 @@ import tempfile
 from pathlib import Path
 from typing import NamedTuple
 
+from trainer import layout
+from trainer.s3url import is_s3_url
+
 PRODUCTION = "production"
 """``init_from`` value naming the registry's current production model."""
 BASELINE_INIT_FROM = "init_from"
@@ -73,7 +76,7 @@ class TrainSettings(NamedTuple):
 
 def registry_name(model: str, model_name: str = "") -> str:
     """The registry name of the model: ``model_name``, else the built-in's name or the user module's last part."""
-    from components.stage import NAME_RE
+    from trainer.layout import NAME_RE
 
     name = model_name or model.partition(":")[0].rsplit(".", 1)[-1]
     if not NAME_RE.match(name):
@@ -117,7 +120,7 @@ def resolve_init_from(init_from: str, *, fsx_root: str, registry: str, model_nam
                              f"{record.get('format')!r}, not a Hugging Face directory (only models with a Hugging "
                              f"Face layout, such as llama, can be continued from)")
         init_from = record["model_uri"]
-    if init_from.startswith("s3://"):
+    if is_s3_url(init_from):
         return init_from, staged_model_dir(fsx_root, init_from)
     if "://" in init_from:
         raise ValueError(f"init_from {init_from!r}: give a Hugging Face model directory, s3://BUCKET/PREFIX of "
@@ -177,7 +180,7 @@ def tokenizer_vocab(tokenizer: str, reachable: bool = True) -> int | None:
     if spec == "bytes" or spec.startswith("bpe:"):
         parsed = parse_tokenizer(spec)
         return 256 if parsed.kind == "bytes" else parsed.vocab
-    if spec.startswith("s3://") or not reachable:
+    if is_s3_url(spec) or not reachable:
         return None                 # read when the data is staged; the trainer checks it then
     from tokenizers import Tokenizer
 
@@ -388,7 +391,7 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
     source, init_dir = resolve_init_from(init_from, fsx_root=root, registry=registry, model_name=name,
                                          endpoint_url=endpoint_url, reachable=reachable)
     baseline_dir = _baseline_dir(baseline, init_from, init_dir, require_beat_baseline, reachable)
-    run_dir = f"{root}/runs/{run_id}"
+    run_dir = str(layout.run_dir(root, run_id))
     own = {"max_steps": max_steps, "ckpt_every": ckpt_every, "ckpt_mirror": ckpt_mirror.strip(),
            "require_mirror": require_mirror, "model": model,
            # With init_from the directory's config.json is the architecture: a flavor would be ignored.
@@ -396,8 +399,8 @@ def build_train_config(*, fsx_root: str, dataset_name: str, dataset_version: str
            "init_from": init_dir, "seq_len": seq_len, "batch_size": batch_size, "parallel": parallel,
            "dp_replicate": dp_replicate, "dp_shard": dp_shard, "tp": tp, "seed": seed,
            "inject_fault": [f.strip() for f in inject_fault.split(",") if f.strip()]}
-    cfg = _trainer_settings(trainer_config or {}, own, data=f"{root}/datasets/{dataset_name}/{dataset_version}",
-                            out=run_dir, endpoint_url=endpoint_url)
+    data = str(layout.dataset_dir(root, dataset_name, dataset_version))
+    cfg = _trainer_settings(trainer_config or {}, own, data=data, out=run_dir, endpoint_url=endpoint_url)
     if spot and backend_name(backend) != "local" and "watch" not in (trainer_config or {}).get("spot", {}):
         # On spot nodes the trainer watches for the two-minute notice, and checkpoints when it comes.
         cfg.spot.watch = True

@@ -24,11 +24,13 @@ import re
 import time
 from typing import Callable, Iterable
 
+from trainer.s3url import parse_s3_url
+
 __all__ = ["LinkError", "link_data_repository", "wait_for_link", "list_links", "fsx_client", "EVENTS"]
 
 EVENTS = ("NEW", "CHANGED", "DELETED")
 _FS_ID = re.compile(r"^fs-[0-9a-f]{8,21}$")
-_S3 = re.compile(r"^s3://([a-z0-9][a-z0-9.-]{1,61}[a-z0-9])(/.*)?$")
+_BUCKET = re.compile(r"^[a-z0-9][a-z0-9.-]{1,61}[a-z0-9]$")      # S3's bucket naming rules
 
 
 class LinkError(RuntimeError):
@@ -50,7 +52,11 @@ def _problems(file_system_id: str, fsx_path: str, s3_uri: str, import_events: It
         p.append(f"file system id {file_system_id!r} does not look like fs-0123456789abcdef0")
     if not fsx_path.startswith("/") or len(fsx_path) > 4096 or any(c in fsx_path for c in "\r\n\0"):
         p.append(f"--fsx-path {fsx_path!r} must be an absolute path on the file system, e.g. /datasets/corpus/1/raw")
-    if not _S3.match(s3_uri):
+    try:
+        bucket = parse_s3_url(s3_uri, "--s3").bucket
+    except ValueError:
+        bucket = ""
+    if not _BUCKET.match(bucket):
         p.append(f"--s3 {s3_uri!r} must look like s3://BUCKET[/PREFIX/]")
     for what, events in (("import", import_events), ("export", export_events)):
         bad = sorted(set(events) - set(EVENTS))

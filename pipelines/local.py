@@ -43,6 +43,8 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trainer import layout
+from trainer.durable import staging_dir
 from trainer.events import read_events
 
 # Pipeline arguments of the local demo, sized for 2 CPU cores: about 30 s of training steps, so that its
@@ -87,19 +89,13 @@ def default_source(fsx_root: Path) -> Path:
     """
     from trainer.data import DEFAULT_DATASET_NAME, default_dataset_version, default_source_files
 
-    dest = Path(fsx_root) / "sources" / DEFAULT_DATASET_NAME / default_dataset_version()
+    dest = layout.sources_dir(fsx_root, DEFAULT_DATASET_NAME, default_dataset_version())
     files = default_source_files()
     if dest.is_dir() and len(list(dest.iterdir())) == len(files):
         return dest
-    tmp = Path(tempfile.mkdtemp(prefix=".src-", dir=dest.parent if dest.parent.exists() else None))
-    try:
+    with staging_dir(dest) as tmp:
         for f in files:
             shutil.copyfile(f, tmp / f.name)
-        dest.parent.mkdir(parents=True, exist_ok=True)
-        shutil.rmtree(dest, ignore_errors=True)
-        os.replace(tmp, dest)
-    finally:
-        shutil.rmtree(tmp, ignore_errors=True)
     return dest
 
 
@@ -111,7 +107,7 @@ def local_arguments(fsx_root: Path, overrides: dict, *, with_source: bool = True
     from trainer.data import DEFAULT_DATASET_NAME, default_dataset_version
 
     fsx_root = Path(fsx_root).resolve()
-    args = {**DEMO_ARGUMENTS, "fsx_root": str(fsx_root), "registry": str(fsx_root / "models"),
+    args = {**DEMO_ARGUMENTS, "fsx_root": str(fsx_root), "registry": str(layout.models_dir(fsx_root)),
             "dataset_name": DEFAULT_DATASET_NAME, "dataset_version": default_dataset_version()}
     args.update(overrides)
     if args["model"] == "bytegpt" and "model_config" not in overrides:
@@ -514,9 +510,9 @@ def _collect(run: LocalRun) -> None:
     run.evaluate = tasks.get("evaluate-op", {})
     run.register = tasks.get("register-op", {})
     run_dir = (run.train.get("model") or {}).get("run_dir")
-    if run_dir and (Path(run_dir) / "summary.json").is_file():
-        run.summary = json.loads((Path(run_dir) / "summary.json").read_text())
-        ev = Path(run_dir) / "evaluation" / "evaluation.json"
+    if run_dir and layout.summary_path(run_dir).is_file():
+        run.summary = json.loads(layout.summary_path(run_dir).read_text())
+        ev = layout.evaluation_dir(run_dir) / layout.EVALUATION_FILE
         if ev.is_file():
             run.evaluation = json.loads(ev.read_text())
 
@@ -650,9 +646,9 @@ def render_summary(run: LocalRun, console) -> None:
 
 def _stopped_at(run: LocalRun) -> int | None:
     """The step the ranks committed when an interrupt stopped training (the train step wrote no outputs)."""
-    runs = Path(run.run_root).parent.parent / "runs" if run.run_root else None
+    runs = layout.runs_dir(Path(run.run_root).parent.parent) if run.run_root else None
     ends = []
-    for events in (runs.glob("*/events.jsonl") if runs and runs.is_dir() else []):
+    for events in (map(layout.events_path, runs.iterdir()) if runs and runs.is_dir() else []):
         ends += [e for e in read_events(events) if e["event"] == "exit" and e["t"] >= time.time() - run.wall_s]
     return max(ends, key=lambda e: e["t"])["step"] if ends else None
 

@@ -16,7 +16,8 @@ from click.testing import CliRunner
 
 from components.train_config import build_train_config
 from pipelines.cli import main
-from trainer.config import SETTINGS_FILE, RunMismatch, check_run_directory, record_settings
+from trainer.config import RunMismatch, check_run_directory, record_settings
+from trainer.layout import settings_path
 from trainer.summary import read_summary
 
 from tests.conftest import TINY
@@ -35,7 +36,7 @@ def test_flags_reach_the_trainer_and_another_run_is_refused_its_directory(tmp_pa
     out = tmp_path / "run"
     r = _train(tmp_path / "fsx", out, f"--data={data}", "--restart-layers", "injob")
     assert r.exit_code == 0, r.output
-    recorded = json.loads((out / SETTINGS_FILE).read_text())
+    recorded = json.loads(settings_path(out).read_text())
     assert recorded["data"]["data"] == str(data), "--data=DIR is the dataset trained on"
     assert recorded["restart"]["restart"] == "injob", "--restart-layers is the user's"
     assert not (tmp_path / "fsx").exists(), "no default dataset was built"
@@ -81,6 +82,6 @@ def test_the_pipeline_refuses_a_setting_twice_and_takes_auto(tmp_path):
         build_train_config(**kw, trainer_config={"optim.lr": "fast"})
     s = build_train_config(**kw, ckpt_every="auto", trainer_config={"checkpoint": {"mtbf_s": 3600}})
     assert s.trainer_config["checkpoint"] == {"ckpt_every": "auto", "mtbf_s": 3600.0}
-    assert json.loads((tmp_path / "runs" / "r" / SETTINGS_FILE).read_text())["checkpoint"]["ckpt_every"] == "auto"
+    assert json.loads(settings_path(tmp_path / "runs" / "r").read_text())["checkpoint"]["ckpt_every"] == "auto"
     with pytest.raises(ValueError, match="--ckpt-every must be a number of steps or 'auto'"):
         build_train_config(**{**kw, "run_id": "r2"}, ckpt_every="often")

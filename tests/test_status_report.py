@@ -20,7 +20,8 @@ from components.progress import ProgressLog, follow_file, format_duration, from_
 from trainer.events import read_events
 from trainer.goodput import account
 from trainer.hooks import StepReport
-from trainer.status_report import (SERVER_URL_ENV, STATUS_FILE, Figures, FileSink, Sink, StatusReporter,
+from trainer.layout import progress_path
+from trainer.status_report import (SERVER_URL_ENV, Figures, FileSink, Sink, StatusReporter,
                                    TrainJobStatusSink, build_sinks)
 
 sdk = pytest.importorskip("kubeflow.trainer.backends.kubernetes.utils")
@@ -150,7 +151,7 @@ def test_the_sdk_posts_progress_eta_and_the_live_metrics(tmp_path, trainjob_env)
     assert progress_line(got) == (f"[train] step 50/100, goodput {100 * acc['goodput']:.1f}%, "
                                   f"ETA {format_duration(ts['estimatedRemainingSeconds'])}, restarts: injob 1")
     # The file sink wrote the same figures for the local backend.
-    assert from_file(tmp_path) == Figures.from_json((tmp_path / STATUS_FILE).read_text())
+    assert from_file(tmp_path) == Figures.from_json(progress_path(tmp_path).read_text())
     assert from_file(tmp_path).metrics() == metrics
     assert rep.sent == {"file": 1, "trainjob-status": 1} and not any(rep.failed.values())
 
@@ -260,11 +261,11 @@ def test_no_reports_off_rank_0_or_when_off(tmp_path):
     rep = StatusReporter([], max_steps=10, events_path=tmp_path / "events.jsonl", every_s=10)
     rep.after_step(report(1))
     rep.close()
-    assert not rep.enabled and not (tmp_path / STATUS_FILE).exists()
+    assert not rep.enabled and not progress_path(tmp_path).exists()
     off = StatusReporter([FileSink(tmp_path)], max_steps=10, events_path=tmp_path / "events.jsonl", every_s=0)
     off.after_step(report(1))
     off.close()
-    assert not off.enabled and not (tmp_path / STATUS_FILE).exists()
+    assert not off.enabled and not progress_path(tmp_path).exists()
 
 
 def test_eta_comes_from_the_wall_time_per_step_and_restarts_reset_it(tmp_path):

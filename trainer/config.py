@@ -25,6 +25,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from . import layout
+from .durable import write_json, write_text
+from .s3url import parse_s3_url
+
 
 def _f(default: Any, help: str, flag: str | None = None, **kw: Any) -> Any:
     return field(default=default, metadata={"help": help, "flag": flag, **kw})
@@ -254,8 +258,11 @@ class SpotConfig:
 
 def _mirror_and_spot_problems(c: CheckpointConfig, s: SpotConfig) -> list[str]:
     problems = []
-    if c.mirror and (not c.mirror.startswith("s3://") or not c.mirror[5:].split("/", 1)[0]):
-        problems.append(f"--ckpt-mirror must look like s3://BUCKET[/PREFIX], got {c.mirror!r}")
+    if c.mirror:
+        try:
+            parse_s3_url(c.mirror, "--ckpt-mirror")
+        except ValueError as e:
+            problems.append(str(e))
     for name, value, low in (("--ckpt-mirror-keep", c.mirror_keep, 1), ("--ckpt-mirror-concurrency",
                              c.mirror_concurrency, 1), ("--ckpt-mirror-part-mib", c.mirror_part_mib, 5),
                              ("--ckpt-mirror-max-attempts", c.mirror_max_attempts, 1)):
@@ -415,7 +422,7 @@ class TrainConfig:
         config), which evaluate and export rebuild the model from (``spec_from_run_config``)."""
         d = self.to_dict()
         d["model"].update(model or {})
-        path.write_text(json.dumps(d, indent=1, sort_keys=True))
+        write_text(path, json.dumps(d, indent=1, sort_keys=True))
 
 
 def _torch_available() -> bool:
@@ -570,10 +577,6 @@ def config_from_dict(d: dict, where: str = "settings") -> TrainConfig:
     return TrainConfig.from_values(settings_values(doc, where))
 
 
-SETTINGS_FILE = "settings.json"
-"""The run directory's record of its settings (``record_settings``)."""
-
-
 class RunMismatch(ValueError):
     """A run pointed at a run directory that holds another run."""
 
@@ -589,7 +592,7 @@ def defining_differences(recorded: TrainConfig, cfg: TrainConfig) -> list[str]:
 
 def check_run_directory(out: Path, cfg: TrainConfig) -> None:
     """Refuse (``RunMismatch``) a run whose directory ``out`` records another run's settings."""
-    path = Path(out) / SETTINGS_FILE
+    path = layout.settings_path(out)
     if not path.is_file():
         return
     try:
@@ -604,8 +607,6 @@ def check_run_directory(out: Path, cfg: TrainConfig) -> None:
 
 def record_settings(out: Path, cfg: TrainConfig) -> None:
     """Check ``out`` (``check_run_directory``) and record ``cfg`` as its run's settings."""
-    from .layout import write_atomic
-
     check_run_directory(out, cfg)
     Path(out).mkdir(parents=True, exist_ok=True)
-    write_atomic(Path(out) / SETTINGS_FILE, json.dumps(cfg.to_dict(), indent=1, sort_keys=True).encode())
+    write_json(layout.settings_path(out), cfg.to_dict(), indent=1)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import sys
 import sysconfig
 from dataclasses import dataclass
@@ -31,9 +30,9 @@ from typing import Iterable
 
 import numpy as np
 
-from .layout import write_atomic
+from .durable import publish_file, temp_name, write_bytes
+from .layout import MANIFEST, dataset_dir
 
-MANIFEST = "manifest.json"
 FORMAT = "goodput-dataset/2"
 # /1 had no token_dtype other than uint8 and no tokenizer fields; it reads as a byte-level dataset.
 READABLE_FORMATS = ("goodput-dataset/1", FORMAT)
@@ -148,7 +147,7 @@ def build_dataset(
         "splits": splits,
         **(extra or {}),
     }
-    write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
+    write_bytes(out_dir / MANIFEST, json.dumps(manifest, indent=1).encode())
     return manifest
 
 
@@ -168,7 +167,7 @@ class _ShardWriter:
 
     def _flush(self, data: bytes) -> None:
         name = f"{self.split}_{len(self.shards):05d}.bin"
-        write_atomic(self.out_dir / name, data)
+        write_bytes(self.out_dir / name, data)
         self.shards.append({"path": name, "tokens": len(data), "sha256": hashlib.sha256(data).hexdigest()})
 
     def close(self) -> dict:
@@ -183,7 +182,7 @@ class ShardFile:
 
     def __init__(self, out_dir: Path, name: str, dtype: str):
         self.path, self.dtype = Path(out_dir) / name, np.dtype(TOKEN_DTYPES[dtype])
-        self.tmp = self.path.with_name(f".{name}.tmp")
+        self.tmp = temp_name(self.path)
         self.f = open(self.tmp, "wb")
         self.sha = hashlib.sha256()
         self.tokens = 0
@@ -197,10 +196,8 @@ class ShardFile:
         self.tokens += len(data) // self.dtype.itemsize
 
     def close(self) -> dict:
-        self.f.flush()
-        os.fsync(self.f.fileno())
         self.f.close()
-        os.replace(self.tmp, self.path)
+        publish_file(self.tmp, self.path)
         return {"path": self.path.name, "tokens": self.tokens, "sha256": self.sha.hexdigest()}
 
     def abort(self) -> None:
@@ -251,7 +248,7 @@ def bytes_per_token(manifest: dict, split: str = "val") -> float:
 
 
 def default_dataset_dir(fsx_root: Path) -> Path:
-    return Path(fsx_root) / "datasets" / DEFAULT_DATASET_NAME / default_dataset_version()
+    return dataset_dir(fsx_root, DEFAULT_DATASET_NAME, default_dataset_version())
 
 
 def ensure_default_dataset(fsx_root: Path) -> Path:

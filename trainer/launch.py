@@ -11,7 +11,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import errno
-import hashlib
 import json
 import os
 import shutil
@@ -27,7 +26,9 @@ from pathlib import Path
 
 from . import compat
 from .config import TrainConfig, check_run_directory, parse_config
+from . import layout
 from .data import default_dataset_dir, ensure_default_dataset
+from .digests import path_digest
 from .peer import SECRET_ENV as PEER_SECRET_ENV
 from .signals import STOP_SIGNALS, parent_death_preexec
 from .warmstart import STOPPED_S, process_state, wait_unless_stopped
@@ -244,7 +245,7 @@ def validate_launch(cfg: TrainConfig, launch: LaunchConfig, fsx_root: Path) -> T
     check_faults(cfg.faults.inject_fault, int(launch.nproc_per_node) * int(launch.nnodes), cfg.run.max_steps)
     _check_writable(Path(cfg.run.out), "--out")
     if default_data:
-        if not (default_dataset_dir(fsx_root) / "manifest.json").is_file():   # to be built
+        if not (default_dataset_dir(fsx_root) / layout.MANIFEST).is_file():   # to be built
             _check_writable(default_dataset_dir(fsx_root), "--fsx-root: the default dataset directory")
     else:
         _check_dataset(Path(cfg.data.data), cfg)
@@ -327,7 +328,7 @@ def run_local_training(settings: TrainConfig, launch: LaunchConfig, fsx_root: Pa
 def _any_rank_started(out: Path, since: float) -> bool:
     from .events import read_events
 
-    return any(e["event"] == "run_start" and e["t"] >= since for e in read_events(out / "events.jsonl"))
+    return any(e["event"] == "run_start" and e["t"] >= since for e in read_events(layout.events_path(out)))
 
 
 # ---- many nodes on this machine -----------------------------------------------------------------------
@@ -433,7 +434,7 @@ class LocalCluster:
         # removes only the snapshots in it) leaves nothing the next one does not reuse; emptied at the start:
         # new nodes, empty memory.
         self.root = Path(self.cfg.checkpoint.memory_dir) / "goodput-nodes-{}".format(
-            hashlib.sha256(str(Path(self.cfg.run.out).resolve()).encode()).hexdigest()[:16])
+            path_digest(Path(self.cfg.run.out)))
         shutil.rmtree(self.root, ignore_errors=True)
         self.stopping = False
         self.nodes = [LocalNode(i, self.root / f"node{i}", workdir / f"node{i}.log" if workdir else None)
@@ -633,7 +634,7 @@ def last_stop(out: Path, since: float) -> int | None:
     (wall clock), from the run directory's events; None if they were stopped before they trained."""
     from .events import read_events
 
-    exits = [e for e in read_events(out / "events.jsonl") if e["event"] == "exit" and e["t"] >= since]
+    exits = [e for e in read_events(layout.events_path(out)) if e["event"] == "exit" and e["t"] >= since]
     return exits[-1]["step"] if exits else None
 
 

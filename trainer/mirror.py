@@ -49,7 +49,6 @@ from __future__ import annotations
 import base64
 import json
 import logging
-import os
 import shutil
 import threading
 import time
@@ -61,7 +60,9 @@ from pathlib import Path
 from .config import CheckpointConfig
 from .errors import ChecksumMismatch, MirrorFailed
 from .events import EventLog
-from .layout import COMMITTED, committed_steps, fsync_dir, step_dir, step_of, write_atomic
+from .durable import publish_dir, write_bytes
+from .layout import CHECKPOINTS, COMMITTED, committed_steps, step_dir, step_of
+from .s3url import parse_s3_url
 
 log = logging.getLogger(__name__)
 
@@ -83,15 +84,6 @@ def file_crc32(path: Path) -> str:
         while chunk := fh.read(8 * 1024 * 1024):
             crc = zlib.crc32(chunk, crc)
     return base64.b64encode(crc.to_bytes(4, "big")).decode()
-
-
-def parse_s3_url(url: str) -> tuple[str, str]:
-    """``s3://bucket/some/prefix`` -> (``bucket``, ``some/prefix/``); the prefix may be empty."""
-    if not url.startswith("s3://") or not url[5:].split("/", 1)[0]:
-        raise ValueError(f"--ckpt-mirror must look like s3://BUCKET[/PREFIX], got {url!r}")
-    bucket, _, prefix = url[5:].partition("/")
-    prefix = prefix.strip("/")
-    return bucket, f"{prefix}/" if prefix else ""
 
 
 def s3_client(cfg: CheckpointConfig):
@@ -124,8 +116,8 @@ class MirrorLayout:
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")
-        self.bucket, prefix = parse_s3_url(url)
-        self.root = f"{prefix}checkpoints/"
+        parsed = parse_s3_url(url, "--ckpt-mirror")
+        self.bucket, self.root = parsed.bucket, f"{parsed.prefix}{CHECKPOINTS}/"
 
     def step_prefix(self, step: int) -> str:
         return f"{self.root}{step_dir(Path(), step).name}/"
@@ -544,16 +536,11 @@ def _download(client, manager, lay: MirrorLayout, root: Path, step: int) -> int:
         got = file_crc32(tmp / name)
         if got != want:
             raise ChecksumMismatch(f"{name}: CRC32 {got} downloaded, S3 stored {want} when it was mirrored")
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
     final = step_dir(root, step)
-    shutil.rmtree(final, ignore_errors=True)    # an uncommitted leftover of the same step
-    os.replace(tmp, final)
-    fsync_dir(root)
+    publish_dir(tmp, final)     # over an uncommitted leftover of the same step
     # The local marker last, as in a local commit.
     local = {k: v for k, v in marker.items() if k not in _REMOTE_KEYS}
-    write_atomic(final / COMMITTED, json.dumps({**local, "fetched_from": lay.url}).encode())
+    write_bytes(final / COMMITTED, json.dumps({**local, "fetched_from": lay.url}).encode())
     return sum(sizes.values())
 
 

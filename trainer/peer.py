@@ -64,7 +64,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .events import EventLog
-from .layout import peer_file, replica_marker, replica_previous, replica_ranks, replica_slot, write_atomic
+from .digests import path_digest
+from .durable import write_bytes
+from .layout import peer_file, replica_marker, replica_previous, replica_ranks, replica_slot
 from .signals import parent_death_preexec
 
 log = logging.getLogger(__name__)
@@ -233,7 +235,7 @@ class _Slots:
             return {}
 
     def write_index(self, index: dict[int, dict]) -> None:
-        write_atomic(self.index_path, json.dumps(index).encode())
+        write_bytes(self.index_path, json.dumps(index).encode())
 
 
 class PeerStore:
@@ -524,7 +526,7 @@ def _fetch(peer: tuple[str, int], node: int, rank: int, step: int, dest: Path, t
             digest = _receive(sock, f, int(head["size"]), hashlib.sha256(raw))
     if digest != head["sha256"]:
         raise ValueError(f"rank {rank} step {step}: checksum mismatch")
-    write_atomic(replica_marker(dest, rank), raw)
+    write_bytes(replica_marker(dest, rank), raw)
 
 
 # ---- one node's daemon, run by its janitor ---------------------------------------------------------------
@@ -541,8 +543,7 @@ def _target(replica_dir: Path) -> tuple[int, tuple[str, int]] | None:
 def _wake_address(replica_dir: Path) -> bytes:
     """The node daemon's wake-up socket: in Linux's abstract namespace (no file, no path-length limit; the
     ranks and the daemon share the pod's network namespace), named after the node's snapshot directory."""
-    digest = hashlib.sha256(str(Path(replica_dir).resolve()).encode()).hexdigest()[:16]
-    return f"\0goodput-peer-{digest}".encode()
+    return f"\0goodput-peer-{path_digest(replica_dir)}".encode()
 
 
 def wake(replica_dir: Path) -> None:

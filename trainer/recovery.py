@@ -15,7 +15,6 @@ import logging
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -27,6 +26,7 @@ from .errors import recurring_cause
 from .events import EventLog
 from .ft import FTManager
 from .hooks import StepHook, StepReport
+from .layout import events_path
 from .restart import abort_process_group, run_with_inprocess_restart
 from .signals import SigtermFlag
 
@@ -161,7 +161,7 @@ def exit_if_recurring(cfg: TrainConfig, e: BaseException) -> None:
     reason = f"{type(recurring).__name__}: {recurring}"
     rank = int(os.environ.get("RANK", "0"))
     with contextlib.suppress(OSError):
-        log_ = EventLog(Path(cfg.run.out) / "events.jsonl", rank)
+        log_ = EventLog(events_path(cfg.run.out), rank)
         log_.emit("fatal", reason=reason)
         log_.close()
     print(f"error: rank {rank}: {reason} (not retried: it would fail the same way)", file=sys.stderr)

@@ -12,7 +12,7 @@ import os
 import uuid
 from pathlib import Path
 
-from . import warmstart
+from . import layout, warmstart
 from .checkpoint import CheckpointManager
 from .config import TrainConfig, record_settings
 from .data import Split
@@ -34,7 +34,7 @@ class Session:
         self.out = Path(cfg.run.out)
         self.out.mkdir(parents=True, exist_ok=True)
         self.spec = cfg.model.spec(cfg.data.data)   # the model, its vocabulary checked against the dataset
-        self.events_path = self.out / "events.jsonl"
+        self.events_path = layout.events_path(self.out)
         self.events = EventLog(self.events_path, self.rank)
         self.run_id: str | None = None    # rank 0's, from _record_start; the others learn it in restore
         self.sigterm = SigtermFlag.install()
@@ -76,7 +76,7 @@ class Session:
         # Names the run across its restarts; memory snapshots left on a node are trusted only by their run.
         self.run_id = (starts[0].get("run_id") if starts else None) or uuid.uuid4().hex
         record_settings(self.out, self.cfg)
-        self.cfg.save(self.out / "config.json", model=self.spec.describe())
+        self.cfg.save(layout.config_path(self.out), model=self.spec.describe())
         self.events.emit("run_start", world_size=self.world_size, restart_count=restart_count, run_id=self.run_id,
                          agent_attempts=attempts,
                          agent_restart_counts={str(node): count for node, (count, _) in agents.items()})
@@ -90,7 +90,7 @@ class Session:
     def checkpoints(self, d: Dist) -> CheckpointManager:
         """The process's checkpoint manager, built by the first attempt (it needs the process's device)."""
         if self.ckpt is None:
-            self.ckpt = CheckpointManager(self.out / "checkpoints", self.cfg.checkpoint, d, self.events,
+            self.ckpt = CheckpointManager(layout.checkpoints_dir(self.out), self.cfg.checkpoint, d, self.events,
                                           on_write_started=self.faults.on_checkpoint_write_started,
                                           # Snapshots name the mesh too: another one shards the state otherwise.
                                           run_id=None if self.run_id is None else f"{self.run_id}/{d.mesh_tag}")

@@ -37,12 +37,12 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from .hooks import StepHook, StepReport
-from .layout import write_atomic
+from .durable import write_bytes
+from .layout import progress_path
 from .metrics import RESTART_LAYERS, RunCollector
 
 log = logging.getLogger("trainer")
 
-STATUS_FILE = "progress.json"
 ANNOTATION = "goodput.dev/progress"
 POD_NAME_ENV = "POD_NAME"                         # the pod's name, from the downward API (the job builders)
 SERVER_URL_ENV = "KUBEFLOW_TRAINER_SERVER_URL"    # injected by Kubeflow Trainer (TrainJobStatus feature gate)
@@ -115,10 +115,10 @@ class FileSink(Sink):
     name = "file"
 
     def __init__(self, out: Path):
-        self.path = Path(out) / STATUS_FILE
+        self.path = progress_path(out)
 
     def send(self, figures: Figures) -> None:
-        write_atomic(self.path, figures.to_json().encode())
+        write_bytes(self.path, figures.to_json().encode())
 
 
 class TrainJobStatusSink(Sink):

@@ -6,6 +6,8 @@ import json
 import statistics
 from pathlib import Path
 
+from . import layout
+from .durable import write_json
 from .goodput import account
 from .mirror import mirror_stats
 
@@ -50,7 +52,7 @@ def _median(values) -> float | None:
 def read_summary(out: Path, since: float) -> dict | None:
     """The run directory's summary if a run that ended after ``since`` (wall clock) wrote it, else None: a summary
     an earlier launch left is not this one's."""
-    path = Path(out) / "summary.json"
+    path = layout.summary_path(out)
     try:
         summary = json.loads(path.read_text())
     except FileNotFoundError:
@@ -59,6 +61,4 @@ def read_summary(out: Path, since: float) -> dict | None:
 
 
 def write_summary(path: Path, summary: dict) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(summary, indent=1))
-    tmp.replace(path)
+    write_json(path, summary, indent=1)

@@ -22,7 +22,6 @@ the ``Session`` (``trainer.session``).
 from __future__ import annotations
 
 import gc
-import hashlib
 import logging
 import math
 import time
@@ -33,11 +32,13 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_state_dict
 
+from . import digests
 from .checkpoint import Checkpointer
 from .config import OptimConfig, TrainConfig
 from .data import BatchSampler, Split, eval_windows
 from .events import EventLog, read_events
 from .hooks import StepHook, StepReport
+from .layout import summary_path
 from .live_state import LiveStateDict
 from .mesh import launcher_mesh
 from .models import ModelSpec, ParallelPlan, build_model, num_params
@@ -99,14 +100,7 @@ def params_sha256(model: torch.nn.Module) -> str | None:
     Collective: every rank must call it.
     """
     full = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    if dist.get_rank() != 0:
-        return None
-    h = hashlib.sha256()
-    for name in sorted(full):
-        t = full[name].detach().to("cpu").contiguous()
-        h.update(f"{name}:{t.dtype}:{tuple(t.shape)}".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()
+    return digests.params_sha256(full) if dist.get_rank() == 0 else None
 
 
 @torch.no_grad()
@@ -311,7 +305,7 @@ class Trainer:
                 summary = summarize(read_events(self.session.events_path), steps=state.step, tokens=state.tokens,
                                     final_val_loss=val_loss, params_sha256=sha, n_params=self.n_params,
                                     mesh=self.d.shape.describe())
-                write_summary(self.session.out / "summary.json", summary)
+                write_summary(summary_path(self.session.out), summary)
                 log.info("done: %d steps, val loss %.4f, %d checkpoints, goodput %.3f, params %s", state.step,
                          val_loss, summary["checkpoints_committed"], summary["goodput"], sha[:16])
             dist.destroy_process_group()

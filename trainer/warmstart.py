@@ -41,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from .layout import replica_dir
+from .layout import checkpoints_dir, events_path, replica_dir
 from .peer import ENV as PEER_ENV
 from .peer import JOB_ENV as PEER_JOB_ENV
 from .peer import secret_from_env
@@ -89,8 +89,8 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
             return 2
     workdir = tempfile.mkdtemp(prefix="goodput-warmstart-")
     path = os.path.join(workdir, "zygote.sock")
-    replicas = [str(replica_dir(Path(cfg.checkpoint.memory_dir), Path(cfg.run.out) / "checkpoints"))] if cfg else []
-    fatal = _FatalWatch(Path(cfg.run.out) / "events.jsonl" if cfg else None)
+    replicas = [str(replica_dir(Path(cfg.checkpoint.memory_dir), checkpoints_dir(cfg.run.out)))] if cfg else []
+    fatal = _FatalWatch(events_path(cfg.run.out) if cfg else None)
     # The node's peer daemon (trainer/peer.py): keeps the ring predecessor's memory snapshots, ships this
     # node's; a child of this process, so it outlives in-job restarts and dies with the node.
     peer = peer_env = None
@@ -99,7 +99,7 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
         job = {PEER_JOB_ENV: os.environ.get(PEER_JOB_ENV) or _flag(_split(command)[0], "--rdzv-id") or "none"}
         try:
             peer, address = peer_daemon(Path(replicas[0]), _peer_host(command), env={**os.environ, **job},
-                                        events=Path(cfg.run.out) / "events.jsonl")
+                                        events=events_path(cfg.run.out))
             peer_env = {PEER_ENV: address, **job}
         except OSError as e:     # no address to listen on or to give: a node loss then resumes from FSx
             print(f"warm start: no peer memory snapshots on this node: {e}", file=sys.stderr)

@@ -20,7 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from ..events import EventLog
-from ..layout import COMMITTED, committed_steps, fsync_dir, step_dir, step_of, write_atomic
+from ..durable import fsync_dir, write_bytes
+from ..layout import COMMITTED, committed_steps, step_dir, step_of
 from ..mirror import CheckpointMirror
 from ..parallel import Dist
 from .integrity import marker_fields
@@ -72,11 +73,11 @@ class Commits:
         """This rank's part of ``step`` is on disk: the checksums of what it staged, then its write results,
         durably (the done file is what the commit waits for)."""
         self.record_checksums(step, checksums)
-        write_atomic(step_dir(self.root, step) / f".rank{self.d.rank}.done", pickle.dumps(results))
+        write_bytes(step_dir(self.root, step) / f".rank{self.d.rank}.done", pickle.dumps(results))
 
     def record_checksums(self, step: int, checksums: dict[str, str]) -> None:
         """This rank's checksums of the items it wrote for ``step`` (``integrity.planned_digests``)."""
-        write_atomic(step_dir(self.root, step) / f".rank{self.d.rank}.sums", json.dumps(checksums).encode())
+        write_bytes(step_dir(self.root, step) / f".rank{self.d.rank}.sums", json.dumps(checksums).encode())
 
     def maybe_commit(self) -> None:
         """Rank 0: commit every pending step whose parts are all done; other ranks forget their done steps."""
@@ -106,7 +107,7 @@ class Commits:
         marker = {"step": p.step, "world_size": self.d.world_size, "committed_at": time.time(),
                   "files": sorted(f.name for f in path.iterdir() if not f.name.startswith(".rank")),
                   **marker_fields(checksums)}
-        write_atomic(path / COMMITTED, json.dumps(marker).encode())
+        write_bytes(path / COMMITTED, json.dumps(marker).encode())
         self.events.emit("ckpt_committed", step=p.step, commit_s=round(time.monotonic() - p.started, 4))
         if self.mirror is not None:
             self.mirror.enqueue(p.step, marker["committed_at"])

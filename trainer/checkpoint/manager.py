@@ -37,7 +37,8 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from .. import compat
 from ..config import CheckpointConfig
 from ..events import EventLog
-from ..layout import peer_file, read_marker, replica_dir, step_dir, write_atomic
+from ..durable import write_bytes
+from ..layout import peer_file, read_marker, replica_dir, step_dir
 from ..mirror import CheckpointMirror, maybe_fetch_from_mirror
 from ..parallel import Dist
 from ..peer import ENV as PEER_ENV
@@ -241,7 +242,7 @@ class CheckpointManager:
             path = peer_file(self.replica.node.dir)
             try:
                 path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-                write_atomic(path, json.dumps({"node": node, "holder": holder}).encode())
+                write_bytes(path, json.dumps({"node": node, "holder": holder}).encode())
             except OSError as e:    # no snapshot directory on the node: nothing to ship, copies still usable
                 log.warning("node %d's peer daemon is not told where to send (%s): %s", node, path, e)
         return holder

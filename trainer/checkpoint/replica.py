@@ -38,7 +38,8 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from .. import compat
-from ..layout import replica_marker, replica_previous, replica_slot, write_atomic
+from ..durable import move, write_bytes
+from ..layout import replica_marker, replica_previous, replica_slot
 from .integrity import ChecksumMismatch, verify_state
 from .staging import staged_into
 
@@ -185,7 +186,7 @@ class NodeReplica:
         marked, is the newest complete snapshot until this copy is marked."""
         if self.persistent:
             try:
-                os.replace(self.previous_path, self.marker_path)
+                move(self.previous_path, self.marker_path)
             except FileNotFoundError:
                 self.marker_path.unlink(missing_ok=True)
 
@@ -250,10 +251,10 @@ class NodeReplica:
             old = read_marker_file(self.marker_path)
             if old is not None and old["slot"] != slot:
                 with contextlib.suppress(OSError):
-                    write_atomic(self.previous_path, self.marker_path.read_bytes())
-            write_atomic(self.marker_path, json.dumps({"step": step, "slot": slot, "run": run,
-                                                       "layout": self.layouts[slot], "checksums": checksums,
-                                                       "values": encode_values(_strip(snapshot, [0]))}).encode())
+                    write_bytes(self.previous_path, self.marker_path.read_bytes())
+            write_bytes(self.marker_path, json.dumps({"step": step, "slot": slot, "run": run,
+                                                      "layout": self.layouts[slot], "checksums": checksums,
+                                                      "values": encode_values(_strip(snapshot, [0]))}).encode())
 
     def load(self, state: dict, previous: bool = False) -> tuple[int, int, dict] | None:
         """(step, slot, snapshot) of the marked snapshot (``previous``: the one before it), read from its slot

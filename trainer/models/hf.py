@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import re
 import shutil
 import warnings
@@ -30,7 +29,8 @@ import torch.distributed.checkpoint as dcp
 import torch.nn as nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 
-from ..layout import fsync_dir
+from .. import layout
+from ..durable import publish_dir
 from .spec import ModelSpec
 
 log = logging.getLogger(__name__)
@@ -269,19 +269,7 @@ def _write_hf_dir(spec: ModelSpec, entries: list[tuple[str, tuple[int, ...], tor
     (tmp / CONFIG).write_text(json.dumps(spec.hf.hf_config(spec.config, cast or entries[0][2]), indent=2))
     if tokenizer_dir is not None:
         progress(f"copied {', '.join(_copy_tokenizer(Path(tokenizer_dir), tmp))}")
-    for f in tmp.iterdir():
-        with open(f, "rb") as fh:
-            os.fsync(fh.fileno())
-    fsync_dir(tmp)
-    if out.exists():
-        old = out.with_name(f".{out.name}.old")
-        shutil.rmtree(old, ignore_errors=True)
-        os.replace(out, old)
-        os.replace(tmp, out)
-        shutil.rmtree(old)
-    else:
-        os.replace(tmp, out)
-    fsync_dir(out.parent)
+    publish_dir(tmp, out)
     return out
 
 
@@ -365,7 +353,7 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     from .registry import spec_from_run_config
 
     run_dir = Path(run_dir)
-    config_path = run_dir / "config.json"
+    config_path = layout.config_path(run_dir)
     if not config_path.is_file():
         raise HFError(f"{config_path} not found: {run_dir} is not a run directory of `goodput train`")
     run_config = json.loads(config_path.read_text())
@@ -373,15 +361,15 @@ def export_run(run_dir: str | Path, out_dir: str | Path, *, step: int | None = N
     if spec.hf is None:
         raise HFError(f"the run trained {spec.name!r}, which has no Hugging Face layout (its spec sets no `hf` "
                       f"adapter); export works with llama")
-    steps = committed_steps(run_dir / "checkpoints")
+    steps = committed_steps(layout.checkpoints_dir(run_dir))
     if not steps:
-        raise HFError(f"no committed checkpoint under {run_dir / 'checkpoints'}")
+        raise HFError(f"no committed checkpoint under {layout.checkpoints_dir(run_dir)}")
     if step is not None and step not in steps:
         raise HFError(f"step {step} has no committed checkpoint in {run_dir}; committed: "
                       f"{', '.join(map(str, steps[-10:]))}")
     chosen = step if step is not None else steps[-1]
     progress(f"exporting step {chosen} of {run_dir} ({spec.name} {spec.flavor}) to {out_dir}")
     tokenizer = Path(tokenizer_dir) if tokenizer_dir else _dataset_tokenizer(run_config)
-    return export_checkpoint(step_dir(run_dir / "checkpoints", chosen), spec, out_dir, dtype=dtype,
+    return export_checkpoint(step_dir(layout.checkpoints_dir(run_dir), chosen), spec, out_dir, dtype=dtype,
                              max_shard_bytes=max_shard_bytes, tokenizer_dir=tokenizer, overwrite=overwrite,
                              progress=progress)
