@@ -243,8 +243,8 @@ class Trainer:
         # Sync point, once per step: the mean loss and every rank's signals (a stop signal; rank 0's save
         # decisions, a spot notice, the writers' state) travel in one all-reduce, so every rank takes the same
         # decisions at the same step.
-        signals = self.checkpointer.signals(step, stop=self.recovery.stop_requested)
-        sums = torch.cat([loss.float().reshape(1), signals.as_tensor(self.d.device)])
+        mine = self.checkpointer.signals(step, stop=self.recovery.stop_requested)
+        sums = torch.cat([loss.float().reshape(1), mine.as_tensor(self.d.device)])
         self.recovery.all_reduce(sums)
         loss_sum, *signal_sums = sums.tolist()
         # A wait for the checkpoint copy is the checkpoint's blocking time, not the step's.
