@@ -1,30 +1,35 @@
-"""The Checkpointer's per-step decisions, over a manager that records what it is asked to do.
+"""The Checkpointer's interface and per-step decisions, over a manager that records what it is asked to do.
 
-Which save a step makes once the ranks agreed (interval checkpoint, memory snapshot, a checkpoint owed while
-the writers are cold, spot notice), and the saves of a stop. The saving itself is tested against real
-DCP, NVRx and shared memory in test_checkpoint.py; the whole loop in test_resume.py and test_recovery.py.
+The decision ``step`` returns for each interval (fixed steps, ``auto``, seconds) and a stop signal; which save a
+step makes once the ranks agreed (interval checkpoint, memory snapshot, a checkpoint owed while the writers are
+cold, spot notice); the final saves. The saving itself is tested against real DCP, NVRx and shared memory in
+test_checkpoint.py; the whole loop in test_resume.py and test_recovery.py.
 """
 
 from __future__ import annotations
 
 import contextlib
 
+import pytest
 import torch
 
-from trainer.checkpoint import Checkpointer
+from trainer.checkpoint import Checkpointer, Decision, Saved, StepSignals
 from trainer.config import CheckpointConfig, SpotConfig
-from trainer.events import EventLog
+from trainer.events import EventLog, read_events
+from trainer.hooks import StepReport
 from trainer.parallel import Dist
 from trainer.spot import SpotWatcher
 
 
 class RecordingManager:
-    """Stands in for CheckpointManager: records calls; its writers' state is set by the test."""
+    """Stands in for CheckpointManager: records calls; its writers' state is set by the test. An interval
+    save reports ``block_s`` of blocking time, as the real one does once its copy is whole."""
 
     def __init__(self, root):
         self.root, self.calls = root, []
         self.writing = self.cold = False
         self.writes_in_flight, self.replica_copy_s, self.on_snapshot = 0, 0.0, None
+        self.block_s = 0.01
 
     def restore(self, state):
         return None, "checkpoint", state
@@ -39,6 +44,8 @@ class RecordingManager:
     def save(self, step, state, blocking=False):
         source = state if isinstance(state, dict) else "live"
         self.calls.append(("save", step, source, blocking))
+        if not blocking:
+            self.on_snapshot(self.block_s)
 
     def save_owed(self, step, copy):
         self.save(step, copy)   # its copy verified (tests/test_corruption.py checks the refusal)
@@ -57,7 +64,10 @@ class RecordingManager:
         pass
 
     def wait(self):
-        pass
+        self.calls.append(("wait",))
+
+    def maybe_drain_mirror(self):
+        self.calls.append(("drain_mirror",))
 
 
 class App:
@@ -69,8 +79,11 @@ class App:
 
 
 class Guard:
+    stop_signal = "sigterm"
+
     def __init__(self):
         self.saving_depth = 0
+        self.sections = []
 
     def atomic(self):
         return contextlib.nullcontext()
@@ -81,6 +94,11 @@ class Guard:
         yield
         self.saving_depth -= 1
 
+    @contextlib.contextmanager
+    def section(self, name):
+        self.sections.append(name)
+        yield
+
 
 def _checkpointer(tmp_path, max_steps=100, **cfg):
     manager = RecordingManager(tmp_path / "ckpt")
@@ -88,36 +106,102 @@ def _checkpointer(tmp_path, max_steps=100, **cfg):
     ckpt = Checkpointer(manager, CheckpointConfig(**cfg), Dist(0, 1, 0, torch.device("cpu")), App(), Guard(),
                         SpotWatcher(SpotConfig(), events, enabled=False), max_steps, events,
                         tmp_path / "events.jsonl", on_blocking=lambda s: None)
-    assert ckpt.restore() == (None, "checkpoint")
+    assert ckpt.load() == (None, "checkpoint")
     return ckpt, manager
+
+
+def _report(step, step_s=0.1):
+    return StepReport(step=step, loss=1.0, step_s=step_s, data_wait_s=0.0, tokens=1, tokens_seen=step, lr=1.0,
+                      mfu=None)
 
 
 def _step(ckpt, step, *, due=False, busy=False, memory=False, cold=False):
     """What the ranks agreed on at ``step``, then its save."""
-    ckpt.agree([float(due), float(busy), float(memory), float(cold)])
-    ckpt.maybe_save(step)
+    return ckpt.step(_report(step), StepSignals(ckpt_due=due, memory_due=memory, writing=busy, writer_cold=cold))
 
 
+def _run(ckpt, steps, stop_at=None):
+    """The loop, on one rank: this rank's signals are every rank's. Returns the steps that saved, by kind."""
+    saved = {}
+    for step in steps:
+        decision = ckpt.step(_report(step), ckpt.signals(step, stop=step == stop_at))
+        if decision.saved is not None:
+            saved[step] = decision.saved
+        if decision.stop:
+            break
+    return saved
+
+
+# ------------------------------------------------------------------------------ the per-step decision
+def test_a_fixed_interval_saves_every_n_steps_and_the_last_step_is_final(tmp_path):
+    ckpt, m = _checkpointer(tmp_path, max_steps=12, ckpt_every="5", memory_every_s=0.0)
+    assert _run(ckpt, range(1, 13)) == {5: Saved.CHECKPOINT, 10: Saved.CHECKPOINT, 12: Saved.FINAL}
+    assert [c for c in m.calls if c[0] == "save"] == [("save", 5, "live", False), ("save", 10, "live", False),
+                                                      ("save", 12, "live", True)]
+    assert ckpt.guard.sections == ["checkpoint"]   # the final save is timed as a checkpoint by the rank monitor
+
+
+def test_auto_measures_the_first_checkpoint_then_saves_at_the_young_daly_interval(tmp_path):
+    ckpt, m = _checkpointer(tmp_path, max_steps=25, ckpt_every="auto", mtbf_s=100.0, memory_every_s=0.0)
+    m.block_s = 0.002
+    # First after 10 steps, to measure its cost; then sqrt(2 x 0.002 s x 100 s) = 0.632 s / 0.1 s per step = 6.
+    assert _run(ckpt, range(1, 26)) == {10: Saved.CHECKPOINT, 16: Saved.CHECKPOINT, 22: Saved.CHECKPOINT,
+                                        25: Saved.FINAL}
+    [chosen] = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] == "ckpt_interval"]
+    assert chosen["steps"] == 6
+
+
+def test_a_time_interval_saves_every_s_seconds_and_waits_for_busy_writers(tmp_path, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr("trainer.checkpoint.policy.time.monotonic", lambda: clock[0])
+    ckpt, m = _checkpointer(tmp_path, max_steps=10, ckpt_every="0", ckpt_every_s=30.0, memory_every_s=0.0)
+    saved = {}
+    for step in range(1, 11):
+        clock[0] += 10.0                      # a 10 s step
+        m.writing = step == 6                 # a write runs when step 6 would save
+        saved.update(_run(ckpt, [step]))
+    # Postponed until no rank's write ran at the start of the step, nor of the one before (step 8).
+    assert saved == {3: Saved.CHECKPOINT, 8: Saved.CHECKPOINT, 10: Saved.FINAL}
+
+
+def test_a_stop_signal_commits_what_is_owed_and_a_final_checkpoint_then_stops(tmp_path):
+    ckpt, m = _checkpointer(tmp_path)
+    _step(ckpt, 2, due=True, busy=True, cold=True)          # owed: copied to memory while the writer is cold
+    m.calls.clear()
+    assert ckpt.step(_report(3), ckpt.signals(3, stop=True)) == Decision(Saved.FINAL, stop=True)
+    assert m.calls == [("save", 2, {"copy of step": 2}, False), ("release", 2), ("save", 3, "live", True),
+                       ("drop_replica",)]
+    events = [e for e in read_events(tmp_path / "events.jsonl") if e["event"] in ("sigterm", "exit")]
+    assert [(e["event"], e["step"]) for e in events] == [("sigterm", 3), ("exit", 3)]
+
+
+def test_any_ranks_signal_is_every_ranks_after_the_all_reduce():
+    sums = (StepSignals(stop=True).as_tensor(torch.device("cpu"))
+            + StepSignals(ckpt_due=True, writing=True).as_tensor(torch.device("cpu")))
+    assert StepSignals.agreed(sums.tolist()) == StepSignals(stop=True, ckpt_due=True, writing=True)
+
+
+# ------------------------------------------------------------------------------ which save, once agreed
 def test_a_checkpoint_due_while_the_writers_are_cold_is_copied_now_and_written_when_they_are_warm(tmp_path):
     ckpt, m = _checkpointer(tmp_path)
-    _step(ckpt, 1)
-    _step(ckpt, 4, due=True, busy=True, cold=True)        # the first write still runs on a booting writer
+    assert _step(ckpt, 1) == Decision(None)
+    assert _step(ckpt, 4, due=True, busy=True, cold=True) == Decision(Saved.OWED)   # first write on a booting writer
     assert m.calls == [("start_writer",), ("memory", 4, "kept")]   # the loop waits for no boot
     _step(ckpt, 5, busy=True, cold=True)                   # still cold: nothing is written yet
     assert m.calls[2:] == []
-    _step(ckpt, 6, busy=True)                              # warm: step 4's copy is written, as step 4
+    assert _step(ckpt, 6, busy=True) == Decision(Saved.OWED_WRITTEN)   # warm: step 4's copy, written as step 4
     assert m.calls[2:] == [("save", 4, {"copy of step": 4}, False), ("release", 4)]
 
 
 def test_memory_snapshots_go_on_while_one_checkpoint_is_owed_and_stop_while_two_are(tmp_path):
     ckpt, m = _checkpointer(tmp_path, ckpt_every="5", memory_every_s=0.0)
     _step(ckpt, 2, due=True, busy=True, cold=True)
-    ckpt.cfg.memory_every_s, ckpt.policy.last_memory_time = 1.0, 0.0    # a memory snapshot is overdue
-    assert ckpt.votes(3)[2], "one owed checkpoint keeps one slot: the other takes memory snapshots"
-    _step(ckpt, 3, busy=True, cold=True, memory=True)
+    ckpt.policy.memory_every_s, ckpt.policy.last_memory_time = 1.0, 0.0    # a memory snapshot is overdue
+    assert ckpt.signals(3, stop=False).memory_due, "one owed checkpoint keeps one slot: the other takes snapshots"
+    assert _step(ckpt, 3, busy=True, cold=True, memory=True) == Decision(Saved.MEMORY)
     _step(ckpt, 4, due=True, busy=True, cold=True)
     ckpt.policy.last_memory_time = 0.0
-    assert not ckpt.votes(5)[2], "two owed checkpoints keep both slots"
+    assert not ckpt.signals(5, stop=False).memory_due, "two owed checkpoints keep both slots"
     assert m.calls == [("memory", 2, "kept"), ("memory", 3), ("memory", 4, "kept")]
     m.calls.clear()
     _step(ckpt, 5, due=True, busy=True)                    # warm and busy: supersedes both, frees their slots
@@ -125,7 +209,7 @@ def test_memory_snapshots_go_on_while_one_checkpoint_is_owed_and_stop_while_two_
 
 
 def test_at_most_two_checkpoints_are_owed_then_a_due_save_waits_and_supersedes_them(tmp_path):
-    ckpt, m = _checkpointer(tmp_path)
+    ckpt, m = _checkpointer(tmp_path, max_steps=6)
     for step in (2, 3):
         _step(ckpt, step, due=True, busy=True, cold=True)
     m.calls.clear()
@@ -135,8 +219,7 @@ def test_at_most_two_checkpoints_are_owed_then_a_due_save_waits_and_supersedes_t
     # step 4 (a "step 2" checkpoint with step 4's state), nor after step 4 commits.
     assert m.calls == [("release", 2), ("release", 3), ("memory", 4), ("save", 4, "live", False)]
     _step(ckpt, 5)
-    _step(ckpt, 6, busy=True)
-    ckpt.finish(6)
+    assert _step(ckpt, 6, busy=True) == Decision(Saved.FINAL)
     assert [c for c in m.calls if c[0] == "save" and c[1] in (2, 3)] == []
 
 
@@ -159,20 +242,24 @@ def test_a_due_save_behind_a_busy_warm_writer_copies_to_memory_first(tmp_path):
     assert ckpt.guard.saving_depth == 0
 
 
-def test_a_stop_writes_what_is_owed_then_a_final_blocking_checkpoint(tmp_path):
-    ckpt, m = _checkpointer(tmp_path)
-    _step(ckpt, 2, due=True, busy=True, cold=True)
-    m.calls.clear()
-    ckpt.save_on_stop(3)
-    assert m.calls == [("save", 2, {"copy of step": 2}, False), ("release", 2), ("save", 3, "live", True),
-                       ("drop_replica",)]
-
-
-def test_votes_rank_0_decides_the_interval_and_reports_its_writers(tmp_path):
+def test_signals_rank_0_decides_the_interval_and_reports_its_writers(tmp_path):
     ckpt, m = _checkpointer(tmp_path, ckpt_every="5", memory_every_s=0.0)
-    assert ckpt.votes(4) == [False, False, False, False]
+    assert ckpt.signals(4, stop=False) == StepSignals()
     m.writing, m.cold, m.writes_in_flight = True, True, 1
-    assert ckpt.votes(5) == [True, True, False, True]
+    assert ckpt.signals(5, stop=True) == StepSignals(stop=True, ckpt_due=True, writing=True, writer_cold=True)
     m.writing, m.cold, m.writes_in_flight = False, False, 0
-    ckpt.cfg.memory_every_s, ckpt.policy.last_memory_time = 1.0, 0.0    # a memory snapshot is overdue
-    assert ckpt.votes(6) == [False, False, True, False]
+    ckpt.policy.memory_every_s, ckpt.policy.last_memory_time = 1.0, 0.0    # a memory snapshot is overdue
+    assert ckpt.signals(6, stop=False) == StepSignals(memory_due=True)
+
+
+@pytest.mark.parametrize("resumed_at_last_step", [True, False])
+def test_close_saves_the_last_step_only_where_the_loop_did_not_then_drains_the_mirror(tmp_path, resumed_at_last_step):
+    ckpt, m = _checkpointer(tmp_path, max_steps=3)
+    if not resumed_at_last_step:
+        _run(ckpt, [1, 2, 3])
+    else:
+        ckpt.first_step = 4                  # resumed from a state of step 3: the loop has nothing to do
+    m.calls.clear()
+    ckpt.close(3)
+    assert m.calls == ([("save", 3, "live", True), ("wait",), ("drop_replica",)] if resumed_at_last_step else []) \
+        + [("drain_mirror",)]

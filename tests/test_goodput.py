@@ -11,10 +11,10 @@ import signal
 
 import pytest
 
-from trainer.config import CheckpointConfig
 from trainer.events import TORN_LINE, EventLog, EventLogError, read_events
 from trainer.faults import Fault, chaos_schedule
-from trainer.goodput import DEFAULT_MTBF_S, IntervalPolicy, account, project, young_daly_interval_s
+from trainer.checkpoint.policy import AUTO, IntervalPolicy
+from trainer.goodput import DEFAULT_MTBF_S, account, project, young_daly_interval_s
 from trainer.metrics import RunCollector
 from trainer.summary import summarize
 
@@ -93,9 +93,9 @@ def test_account_attributes_faults_redone_steps_and_time():
 
 
 def test_interval_policy_by_steps_and_auto(tmp_path):
-    fixed = IntervalPolicy(CheckpointConfig(ckpt_every="5"), tmp_path / "events.jsonl")
+    fixed = IntervalPolicy(5, tmp_path / "events.jsonl")
     assert [s for s in range(1, 21) if fixed.due(s, 20)] == [5, 10, 15]       # the final one is the teardown's
-    auto = IntervalPolicy(CheckpointConfig(ckpt_every="auto", mtbf_s=5000.0), tmp_path / "events.jsonl")
+    auto = IntervalPolicy(AUTO, tmp_path / "events.jsonl", mtbf_s=5000.0)
     assert [s for s in range(1, 12) if auto.due(s, 100)] == [10]              # first save measures the cost
     for _ in range(5):
         auto.observe_step(0.1)
@@ -111,8 +111,8 @@ def test_interval_policy_by_steps_and_auto(tmp_path):
 
 def test_memory_snapshots_are_spaced_by_time_and_by_their_own_cost(tmp_path, monkeypatch):
     clock = [100.0]
-    monkeypatch.setattr("trainer.goodput.time.monotonic", lambda: clock[0])
-    policy = IntervalPolicy(CheckpointConfig(ckpt_every="50", memory_every_s=2.0), tmp_path / "events.jsonl")
+    monkeypatch.setattr("trainer.checkpoint.policy.time.monotonic", lambda: clock[0])
+    policy = IntervalPolicy(50, tmp_path / "events.jsonl", memory_every_s=2.0)
     clock[0] += 1.0
     assert not policy.memory_due(1, 100, copy_s=0.01)                # 1 s < 2 s
     clock[0] += 1.5
@@ -124,13 +124,13 @@ def test_memory_snapshots_are_spaced_by_time_and_by_their_own_cost(tmp_path, mon
     policy.observe_checkpoint(0.01)                                   # a save's snapshot resets the clock
     clock[0] += 2.5
     assert not policy.memory_due(6, 100, copy_s=0.2) and not policy.memory_due(100, 100, copy_s=0.0)
-    off = IntervalPolicy(CheckpointConfig(memory_every_s=0.0), tmp_path / "events.jsonl")
+    off = IntervalPolicy(50, tmp_path / "events.jsonl", memory_every_s=0.0)
     clock[0] += 100
     assert not off.memory_due(7, 100, copy_s=0.0)
 
 
 def test_auto_interval_counts_what_background_writes_take_from_training(tmp_path):
-    auto = IntervalPolicy(CheckpointConfig(ckpt_every="auto", mtbf_s=5000.0), tmp_path / "events.jsonl")
+    auto = IntervalPolicy(AUTO, tmp_path / "events.jsonl", mtbf_s=5000.0)
     for _ in range(10):
         auto.observe_step(0.1)
     auto.observe_checkpoint(0.4)
@@ -146,7 +146,7 @@ def test_auto_interval_counts_what_background_writes_take_from_training(tmp_path
 
 
 def test_write_interference_is_the_mean_extra_time_so_a_few_slow_steps_count(tmp_path):
-    auto = IntervalPolicy(CheckpointConfig(ckpt_every="auto", mtbf_s=5000.0), tmp_path / "events.jsonl")
+    auto = IntervalPolicy(AUTO, tmp_path / "events.jsonl", mtbf_s=5000.0)
     for _ in range(10):
         auto.observe_step(0.1)
     auto.observe_checkpoint(0.4)
@@ -166,7 +166,7 @@ def test_the_interval_is_for_the_failures_that_need_a_checkpoint(tmp_path):
 
     def policy_after(*events):
         path.write_text("".join(json.dumps(e) + "\n" for e in events))
-        return IntervalPolicy(CheckpointConfig(ckpt_every="auto"), path).mtbf_s()
+        return IntervalPolicy(AUTO, path).mtbf_s()
 
     start = [_ev(0.0, "run_start"), _ev(1.0, "fresh_start", step=0, source="checkpoint")]
     from_memory = [_ev(100.0, "restart", layer="injob"), _ev(101.0, "resumed", step=900, source="memory"),
@@ -177,7 +177,7 @@ def test_the_interval_is_for_the_failures_that_need_a_checkpoint(tmp_path):
     from_disk = [_ev(400.0, "run_start"), _ev(401.0, "restart", layer="job"),
                  _ev(402.0, "resumed", step=2500, source="checkpoint")]
     assert policy_after(*start, *from_memory, *from_disk, _ev(600.0, "step", step=4500)) == 600.0
-    assert IntervalPolicy(CheckpointConfig(ckpt_every="auto", mtbf_s=50.0), path).mtbf_s() == 50.0
+    assert IntervalPolicy(AUTO, path, mtbf_s=50.0).mtbf_s() == 50.0
 
 
 @pytest.mark.parametrize("lost", ["rank", "node"])
@@ -204,21 +204,21 @@ def test_the_interval_learns_from_a_real_runs_restarts(tmp_path, start_run, lost
     log = tmp_path / "events-now.jsonl"
     shutil.copyfile(run.out / "events.jsonl", log)
     events = read_events(log)
-    mtbf = IntervalPolicy(CheckpointConfig(ckpt_every="auto"), log).mtbf_s()
+    mtbf = IntervalPolicy(AUTO, log).mtbf_s()
     t0 = next(e["t"] for e in events if e["event"] == "run_start")
     assert mtbf == (DEFAULT_MTBF_S if lost == "rank" else pytest.approx(events[-1]["t"] - t0))
 
 
 def test_after_a_restart_auto_goes_on_with_the_interval_it_chose(tmp_path):
     path = tmp_path / "events.jsonl"
-    first = IntervalPolicy(CheckpointConfig(ckpt_every="auto", mtbf_s=5000.0), path, events=EventLog(path, rank=0))
+    first = IntervalPolicy(AUTO, path, mtbf_s=5000.0, events=EventLog(path, rank=0))
     for _ in range(5):
         first.observe_step(0.1)
     first.observe_checkpoint(0.4)                                   # sqrt(2 x 0.4 x 5000) / 0.1 = 632 steps
     [chosen] = [e for e in read_events(path) if e["event"] == "ckpt_interval"]
     assert chosen["steps"] == 632 and chosen["block_s"] == 0.4 and chosen["mtbf_s"] == 5000.0
     # A restarted rank 0 at step 700: no save after 10 steps to measure the cost again.
-    again = IntervalPolicy(CheckpointConfig(ckpt_every="auto", mtbf_s=5000.0), path, start_step=700)
+    again = IntervalPolicy(AUTO, path, mtbf_s=5000.0, start_step=700)
     assert [s for s in range(701, 1400) if again.due(s, 10_000)] == [1332]
 
 

@@ -1,6 +1,7 @@
-"""Goodput: when to checkpoint, what a run's time went to, and what a cluster would get.
+"""Goodput: the optimal checkpoint interval, what a run's time went to, and what a cluster would get.
 
-- ``IntervalPolicy``: the checkpoint interval (steps, seconds, or ``auto`` = Young-Daly).
+- ``young_daly_interval_s``: the checkpoint interval that loses the least to checkpoints and failures
+  (``trainer.checkpoint.policy`` applies it).
 - ``account``: from ``events.jsonl``, the faults, restarts by layer, redone steps and where the wall
   time went; ``goodput`` = time of the steps that were kept / wall time.
 - ``project``: goodput for G GPUs at a per-GPU failure rate, ours (node losses recovered from a peer's
@@ -12,16 +13,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import math
 import statistics
-import time
-from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
 
-from .config import CheckpointConfig
-from .events import EventLog, read_events
 
 DEFAULT_MTBF_S = 24 * 3600.0
 # Meta, "The Llama 3 Herd of Models" (2024): 419 unexpected interruptions in 54 days on 16,384 H100s.
@@ -34,125 +30,6 @@ LLAMA3_NODE_LOSS_SHARE = 0.78
 def young_daly_interval_s(ckpt_cost_s: float, mtbf_s: float) -> float:
     """Young's first-order optimum: checkpoint every sqrt(2 * cost * MTBF) seconds."""
     return math.sqrt(2.0 * ckpt_cost_s * mtbf_s)
-
-
-class IntervalPolicy:
-    """Decides on rank 0 when the next checkpoint is due (the decision is shared by the step all-reduce).
-
-    ``auto`` starts with a checkpoint after ``first_auto_step`` steps to measure its cost, then uses the
-    Young-Daly interval from that cost, the median step time and the MTBF of the failures a checkpoint is
-    for: ``--mtbf-s``, else the restarts in this run's event log that had to load a committed checkpoint,
-    else 24 h. A restart that resumed from a copy in memory (``resumed`` with source ``memory``: in-process, or
-    in-job on the same nodes; or ``peer``: a replacement node from the copy another node kept of its snapshot)
-    lost at most ``--memory-snapshot-every-s`` of work whatever the checkpoint interval, so it does not count.
-    A checkpoint's cost is the loop's median blocking time plus what its background write took from
-    training: the mean extra time of the steps that ran alongside a write (next to nothing where the
-    writers have host cores of their own, as on GPU nodes; on a host whose cores all train, it can be most
-    of the cost; the mean, not the median, because a write slows a few steps a lot more than the rest).
-    """
-
-    first_auto_step = 10
-    window = 500   # steps kept for the step-time statistics, with and without a write alongside
-
-    def __init__(self, cfg: CheckpointConfig, events_path: Path, start_step: int = 0, events: EventLog | None = None):
-        """``events``: where a chosen ``auto`` interval is recorded (``ckpt_interval``; rank 0, which decides).
-        After a restart the policy goes on with the last one recorded: measuring the cost again would cost
-        one more checkpoint per restart."""
-        self.cfg, self.events_path, self.events = cfg, events_path, events
-        self.auto = cfg.every_steps is None
-        chosen = [e["steps"] for e in read_events(events_path) if e["event"] == "ckpt_interval"] if self.auto else []
-        self.chosen: int | None = chosen[-1] if chosen else None
-        self.every = (self.chosen or self.first_auto_step) if self.auto else cfg.every_steps
-        self.last_step, self.last_time = start_step, time.monotonic()
-        self.last_memory_time = self.last_time
-        self.step_s: deque[float] = deque(maxlen=self.window)
-        self.block_s: list[float] = []
-        # Recent step times with and without a checkpoint write running alongside; steps seen with one.
-        self.writing_step_s: deque[float] = deque(maxlen=self.window)
-        self.quiet_step_s: deque[float] = deque(maxlen=self.window)
-        self.writing_steps = 0
-
-    def observe_step(self, step_s: float, writing: bool = False) -> None:
-        """A step's duration; ``writing``: a checkpoint write was running when it started."""
-        self.step_s.append(step_s)
-        if writing:
-            self.writing_step_s.append(step_s)
-            self.writing_steps += 1
-        else:
-            self.quiet_step_s.append(step_s)
-
-    def observe_checkpoint(self, block_s: float) -> None:
-        self.block_s.append(block_s)
-        self.last_time = self.last_memory_time = time.monotonic()   # a save's snapshot is in memory too
-        if self.auto:
-            self.every = self.auto_interval_steps()
-
-    def mtbf_s(self) -> float:
-        if self.cfg.mtbf_s > 0:
-            return self.cfg.mtbf_s
-        events = read_events(self.events_path)
-        starts = [e["t"] for e in events if e["event"] == "run_start"]
-        from_disk = sum(e["event"] == "resumed" and e.get("source") == "checkpoint" for e in events)
-        if from_disk and starts:
-            return max(1.0, (events[-1]["t"] - starts[0]) / from_disk)
-        return DEFAULT_MTBF_S
-
-    def write_interference_s(self) -> float:
-        """Training time lost per checkpoint to its background write (slower steps while it ran)."""
-        if not (self.writing_step_s and self.quiet_step_s and self.block_s):
-            return 0.0
-        slower = max(0.0, statistics.fmean(self.writing_step_s) - statistics.fmean(self.quiet_step_s))
-        return slower * self.writing_steps / len(self.block_s)
-
-    def auto_interval_steps(self) -> int:
-        # The first save pays for allocating the staging copy; later ones are the steady-state cost.
-        block = statistics.median(self.block_s[1:] or self.block_s)
-        interference = self.write_interference_s()
-        cost = block + interference
-        step = statistics.median(self.step_s) if self.step_s else 1.0
-        mtbf = self.mtbf_s()
-        steps = max(1, round(young_daly_interval_s(cost, mtbf) / max(step, 1e-6)))
-        if steps != self.chosen:
-            logging.getLogger("trainer").info(
-                "ckpt-every auto: %d steps (Young-Daly: cost %.4fs = blocking %.4fs + write interference %.4fs, "
-                "MTBF %.0fs, step %.3fs)", steps, cost, block, interference, mtbf, step)
-            if self.events is not None:
-                self.events.emit("ckpt_interval", steps=steps, block_s=round(block, 4),
-                                 interference_s=round(interference, 4), mtbf_s=round(mtbf, 1), step_s=round(step, 5))
-            self.chosen = steps
-        return steps
-
-    def memory_due(self, step: int, max_steps: int, copy_s: float) -> bool:
-        """Whether to copy the state to memory after ``step`` (``--memory-snapshot-every-s``), given how long
-        the last such copy took: copies stay at least 20x their duration apart (at most 5% of the copy
-        bandwidth, whatever the state's size)."""
-        if self.cfg.memory_every_s <= 0 or step >= max_steps:
-            return False
-        now = time.monotonic()
-        if now - self.last_memory_time < max(self.cfg.memory_every_s, 20 * copy_s):
-            return False
-        self.last_memory_time = now
-        return True
-
-    def due(self, step: int, max_steps: int, writers_busy: bool = False) -> bool:
-        """Whether to checkpoint after ``step``. ``writers_busy``: a rank's previous write is still running.
-
-        A fixed step interval is kept exactly (that save waits for the writers). An ``auto`` or time-based
-        save is postponed while the writers are busy, so it never blocks on them: Young-Daly with a tiny
-        blocking cost can ask for saves more often than the writers can write them.
-        """
-        if step >= max_steps:
-            return False  # the final checkpoint is written by the teardown
-        if self.auto:
-            by_steps = step - self.last_step >= self.every
-        else:
-            by_steps = self.every > 0 and step % self.every == 0
-        by_time = self.cfg.ckpt_every_s > 0 and time.monotonic() - self.last_time >= self.cfg.ckpt_every_s
-        exact = by_steps and not self.auto
-        if exact or ((by_steps or by_time) and not writers_busy):
-            self.last_step = step
-            return True
-        return False
 
 
 @dataclass

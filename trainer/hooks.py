@@ -1,5 +1,5 @@
-"""What the training loop tells the objects that watch it (metrics, fault injection, the checkpointer, the
-recovery layers), at two fixed points of every step. Each overrides what it needs."""
+"""What the training loop tells the objects that watch it (metrics, fault injection, the recovery layers), at
+two fixed points of every step. Each overrides what it needs."""
 
 from __future__ import annotations
 

@@ -33,7 +33,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_state_dict
 
 from . import digests
-from .checkpoint import Checkpointer
+from .checkpoint import Checkpointer, StepSignals
 from .config import OptimConfig, TrainConfig
 from .data import BatchSampler, Split, eval_windows
 from .events import EventLog, read_events
@@ -162,16 +162,14 @@ class Trainer:
                                              spot=session.spot, max_steps=cfg.run.max_steps, events=self.events,
                                              events_path=session.events_path,
                                              on_blocking=session.metrics.observe_checkpoint)
-            # In this order: a checkpoint's copy is whole before a fault can fire; the policy learns the step
-            # before the rank monitor, metrics and the log see it.
-            self.update_hooks: list[StepHook] = [self.checkpointer, session.faults]
-            self.step_hooks: list[StepHook] = [self.checkpointer, self.recovery, session.metrics,
+            self.update_hooks: list[StepHook] = [session.faults]
+            self.step_hooks: list[StepHook] = [self.recovery, session.metrics,
                                                StepLog(self.events, cfg.run.max_steps, cfg.run.log_every, d.is_main)]
             self.step_hooks += [status] if status is not None else []
             self.step_hooks += straggler_hooks(cfg.metrics, self, d, self.events, session.metrics)   # GPU only
 
             # ---- restore: from memory or a checkpoint; else a fresh start
-            resumed_from, source = self.checkpointer.restore()
+            resumed_from, source = self.checkpointer.load()
             if resumed_from is None:
                 self._fresh_start()
             self.sampler.batches_read = self.state.batches_read
@@ -215,49 +213,46 @@ class Trainer:
     # ---- the loop
     def train(self) -> dict | None:
         """Train to ``max_steps``; return the summary on rank 0 (None elsewhere, and when stopped early)."""
-        state, checkpointer = self.state, self.checkpointer
+        state = self.state
         with self.recovery.loop(first_step=state.step + 1):
             while state.step < self.cfg.run.max_steps:
                 with self.recovery.step_section(state.step + 1):
-                    checkpointer.maybe_finalize()
-                    report, stop = self.step()
+                    report, signals = self.step()
                 for hook in self.step_hooks:
                     hook.after_step(report)
-                if stop:
+                # What is due is saved; the last step's checkpoint, or a stop's, is the final one.
+                if self.checkpointer.step(report, signals).stop:
                     return self.stop()
-                checkpointer.maybe_save(state.step)
         return self.finish()
 
-    def step(self) -> tuple[StepReport, bool]:
-        """One training step and the ranks' agreement on it; returns its report and whether to stop."""
+    def step(self) -> tuple[StepReport, StepSignals]:
+        """One training step and the ranks' agreement on it: its report, and the signals of every rank."""
         t0 = time.monotonic()
         step = self.state.step + 1
-        loss, data_wait_s = self.train_step(step)
+        loss, data_wait_s, staging_wait_s = self.train_step(step)
         self.scheduler.step()
         self.state.step = step
         self.state.batches_read = self.sampler.batches_read
         self.state.tokens += self.tokens_per_step
-        # Sync point, once per step: the mean loss, any rank's stop signal, and the checkpointer's votes
-        # (rank 0's save decisions, any rank's spot notice, the writers' state) travel in one all-reduce, so
-        # every rank takes the same decisions at the same step.
-        flags = torch.cat([loss.float().reshape(1),
-                           torch.tensor([self.recovery.stop_requested, *self.checkpointer.votes(step)],
-                                        dtype=torch.float32, device=self.d.device)])
-        self.recovery.all_reduce(flags)
-        sums = flags.tolist()
-        self.checkpointer.agree(sums[2:])
+        # Sync point, once per step: the mean loss and every rank's signals (a stop signal; rank 0's save
+        # decisions, a spot notice, the writers' state) travel in one all-reduce, so every rank takes the same
+        # decisions at the same step.
+        mine = self.checkpointer.signals(step, stop=self.recovery.stop_requested)
+        sums = torch.cat([loss.float().reshape(1), mine.as_tensor(self.d.device)])
+        self.recovery.all_reduce(sums)
+        loss_sum, *signal_sums = sums.tolist()
         # A wait for the checkpoint copy is the checkpoint's blocking time, not the step's.
-        step_s = time.monotonic() - t0 - self.checkpointer.staging_wait_s
+        step_s = time.monotonic() - t0 - staging_wait_s
         tokens_per_s = self.tokens_per_step / step_s if step_s > 0 else 0.0
-        report = StepReport(step=step, loss=sums[0] / self.d.world_size, step_s=step_s, data_wait_s=data_wait_s,
+        report = StepReport(step=step, loss=loss_sum / self.d.world_size, step_s=step_s, data_wait_s=data_wait_s,
                             tokens=self.tokens_per_step, tokens_seen=self.state.tokens,
                             lr=self.scheduler.get_last_lr()[0],
                             mfu=mfu(tokens_per_s / self.d.world_size, self.flops_per_token, self.peak_flops))
-        return report, sums[1] > 0
+        return report, StepSignals.agreed(signal_sums)
 
-    def train_step(self, step: int) -> tuple[torch.Tensor, float]:
+    def train_step(self, step: int) -> tuple[torch.Tensor, float, float]:
         """One optimizer step over ``grad_accum`` micro-batches: (mean loss on this rank, seconds spent
-        waiting for batches)."""
+        waiting for batches, seconds spent waiting for a checkpoint's copy of the state)."""
         cfg, d = self.cfg, self.d
         total, data_wait_s = torch.zeros((), device=d.device), 0.0
         autocast = torch.autocast("cuda", dtype=torch.bfloat16, enabled=d.device.type == "cuda")
@@ -271,36 +266,29 @@ class Trainer:
             total += loss.detach()
         if cfg.optim.grad_clip > 0:
             clip_grad_norm_(self.model, cfg.optim.grad_clip)
+        # A checkpoint's copy of the state is whole before a fault can fire and the optimizer changes the state.
+        staging_wait_s = self.checkpointer.maybe_wait_for_staging()
         for hook in self.update_hooks:
             hook.before_optimizer_step(step)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
-        return total / cfg.data.grad_accum, data_wait_s
+        return total / cfg.data.grad_accum, data_wait_s, staging_wait_s
 
     # ---- the end
     def stop(self) -> None:
-        """Every rank saw the stop flag (SIGTERM or SIGINT) at the same step: commit a final checkpoint and return."""
-        step, grace_s = self.state.step, self.cfg.checkpoint.sigterm_grace_s
-        self.events.emit("sigterm", step=step, signal=self.recovery.stop_signal)
-        t0 = time.monotonic()
-        self.checkpointer.save_on_stop(step)
-        took = time.monotonic() - t0
-        if self.d.is_main:
-            if took > grace_s:
-                log.warning("final checkpoint took %.1fs, over the %.0fs grace period", took, grace_s)
-            self.events.emit("exit", reason=self.recovery.stop_signal, step=step, ckpt_s=round(took, 4))
+        """Every rank saw the stop signal (SIGTERM or SIGINT) at the same step, and its final checkpoint is
+        committed: leave."""
         dist.destroy_process_group()
         return None
 
     def finish(self) -> dict | None:
-        """Teardown: the final checkpoint, validation, the identity of the weights, the summary (rank 0)."""
+        """Teardown: validation, the identity of the weights, the mirror drained, the summary (rank 0)."""
         state, summary = self.state, None
         with self.recovery.section("checkpoint"):
-            self.checkpointer.finish(state.step)
             val_loss = validation_loss(self.model, self.spec, self.session.split_val, self.cfg, self.d)
             sha = params_sha256(self.model)
+            self.checkpointer.close(state.step)   # after the last collective: the summary sees the mirror drained
             if self.d.is_main:
-                self.checkpointer.maybe_drain_mirror()   # after the last collective: the summary sees it mirrored
                 self.events.emit("run_end", step=state.step, val_loss=round(val_loss, 6))
                 summary = summarize(read_events(self.session.events_path), steps=state.step, tokens=state.tokens,
                                     final_val_loss=val_loss, params_sha256=sha, n_params=self.n_params,

@@ -13,8 +13,10 @@ that died) is torn: never loaded, and deleted at the next start.
 
 The package, one concern a module:
 
-    checkpointer  ``Checkpointer``, the façade the Trainer uses: restore, what to save at each step, the
-                  final saves
+    checkpointer  ``Checkpointer``, the façade the Trainer uses: ``load``, ``step`` (what to save at each
+                  step, the final saves), ``close``
+    policy        ``IntervalPolicy``: when a checkpoint (every N steps, ``auto``: Young-Daly, every S
+                  seconds) and a memory snapshot are due
     manager       ``CheckpointManager``: how a save, a memory snapshot and a restore run
     commit        the commit protocol, retention, torn-step clean-up
     writer        NVRx's writer process and its helpers: start, watch, end with the rank
@@ -26,10 +28,11 @@ and ``trainer.mirror``, the S3 mirror of committed checkpoints.
 """
 
 from ..layout import COMMITTED, committed_steps, step_dir
-from .checkpointer import Checkpointer
+from .checkpointer import Checkpointer, Decision, Saved, StepSignals
 from .commit import delete_checkpoint
 from .manager import CheckpointManager
+from .policy import AUTO, IntervalPolicy
 from .writer import fork_write_results_queue
 
-__all__ = ["COMMITTED", "Checkpointer", "CheckpointManager", "committed_steps", "delete_checkpoint",
-           "fork_write_results_queue", "step_dir"]
+__all__ = ["AUTO", "COMMITTED", "Checkpointer", "CheckpointManager", "Decision", "IntervalPolicy", "Saved",
+           "StepSignals", "committed_steps", "delete_checkpoint", "fork_write_results_queue", "step_dir"]

@@ -1,23 +1,39 @@
-"""``Checkpointer``: the façade the Trainer uses. It decides, at every step, what of the state to save and
-where (a committed checkpoint, a copy in node memory, or a checkpoint owed until the writers are warm),
-and runs the saves of a stop and of the end of training. ``CheckpointManager`` below it does the saving.
+"""``Checkpointer``: the façade the Trainer uses, after torchtitan's ``CheckpointManager``::
+
+    resumed_from, source = checkpointer.load()           # own memory, a peer's copy, FSx, the S3 mirror
+    while step < max_steps:                               # every step, on every rank:
+        ... forward, backward
+        wait_s = checkpointer.maybe_wait_for_staging()    # a save's copy is whole before the state changes
+        ... optimizer step
+        mine = checkpointer.signals(step, stop=...)       # this rank's say, summed by the step's all-reduce
+        decision = checkpointer.step(report, agreed)      # saves what is due (the final one at the last
+        if decision.stop: ...                             # step); on a stop, the final checkpoint
+    checkpointer.close(step)                              # after the last collective: the mirror drained
+
+When a checkpoint or a memory snapshot is due is ``IntervalPolicy``'s decision (``policy``), taken on rank 0
+and agreed by every rank through the step's all-reduce; ``CheckpointManager`` below does the saving.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import logging
+import time
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Callable, Protocol
+from typing import Callable, Protocol, Sequence
+
+import torch
 
 from ..config import CheckpointConfig
 from ..events import EventLog
-from ..goodput import IntervalPolicy
-from ..hooks import StepHook, StepReport
+from ..hooks import StepReport
 from ..layout import COMMITTED, step_dir
 from ..parallel import Dist
 from ..spot import SpotWatcher
 from .manager import CheckpointManager
+from .policy import AUTO, IntervalPolicy
 
 log = logging.getLogger(__name__)
 
@@ -37,8 +53,52 @@ class Guard(Protocol):
 
     def saving(self) -> contextlib.AbstractContextManager: ...
 
+    def section(self, name: str) -> contextlib.AbstractContextManager: ...
 
-class Checkpointer(StepHook):
+    @property
+    def stop_signal(self) -> str: ...
+
+
+@dataclass(frozen=True)
+class StepSignals:
+    """What one rank says about the step it just took. The step's all-reduce sums them over the ranks field
+    by field (``as_tensor``, ``agreed``): a field is set once any rank set it, so every rank decides the same."""
+
+    stop: bool = False          # a stop signal (SIGTERM, SIGINT) reached this rank
+    ckpt_due: bool = False      # rank 0's interval policy, or a spot notice for this rank's node
+    memory_due: bool = False    # rank 0: a memory snapshot is due (and no checkpoint)
+    writing: bool = False       # a checkpoint write of this rank was running at the start of the step
+    writer_cold: bool = False   # and its writer had not finished a write since it started
+
+    def as_tensor(self, device: torch.device) -> torch.Tensor:
+        return torch.tensor([float(getattr(self, f.name)) for f in fields(self)], dtype=torch.float32,
+                            device=device)
+
+    @classmethod
+    def agreed(cls, sums: Sequence[float]) -> StepSignals:
+        """Every rank's signals, from their sums in the order of ``as_tensor``."""
+        return cls(*(s > 0 for s in sums))
+
+
+class Saved(enum.Enum):
+    """What ``Checkpointer.step`` saved at a step."""
+
+    CHECKPOINT = "checkpoint"       # this step's checkpoint: copied now, written in the background
+    OWED = "owed"                   # due while the writers are cold: copied to node memory, written once warm
+    OWED_WRITTEN = "owed_written"   # the writers are warm: an earlier step's owed checkpoint is written
+    MEMORY = "memory"               # a copy of this step's state in node memory (no checkpoint)
+    FINAL = "final"                 # this step's checkpoint, committed: the last step's, or a stop's
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What ``Checkpointer.step`` did at a step, and what the loop does next."""
+
+    saved: Saved | None = None
+    stop: bool = False   # every rank saw a stop signal, and the final checkpoint is committed: leave the loop
+
+
+class Checkpointer:
     """Restore, the per-step save decisions, and the final saves, for one attempt.
 
     Args:
@@ -60,15 +120,11 @@ class Checkpointer(StepHook):
         self.max_steps, self.events, self.events_path, self.on_blocking = max_steps, events, events_path, on_blocking
         self.policy: IntervalPolicy | None = None
         self.first_step = 1
-        self.staging_wait_s = 0.0   # this step's wait for a checkpoint's copy (blocking time, not step time)
-        # Agreed by every rank at the last step (``agree``): what to save, and the writers' state.
-        self.due = self.to_memory = False
-        self.writers_busy = False   # any rank's checkpoint write was running at the start of the last step
-        self.writers_cold = False   # and some rank's first write since its writer started was still running
         self.owed: list = []        # (step, copy in node memory) of checkpoints due while the writers were cold
+        self.agreed = StepSignals()   # the last step's signals, as every rank agreed on them
 
-    # ----------------------------------------------------------------------------------------- restore
-    def restore(self) -> tuple[int | None, str]:
+    # ----------------------------------------------------------------------------------------- load
+    def load(self) -> tuple[int | None, str]:
         """Load the newest state every rank can get into ``app``; return (its step or None, its source).
 
         The newest memory snapshot every rank holds (after an in-process restart, or on the same nodes after
@@ -79,9 +135,13 @@ class Checkpointer(StepHook):
             self.app.load_state_dict(loaded)
         start = step or 0
         self.first_step = start + 1
-        self.policy = IntervalPolicy(self.cfg, events_path=self.events_path, start_step=start,
+        cfg = self.cfg
+        self.policy = IntervalPolicy(AUTO if cfg.every_steps is None else cfg.every_steps,
+                                     self.events_path, every_s=cfg.ckpt_every_s, memory_every_s=cfg.memory_every_s,
+                                     mtbf_s=cfg.mtbf_s, start_step=start,
                                      events=self.events if self.d.is_main else None)
         self.manager.on_snapshot = self._observe_blocking
+        self.manager.maybe_finalize()   # the first step's: earlier attempts' finished writes committed
         return step, source
 
     def _observe_blocking(self, block_s: float) -> None:
@@ -89,43 +149,52 @@ class Checkpointer(StepHook):
         self.on_blocking(block_s)
 
     # ----------------------------------------------------------------------------------------- a step
-    def maybe_finalize(self) -> None:
-        """Top of every step: finished writes are recorded, complete checkpoints committed (no waiting)."""
-        self.staging_wait_s = 0.0
-        self.manager.maybe_finalize()
-
-    def before_optimizer_step(self, step: int) -> None:
-        # A checkpoint's copy of the state ran alongside this step's forward and backward passes; it must be
-        # whole before the optimizer writes to the state.
+    def maybe_wait_for_staging(self) -> float:
+        """Before the optimizer step: wait for a checkpoint's copy of the state, which ran alongside this step's
+        forward and backward passes, to be whole; return the seconds waited (blocking time, not step time)."""
         with self.guard.atomic():
-            self.staging_wait_s = self.manager.finish_snapshot()
+            return self.manager.finish_snapshot()
 
-    def votes(self, step: int) -> list[bool]:
-        """This rank's say on what step ``step`` saves, for the step's all-reduce (summed over ranks).
+    def signals(self, step: int, stop: bool) -> StepSignals:
+        """This rank's signals for the step ``step`` just taken, for the step's all-reduce. ``stop``: a stop
+        signal reached this rank.
 
         Rank 0 decides the interval checkpoint and the memory snapshot; a spot notice on any rank's node
         makes a checkpoint due; every rank reports its writers.
         """
         m = self.manager
-        due = self.d.is_main and self.policy.due(step, self.max_steps, self.writers_busy or m.writing)
+        due = self.d.is_main and self.policy.due(step, self.max_steps, self.agreed.writing or m.writing)
         due = self.spot.maybe_due(step, self.max_steps) or due
         # Between checkpoints, a copy in memory bounds what a restart redoes; an owed checkpoint keeps one
         # of the replica's two slots, two keep both.
-        to_memory = self.d.is_main and not due and len(self.owed) < 2 and self.policy.memory_due(
+        memory_due = self.d.is_main and not due and len(self.owed) < 2 and self.policy.memory_due(
             step, self.max_steps, m.replica_copy_s)
-        return [due, m.writing, to_memory, m.cold and m.writes_in_flight > 0]
+        return StepSignals(stop=stop, ckpt_due=due, memory_due=memory_due, writing=m.writing,
+                           writer_cold=m.cold and m.writes_in_flight > 0)
 
-    def agree(self, sums: list[float]) -> None:
-        """The votes of every rank, summed: from here every rank takes the same decisions."""
-        self.due, self.writers_busy, self.to_memory, self.writers_cold = (v > 0 for v in sums)
+    def step(self, report: StepReport, agreed: StepSignals) -> Decision:
+        """Act on the step every rank agreed on (call on every rank, with the all-reduced ``agreed``).
 
-    def after_step(self, report: StepReport) -> None:
-        self.policy.observe_step(report.step_s, writing=self.writers_busy)
+        A stop: what is owed and a final checkpoint of this step, committed. The last step: every checkpoint
+        committed, this one among them. Otherwise what the policy found due: a checkpoint, a memory snapshot,
+        or a checkpoint owed until the writers are warm.
+        """
+        step, self.agreed = report.step, agreed
+        self.policy.observe_step(report.step_s, writing=agreed.writing)
+        if agreed.stop:
+            self._save_on_stop(step)
+            return Decision(Saved.FINAL, stop=True)
+        saved = self._maybe_save(step, agreed)
+        if step >= self.max_steps:
+            with self.guard.section("checkpoint"):
+                self._save_final(step)
+            return Decision(Saved.FINAL)
+        self.manager.maybe_finalize()   # the next step's: finished writes recorded, complete ones committed
+        return Decision(saved)
 
-    def maybe_save(self, step: int) -> None:
-        """Save what the ranks agreed on for ``step`` (call on every rank, after ``agree``)."""
-        m, app = self.manager, self.app.state_dict
-        if self.due and self.writers_busy and self.writers_cold and len(self.owed) < 2:
+    def _maybe_save(self, step: int, agreed: StepSignals) -> Saved | None:
+        m, app, saved = self.manager, self.app.state_dict, None
+        if agreed.ckpt_due and agreed.writing and agreed.writer_cold and len(self.owed) < 2:
             # The save would wait for the previous write, which runs on a writer that has not finished one
             # yet: it may still be booting (seconds, after every start and in-job restart). The state is
             # copied to node memory now (one of its two slots) and that copy written once the writer is
@@ -133,7 +202,8 @@ class Checkpointer(StepHook):
             # the other slot.
             with self.guard.atomic():
                 self.owed.append((step, m.snapshot_to_memory(step, app, keep=True)))
-        elif self.due:
+            saved = Saved.OWED
+        elif agreed.ckpt_due:
             with self.guard.saving():
                 if self.owed:
                     # This checkpoint supersedes the owed ones, which would only be written after it. Their
@@ -141,21 +211,25 @@ class Checkpointer(StepHook):
                     log.info("checkpoints of steps %s, owed to a cold writer, superseded by step %d",
                              [s for s, _ in self.owed], step)
                     self._release_owed()
-                if self.writers_busy:
+                if agreed.writing:
                     # The save will wait for the previous write (on every rank: the flag was all-reduced).
                     # Copied to node memory first, this step is what a restart meanwhile resumes from.
                     m.snapshot_to_memory(step, app)
                 m.save(step, app)
-        elif self.owed and not (self.writers_busy and self.writers_cold):
+            saved = Saved.CHECKPOINT
+        elif self.owed and not (agreed.writing and agreed.writer_cold):
             owed_step, copy = self.owed[0]
             with self.guard.saving():
                 m.save_owed(owed_step, copy)
             self._release_owed(1)
-        elif self.to_memory:
+            saved = Saved.OWED_WRITTEN
+        elif agreed.memory_due:
             with self.guard.atomic():
                 m.snapshot_to_memory(step, app)
+            saved = Saved.MEMORY
         if step == self.first_step:
             m.start_writer()   # not before: see Writer.start
+        return saved
 
     def _release_owed(self, count: int | None = None) -> None:
         """The first ``count`` owed checkpoints (all: None) are written or superseded: their slots are free."""
@@ -172,16 +246,24 @@ class Checkpointer(StepHook):
                     self.manager.finish_snapshot()
         self._release_owed()
 
-    def save_on_stop(self, step: int) -> None:
-        """Every rank saw the stop flag at ``step``: commit what is owed and a final checkpoint of ``step``."""
+    def _save_on_stop(self, step: int) -> None:
+        """Every rank saw the stop flag at ``step``: commit what is owed and a final checkpoint of ``step``
+        (recorded with the time it took, against the pod's grace period)."""
+        grace_s = self.cfg.sigterm_grace_s
+        self.events.emit("sigterm", step=step, signal=self.guard.stop_signal)
+        t0 = time.monotonic()
         self._save_owed(self.guard.saving)
         with self.guard.saving():
             self.manager.save(step, self.app.state_dict, blocking=True)
         self.manager.drop_replica()   # older than the checkpoint just committed
+        took = time.monotonic() - t0
+        if self.d.is_main:
+            if took > grace_s:
+                log.warning("final checkpoint took %.1fs, over the %.0fs grace period", took, grace_s)
+            self.events.emit("exit", reason=self.guard.stop_signal, step=step, ckpt_s=round(took, 4))
 
-    def finish(self, step: int) -> None:
-        """The end of training (inside the caller's ``checkpoint`` section): every checkpoint committed,
-        ``step`` among them."""
+    def _save_final(self, step: int) -> None:
+        """The end of training: every checkpoint committed, ``step`` among them."""
         self.manager.maybe_finalize()
         self._save_owed(self.guard.atomic)
         if not (step_dir(self.manager.root, step) / COMMITTED).exists():
@@ -190,5 +272,11 @@ class Checkpointer(StepHook):
         self.manager.wait()
         self.manager.drop_replica()   # older than the final checkpoint
 
-    def maybe_drain_mirror(self) -> None:
-        self.manager.maybe_drain_mirror()
+    def close(self, step: int) -> None:
+        """After training (inside the caller's ``checkpoint`` section, after its last collective but this
+        one): the final checkpoint of ``step`` if the loop did not run to make it (a run resumed at its last
+        step), then, on rank 0, the S3 mirror drained, so the run's summary sees every checkpoint mirrored."""
+        if step < self.first_step:
+            self._save_final(step)
+        if self.d.is_main:
+            self.manager.maybe_drain_mirror()
