@@ -321,9 +321,11 @@ def _kill_leftovers(pgids, everything: bool = False) -> None:
         if everything:
             found += marked(ZYGOTE_PID_ENV, str(os.getpid()))
         found = [p for p in found if not _is_resource_tracker(p)]
-        if not found or time.monotonic() > deadline:
+        if not found:
             return
         reap(found, gone_s=max(0.0, deadline - time.monotonic()))
+        if time.monotonic() >= deadline:
+            return
 
 
 def _is_resource_tracker(proc) -> bool:
