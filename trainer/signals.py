@@ -1,4 +1,5 @@
-"""Stop signals as a flag the loop checks once per step, and processes that die with their parent.
+"""Process lifecycle: stop signals as a flag the loop checks once per step, processes that die with their
+parent, and what every supervisor uses to swap signal handlers, spot a stopped process and end a run's processes.
 
 SIGTERM (spot reclaim, pod eviction, launcher shutdown) and SIGINT (Ctrl-C reaching a rank run by
 hand): while the training loop runs, the handler only records the signal: the loop finishes its step,
@@ -13,9 +14,9 @@ until the launcher's SIGKILL, which comes only after its stop timeout.
 the parent ended, SIGKILL included. Every process of a local run's tree that is not in its starter's
 process group sets it, so none outlives the run.
 
-The rest of a process's life in one place: ``handlers`` swaps signal handlers in for a block, ``is_stopped``
-and ``StoppedFor`` tell a process stopped (SIGSTOP) from a busy one, ``marked`` and ``in_process_group``
-find a run's processes and ``reap`` ends them.
+``handlers`` swaps signal handlers in for a block; ``is_stopped`` and ``StoppedFor`` tell a process stopped
+(SIGSTOP) from a busy one; ``marked`` and ``in_process_group`` find a run's processes, wherever they were
+re-parented to, and ``reap`` ends them.
 """
 
 from __future__ import annotations
