@@ -14,6 +14,8 @@ import pytest
 
 from trainer.signals import alive
 
+from .conftest import until
+
 GONE_WITHIN_S = 2.0
 
 
@@ -34,14 +36,20 @@ def test_nothing_of_the_run_is_alive_2_s_after_a_group_sigkill(train):
     # snapshot beside it.
     run.wait_for("ckpt_committed")
     run.wait_for("memory_snapshot")
-    tree = psutil.Process(run.proc.pid).children(recursive=True)
-    seen = {}     # pid -> (command line, process group) of each process of the run
-    for p in tree:
-        with contextlib.suppress(psutil.Error, OSError):    # a short-lived helper may be gone already
-            seen[p.pid] = (" ".join(p.cmdline()), os.getpgid(p.pid))
-    commands = [c for c, _ in seen.values()]
-    assert any("trainer.zygote" in c for c in commands), commands
-    assert sum("multiprocessing.spawn" in c for c in commands) >= 2, commands    # each rank's checkpoint writer
+    tree: list[psutil.Process] = []
+    seen: dict[int, tuple[str, int]] = {}     # pid -> (command line, process group) of each process of the run
+
+    def record() -> bool:
+        """The whole tree, once each rank's checkpoint writer is in it (rank 1's may start a step later)."""
+        tree[:] = psutil.Process(run.proc.pid).children(recursive=True)
+        seen.clear()
+        for p in tree:
+            with contextlib.suppress(psutil.Error, OSError):    # a short-lived helper may be gone already
+                seen[p.pid] = (" ".join(p.cmdline()), os.getpgid(p.pid))
+        return sum("multiprocessing.spawn" in c for c, _ in seen.values()) >= 2
+
+    assert until(record, 60), seen
+    assert any("trainer.zygote" in c for c, _ in seen.values()), seen
     # Most of the run is outside the group the kill reaches: only their ties to their parents end them.
     assert sum(pgid != run.proc.pid for _, pgid in seen.values()) > 1, seen
 
