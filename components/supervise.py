@@ -58,6 +58,7 @@ from components import peer_secret
 from components.job_kinds import PYTORCHJOB, JobKind, kind_of
 from components.kueue import NO_WORKLOAD, NO_WORKLOAD_HINT_S, queue_of, workload_state
 from components.progress import ProgressLog
+from trainer.signals import handlers
 
 __all__ = ["SuperviseConfig", "JobOutcome", "JobFailed", "JobTimeout", "NotAdmitted", "JobCancelled", "api_client",
            "current_namespace", "run_job", "delete_job"]
@@ -304,20 +305,13 @@ class _Supervisor:
     @contextlib.contextmanager
     def terminate_raises(self):
         """SIGTERM raises ``_Terminated`` in the main thread, even inside a blocking read."""
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-
         def handler(signum, _frame):
             if self._cleaning:      # already deleting: finish that first
                 return
             raise _Terminated(signum)
 
-        previous = signal.signal(signal.SIGTERM, handler)
-        try:
+        with handlers({signal.SIGTERM: handler}):
             yield
-        finally:
-            signal.signal(signal.SIGTERM, previous)
 
     def cleanup(self, why: str) -> None:
         self._cleaning = True

@@ -46,6 +46,7 @@ from pathlib import Path
 from trainer import layout
 from trainer.durable import staging_dir
 from trainer.events import read_events
+from trainer.signals import KILLED_GONE_S, handlers, marked, reap
 
 # Pipeline arguments of the local demo, sized for 2 CPU cores: about 30 s of training steps, so that its
 # goodput figure means something (a few seconds of startup and teardown are most of a shorter run), and
@@ -277,16 +278,8 @@ def _stopped_by_signals(stop: _Stop):
             with contextlib.suppress(psutil.NoSuchProcess):
                 step.send_signal(signal.SIGTERM)
 
-    try:
-        previous = {s: signal.signal(s, handle) for s in (signal.SIGINT, signal.SIGTERM)}
-    except ValueError:                  # not the main thread
+    with handlers({signal.SIGINT: handle, signal.SIGTERM: handle}):
         yield
-        return
-    try:
-        yield
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
 
 
 class _NotRetried(RuntimeError):
@@ -402,7 +395,6 @@ class _RunProcesses:
     """
 
     MARKER = "GOODPUT_LOCAL_RUN"
-    KILLED_GONE_S = 5.0    # how long a SIGKILLed process may take to disappear
 
     def __init__(self, interval_s: float = 1.0, log=None):
         self.interval_s, self.log = interval_s, log
@@ -437,18 +429,12 @@ class _RunProcesses:
 
     def processes(self) -> dict[int, tuple[int, str]]:
         """pid -> (parent pid, command line) of this run's live processes."""
-        marker = f"{self.MARKER}={self.run_id}".encode()
+        import psutil
+
         found = {}
-        for proc in Path("/proc").glob("[0-9]*"):
-            try:
-                if marker not in (proc / "environ").read_bytes().split(b"\0"):
-                    continue
-                state, ppid = (proc / "stat").read_text().rsplit(")", 1)[1].split()[:2]
-                if state != "Z":
-                    found[int(proc.name)] = (int(ppid), (proc / "cmdline").read_bytes().replace(b"\0", b" ")
-                                             .decode(errors="replace"))
-            except (OSError, ValueError):
-                continue
+        for p in marked(self.MARKER, self.run_id):
+            with contextlib.suppress(psutil.Error):
+                found[p.pid] = (p.ppid(), " ".join(p.cmdline()))
         return found
 
     def _kill(self, pid: int, cmd: str, sig=signal.SIGKILL) -> None:
@@ -458,6 +444,15 @@ class _RunProcesses:
             if self.log:
                 self.log.write(f"[goodput run --local] sent {signal.Signals(sig).name} to {pid}: {cmd[:160]}\n")
 
+    def _signalled(self, proc, sig: int) -> None:
+        import psutil
+
+        self.killed.append(proc.pid)
+        if self.log:
+            with contextlib.suppress(psutil.Error):
+                self.log.write(f"[goodput run --local] sent {signal.Signals(sig).name} to {proc.pid}: "
+                               f"{' '.join(proc.cmdline())[:160]}\n")
+
     def kill_orphaned_workers(self) -> None:
         procs = self.processes()
         for pid, (ppid, cmd) in procs.items():
@@ -465,28 +460,11 @@ class _RunProcesses:
                 self._kill(pid, cmd)
 
     def stop_all(self, grace_s: float) -> None:
-        procs = self._wait(grace_s=0)
-        if grace_s and procs:
-            for pid, (_, cmd) in procs.items():
-                self._kill(pid, cmd, signal.SIGTERM)
-            procs = self._wait(grace_s)
-        for pid, (_, cmd) in procs.items():
-            self._kill(pid, cmd)
         # A killed process lives on until the kernel has torn it down: the run is over only when it is gone.
-        left = self._wait(self.KILLED_GONE_S, among=set(procs))
+        left = reap(marked(self.MARKER, self.run_id), grace_s=grace_s, on_signal=self._signalled)
         if left and self.log:
-            self.log.write(f"[goodput run --local] still dying {self.KILLED_GONE_S:.0f} s after SIGKILL: "
-                           f"{sorted(left)}\n")
-
-    def _wait(self, grace_s: float, among: set[int] | None = None) -> dict[int, tuple[int, str]]:
-        """This run's other processes (only those in ``among``) still alive after up to ``grace_s``."""
-        deadline = time.monotonic() + grace_s
-        while True:
-            procs = {p: v for p, v in self.processes().items()
-                     if p != os.getpid() and (among is None or p in among)}
-            if not procs or time.monotonic() >= deadline:
-                return procs
-            time.sleep(0.05)
+            self.log.write(f"[goodput run --local] still dying {KILLED_GONE_S:.0f} s after SIGKILL: "
+                           f"{sorted(p.pid for p in left)}\n")
 
 
 def _outputs(task_dir: Path) -> dict:

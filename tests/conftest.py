@@ -22,6 +22,7 @@ from trainer.events import read_events
 from trainer.launch import LaunchConfig, LocalCluster, local_launcher_command
 from trainer.parallel import Dist
 from trainer.layout import replica_dir
+from trainer.signals import marked as processes_marked
 
 # A model small enough that a step takes ~0.1 s on one CPU core.
 TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8",
@@ -133,16 +134,7 @@ MARK = "GOODPUT_TEST_RUN"
 
 def marked(value: str) -> list[int]:
     """Live processes whose environment carries ``MARK=value`` (every process of the run inherits it)."""
-    needle = f"{MARK}={value}".encode()
-    found = []
-    for proc in Path("/proc").glob("[0-9]*"):
-        try:
-            if needle in (proc / "environ").read_bytes().split(b"\0") and \
-                    (proc / "stat").read_bytes().rsplit(b")", 1)[1].split()[0] != b"Z":
-                found.append(int(proc.name))
-        except (OSError, IndexError):
-            continue
-    return found
+    return [p.pid for p in processes_marked(MARK, value)]
 
 
 def until(condition, timeout: float) -> bool:

@@ -7,6 +7,7 @@ One rank, no launcher (the launcher-driven paths run in test_recovery.py and tes
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import subprocess
@@ -14,10 +15,12 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from trainer.events import read_events
 from trainer.layout import committed_steps
+from trainer.signals import in_process_group, is_gone
 from trainer.warmstart import ENV
 
 from .conftest import TINY
@@ -48,15 +51,10 @@ def _wait_for(out: Path, proc: subprocess.Popen, predicate, timeout: float = 120
 def _group(pgid: int) -> list[str]:
     """Command lines of the processes in process group ``pgid``, multiprocessing's resource tracker aside."""
     found = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            state, _, group = stat.read_bytes().rsplit(b")", 1)[1].split()[:3]
-            if int(group) == pgid and state != b"Z":
-                cmd = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
-                found += [] if "resource_tracker" in cmd else [cmd]
-        except (OSError, IndexError):
-            continue
-    return found
+    for p in in_process_group(pgid):
+        with contextlib.suppress(psutil.Error):
+            found.append(" ".join(p.cmdline()))
+    return [cmd for cmd in found if "resource_tracker" not in cmd]
 
 
 def _until(condition, timeout: float) -> bool:
@@ -70,12 +68,7 @@ def _until(condition, timeout: float) -> bool:
 
 def _gone(pid: int, timeout: float) -> bool:
     """The process ended (a zombie counts: once the zygote is gone, only init may reap it)."""
-    def dead() -> bool:
-        try:
-            return Path(f"/proc/{pid}/stat").read_bytes().rsplit(b")", 1)[1].split()[0] == b"Z"
-        except FileNotFoundError:
-            return True
-    return _until(dead, timeout)
+    return _until(lambda: is_gone(pid), timeout)
 
 
 def _training(dataset: Path, out: Path, cleanup) -> tuple[subprocess.Popen, dict]:

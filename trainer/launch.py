@@ -30,8 +30,8 @@ from . import layout
 from .data import default_dataset_dir, ensure_default_dataset
 from .digests import path_digest
 from .peer import SECRET_ENV as PEER_SECRET_ENV
-from .signals import STOP_SIGNALS, parent_death_preexec
-from .warmstart import STOPPED_S, process_state, wait_unless_stopped
+from .signals import STOP_SIGNALS, STOPPED_S, StoppedFor, handlers, marked, parent_death_preexec, reap
+from .warmstart import wait_unless_stopped
 
 
 LAUNCHER_MODULE = "nvidia_resiliency_ext.fault_tolerance.launcher"
@@ -288,9 +288,10 @@ def run_local_training(settings: TrainConfig, launch: LaunchConfig, fsx_root: Pa
     else:
         # Its own session: a terminal's Ctrl-C reaches this process only, which stops the run once, with SIGTERM
         # (ft_launcher would pass SIGINT on to every process group of its workers, where NVRx's helpers die of
-        # it). The launcher's tree dies with this process, whatever ends it: SIGTERM, so the ranks checkpoint.
+        # it). The launcher's tree dies with this process when it is killed (SIGKILL: its own stop signals
+        # end the run with a checkpoint, through ``stop``).
         proc = subprocess.Popen(local_launcher_command(launch, args), start_new_session=True,
-                                preexec_fn=parent_death_preexec(signal.SIGTERM))
+                                preexec_fn=parent_death_preexec(signal.SIGKILL))
         stop_run = lambda: proc.send_signal(signal.SIGTERM)  # noqa: E731
 
     def stop(signum, _frame):
@@ -298,8 +299,7 @@ def run_local_training(settings: TrainConfig, launch: LaunchConfig, fsx_root: Pa
             stopped_by.append(signum)
             stop_run()
 
-    previous = {s: signal.signal(s, stop) for s in STOP_SIGNALS}
-    try:
+    with handlers({s: stop for s in STOP_SIGNALS}):
         if nodes > 1:
             with cluster:
                 cluster.start()
@@ -312,9 +312,6 @@ def run_local_training(settings: TrainConfig, launch: LaunchConfig, fsx_root: Pa
             if code < 0:
                 print(f"goodput train: the launch wrapper (pid {proc.pid}) died of {signal.Signals(-code).name}",
                       file=sys.stderr)
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
     if stopped_by:
         return 128 + stopped_by[0], None
     if code < 0:
@@ -474,11 +471,11 @@ class LocalCluster:
             log = open(node.log, "ab") if node.log else None
             try:
                 # A session of its own (a terminal's Ctrl-C reaches this process only, which stops the nodes
-                # with SIGTERM); the node dies with this process, by SIGTERM so that its ranks checkpoint.
+                # with SIGTERM); the node dies with this process when it is killed.
                 node.proc = subprocess.Popen(
                     self.command(node), stdout=log, stderr=subprocess.STDOUT if log else None,
                     start_new_session=True, env={**self.env, NODE_ENV: node.marker},
-                    preexec_fn=parent_death_preexec(signal.SIGTERM))
+                    preexec_fn=parent_death_preexec(signal.SIGKILL))
             finally:
                 if log:
                     log.close()
@@ -489,10 +486,10 @@ class LocalCluster:
 
         deadline = time.monotonic() + KILL_TIMEOUT_S
         while node.proc.poll() is None and time.monotonic() < deadline:
-            for pid in self._pids(node):
+            for proc in self._processes(node):
                 with contextlib.suppress(psutil.Error):
                     # The launcher itself, not the wrapper whose arguments name it.
-                    if psutil.Process(pid).cmdline()[1:3] in [["-m", m] for m in self.launcher_modules]:
+                    if proc.cmdline()[1:3] in [["-m", m] for m in self.launcher_modules]:
                         return
             time.sleep(0.05)
 
@@ -530,20 +527,10 @@ class LocalCluster:
 
     def pids(self, i: int) -> list[int]:
         """Live processes of node ``i``'s tree (every one carries its marker in its environment)."""
-        return self._pids(self.nodes[i])
+        return [p.pid for p in self._processes(self.nodes[i])]
 
-    def _pids(self, node: LocalNode) -> list[int]:
-        import psutil
-
-        needle = f"{NODE_ENV}={node.marker}"
-        found = []
-        for p in psutil.process_iter():
-            try:
-                if p.status() != psutil.STATUS_ZOMBIE and needle in (f"{k}={v}" for k, v in p.environ().items()):
-                    found.append(p.pid)
-            except (psutil.Error, OSError):
-                continue    # gone meanwhile, or not ours
-        return found
+    def _processes(self, node: LocalNode) -> list:
+        return marked(NODE_ENV, node.marker)
 
     def kill(self, i: int) -> None:
         """Node loss: SIGKILL every process of node ``i`` at once and wipe its memory snapshots."""
@@ -552,13 +539,11 @@ class LocalCluster:
     def _kill(self, node: LocalNode) -> None:
         node.lost = True
         deadline = time.monotonic() + KILL_TIMEOUT_S
-        while pids := self._pids(node):     # again: a launcher may have started a worker meanwhile
+        while procs := self._processes(node):     # again: a launcher may have started a worker meanwhile
             if time.monotonic() > deadline:
-                raise RuntimeError(f"node {node.index}: processes {pids} survived SIGKILL for {KILL_TIMEOUT_S:g}s")
-            for pid in pids:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            time.sleep(0.05)
+                raise RuntimeError(f"node {node.index}: processes {[p.pid for p in procs]} survived SIGKILL for "
+                                   f"{KILL_TIMEOUT_S:g}s")
+            reap(procs, gone_s=max(0.0, deadline - time.monotonic()))
         if node.proc is not None:
             node.proc.wait()
         shutil.rmtree(node.memory_dir, ignore_errors=True)
@@ -581,7 +566,7 @@ class LocalCluster:
         """
         need = self.min_nodes or len(self.nodes)
         deadline = None if timeout is None else time.monotonic() + timeout
-        stopped: dict[int, float] = {}
+        hung = StoppedFor()
         while True:
             failed = [n for n in self.nodes if not n.lost and n.proc is not None and n.proc.poll() not in (None, 0)]
             running = [n for n in self.nodes if n.proc is not None and n.proc.poll() is None]
@@ -594,9 +579,7 @@ class LocalCluster:
             if not running:
                 return failed[0].proc.returncode if failed else 0
             for n in running:
-                if process_state(n.proc.pid) != "T":
-                    stopped.pop(n.index, None)
-                elif time.monotonic() - stopped.setdefault(n.index, time.monotonic()) > STOPPED_S:
+                if hung(n.proc.pid):
                     print(f"goodput: node {n.index}'s launch wrapper (pid {n.proc.pid}) was stopped for "
                           f"{STOPPED_S:g}s; killed the node", file=sys.stderr)
                     self.kill(n.index)

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import atexit
 import contextlib
-import glob
 import json
 import os
 import select
@@ -41,12 +40,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import psutil
+
 from .layout import checkpoints_dir, events_path, replica_dir
 from .peer import ENV as PEER_ENV
 from .peer import JOB_ENV as PEER_JOB_ENV
 from .peer import secret_from_env
 from .peer import start_daemon as peer_daemon
-from .signals import STOPPED_S, parent_death_preexec
+from .signals import (STOPPED_S, StoppedFor, handlers, in_process_group, is_gone, is_stopped, marked,
+                      parent_death_preexec, reap)
 
 ENV = "GOODPUT_WARMSTART_SOCKET"
 ZYGOTE_PID_ENV = "GOODPUT_ZYGOTE_PID"
@@ -122,16 +124,14 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
         env[ENV] = path
     # The launcher (and so every worker it starts) dies with this process: see signals.die_with_parent.
     proc = subprocess.Popen(command, env=env, preexec_fn=parent_death_preexec(signal.SIGKILL))
-    previous = {s: signal.signal(s, lambda signum, _f: proc.send_signal(signum)) for s in _FORWARDED}
     try:
-        code = wait_unless_stopped(proc, "warm start: the launcher", poll=lambda: fatal.check(proc))
+        with handlers({s: lambda signum, _f: proc.send_signal(signum) for s in _FORWARDED}):
+            code = wait_unless_stopped(proc, "warm start: the launcher", poll=lambda: fatal.check(proc))
         if fatal.reason is not None:
             code = 2
         elif code < 0:
             print(f"warm start: the launcher (pid {proc.pid}) died of {signal.Signals(-code).name}", file=sys.stderr)
     finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
         if peer is not None:    # before the zygote removes the snapshots: it would write them again
             peer.kill()
             peer.wait()
@@ -153,7 +153,7 @@ def wait_unless_stopped(proc: subprocess.Popen, what: str, poll=None) -> int:
     """``proc``'s exit code; a ``proc`` stopped (SIGSTOP) for ``STOPPED_S`` is hung: it is SIGKILLed (with
     its process group, when it leads one) and its death reported as ``what``, so nothing waits forever.
     ``poll`` is called every half second meanwhile."""
-    stopped_since = None
+    hung = StoppedFor()
     while True:
         try:
             return proc.wait(timeout=0.5)
@@ -161,8 +161,7 @@ def wait_unless_stopped(proc: subprocess.Popen, what: str, poll=None) -> int:
             pass
         if poll is not None:
             poll()
-        stopped_since = (stopped_since or time.monotonic()) if process_state(proc.pid) == "T" else None
-        if stopped_since is not None and time.monotonic() - stopped_since > STOPPED_S:
+        if hung(proc.pid):
             print(f"{what} (pid {proc.pid}) was stopped for {STOPPED_S:g}s; killed it", file=sys.stderr)
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 if os.getpgid(proc.pid) == proc.pid:
@@ -293,50 +292,47 @@ def serve(listen_fd: int, alive_fd: int, child: ChildRun | None, replicas: tuple
             elif key.fileobj == wake_r:
                 os.read(wake_r, 4096)
             elif not os.read(alive_fd, 1):
-                # The wrapper is gone: end what is left of the run (its ranks, then every process that inherited
-                # the launcher's environment: the rank monitors, cold ranks and their helpers) and its memory
-                # snapshots, whether the wrapper exited or was killed.
-                for pid in children:
-                    os.kill(pid, signal.SIGKILL)
-                    os.waitpid(pid, 0)
-                    _kill_leftovers(pid)
-                _kill_leftovers(marker=f"{ZYGOTE_PID_ENV}={os.getpid()}".encode())
+                # The wrapper is gone: end what is left of the run (its ranks with their process groups, and
+                # every process that inherited the launcher's environment: the rank monitors, cold ranks and
+                # their helpers), all at once, then its memory snapshots, whether the wrapper exited or was killed.
+                _kill_leftovers(children, everything=True)
                 _remove(list(replicas))
                 return
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)
             if pid == 0:
                 break
-            _kill_leftovers(pid)
+            _kill_leftovers([pid])
             conn = children.pop(pid, None)
             if conn is not None:
                 _send(conn, {"exit": os.waitstatus_to_exitcode(status)})
                 conn.close()
 
 
-def _kill_leftovers(pgid: int | None = None, marker: bytes | None = None) -> None:
-    """SIGKILL what a dead rank left in its process group ``pgid`` (or every process whose environment holds
-    ``marker``): NVRx's checkpoint workers and result-queue manager ignore SIGTERM and never notice their
-    parent's death, so each killed rank would leak them, with their share of the checkpoint staging memory,
-    for as long as the node runs. Multiprocessing's resource tracker is spared: it exits by itself once they
-    are gone, unlinking what they registered."""
-    for stat in glob.glob("/proc/[0-9]*/stat"):
-        try:
-            pid = int(stat.split("/")[2])
-            if pgid is not None:
-                with open(stat, "rb") as f:
-                    if int(f.read().rsplit(b")", 1)[1].split()[2]) != pgid:
-                        continue
-            if marker is not None:
-                with open(f"/proc/{pid}/environ", "rb") as f:
-                    if marker not in f.read().split(b"\0"):
-                        continue
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"resource_tracker" in f.read():
-                    continue
-            os.kill(pid, signal.SIGKILL)
-        except (OSError, IndexError, ValueError):
-            continue          # gone meanwhile
+def _kill_leftovers(pgids, everything: bool = False) -> None:
+    """SIGKILL what dead ranks left in their process groups ``pgids`` (``everything``: also each process of the
+    run, i.e. whose environment names this zygote, and wait until they are gone): NVRx's checkpoint workers
+    and result-queue manager ignore SIGTERM, so each killed rank would leak them, with their share of the
+    checkpoint staging memory, for as long as the node runs. Multiprocessing's resource tracker is spared: it
+    exits by itself once they are gone, unlinking what they registered."""
+    deadline = time.monotonic() + (ZYGOTE_EXIT_S if everything else 0)
+    while True:     # again: a process may have started another before it was killed
+        found = [p for pgid in pgids for p in in_process_group(pgid)]
+        if everything:
+            found += marked(ZYGOTE_PID_ENV, str(os.getpid()))
+        found = [p for p in found if not _is_resource_tracker(p)]
+        if not found:
+            return
+        reap(found, gone_s=max(0.0, deadline - time.monotonic()))
+        if time.monotonic() >= deadline:
+            return
+
+
+def _is_resource_tracker(proc) -> bool:
+    try:
+        return any("resource_tracker" in a for a in proc.cmdline())
+    except psutil.Error:   # gone meanwhile
+        return False
 
 
 def _fork_child(conn: socket.socket, child: ChildRun, close_in_child: tuple[int, ...]) -> int | None:
@@ -403,7 +399,7 @@ def _die_with_proxy(conn: socket.socket, proxy: int) -> None:
     (SIGSTOP) for ``STOPPED_S`` is killed first: it could not report this child's exit, and its launcher
     would wait for it forever."""
     conn.settimeout(0.5)
-    stopped_since = None
+    hung = StoppedFor()
     try:
         while True:
             try:
@@ -411,23 +407,13 @@ def _die_with_proxy(conn: socket.socket, proxy: int) -> None:
                     return
             except socket.timeout:
                 pass
-            stopped_since = (stopped_since or time.monotonic()) if process_state(proxy) == "T" else None
-            if stopped_since is not None and time.monotonic() - stopped_since > STOPPED_S:
+            if hung(proxy):
                 print(f"warm start: the proxy of rank pid {os.getpid()} (pid {proxy}) was stopped for "
                       f"{STOPPED_S:g}s; killed both", file=sys.stderr)
                 os.kill(proxy, signal.SIGKILL)
                 return
     finally:
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-def process_state(pid: int) -> str:
-    """The process's state letter from /proc (R, S, D, T, Z, ...), "" when there is no such process."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            return f.read().rsplit(b")", 1)[1].split()[0].decode()
-    except (OSError, IndexError):
-        return ""
 
 
 # ---- the proxy (the process the launcher started) -----------------------------------------------------
@@ -454,8 +440,7 @@ def delegate(argv: list[str]) -> None:
             pending.append(signum)
 
     zygote = int(os.environ.get(ZYGOTE_PID_ENV, "0"))
-    previous = {s: signal.signal(s, forward) for s in _FORWARDED}
-    try:
+    with handlers({s: forward for s in _FORWARDED}):
         with socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET) as conn:
             request = {"argv": [sys.argv[0], *argv], "cwd": os.getcwd(), "proxy": os.getpid(),
                        "env": {k: v for k, v in os.environ.items() if k != ENV}}
@@ -477,9 +462,6 @@ def delegate(argv: list[str]) -> None:
                 with contextlib.suppress(ProcessLookupError):   # it may have died first
                     os.kill(child[0], signal.SIGKILL)
                 return 1
-    finally:
-        for s, h in previous.items():
-            signal.signal(s, h)
     exit_like(status["exit"])
 
 
@@ -489,26 +471,24 @@ def _await_zygote(conn: socket.socket, zygote: int) -> tuple[dict | None, str]:
     while True:
         if select.select([conn], [], [], 0.1)[0]:
             return _recv(conn), "no zygote answered"
-        if zygote and process_state(zygote) in ("", "Z", "T"):
-            return None, f"the zygote (pid {zygote}) is {'stopped' if process_state(zygote) == 'T' else 'gone'}"
+        if zygote and (is_stopped(zygote) or is_gone(zygote)):
+            return None, f"the zygote (pid {zygote}) is {'stopped' if is_stopped(zygote) else 'gone'}"
         if time.monotonic() > deadline:
             return None, f"the zygote (pid {zygote}) did not answer within {HANDOFF_TIMEOUT_S:g}s"
 
 
 def _await_exit(conn: socket.socket, pid: int, zygote: int) -> dict | None:
     """The exit status the zygote reports for its child ``pid``; None if it cannot (gone, stopped)."""
-    stopped_since = exited_at = None
+    hung, exited_at = StoppedFor(), None
     while True:
         if select.select([conn], [], [], 0.5)[0]:
             return _recv(conn)
-        now, state = time.monotonic(), process_state(pid)
-        stopped_since = (stopped_since or now) if state == "T" else None
-        if stopped_since is not None and now - stopped_since > STOPPED_S:
+        now = time.monotonic()
+        if hung(pid):
             print(f"warm start: rank pid {pid} was stopped for {STOPPED_S:g}s; killed it", file=sys.stderr)
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
-            stopped_since = None
-        exited_at = (exited_at or now) if state in ("", "Z") else None
+        exited_at = (exited_at or now) if is_gone(pid) else None
         if exited_at is not None and now - exited_at > STOPPED_S:
             print(f"warm start: the zygote (pid {zygote}) did not report the exit of rank pid {pid}",
                   file=sys.stderr)

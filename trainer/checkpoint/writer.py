@@ -22,23 +22,14 @@ import psutil
 from .. import compat
 from ..config import CheckpointConfig
 from ..events import EventLog
-from ..signals import STOP_SIGNALS, STOPPED_S, die_with_parent
+from ..signals import STOP_SIGNALS, STOPPED_S, StoppedFor, die_with_parent, handlers, is_gone
 
 log = logging.getLogger(__name__)
 
 
-@contextlib.contextmanager
 def _stop_signals_ignored():
     """What is started inside ignores SIGTERM and SIGINT (inherited dispositions): see ``Writer.start``."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {s: signal.signal(s, signal.SIG_IGN) for s in STOP_SIGNALS}
-    try:
-        yield
-    finally:
-        for s, handler in previous.items():
-            signal.signal(s, handler)
+    return handlers(dict.fromkeys(STOP_SIGNALS, signal.SIG_IGN))
 
 
 _forked_managers: list[int] = []   # the write-results manager forked with a warm rank (fork_write_results_queue)
@@ -265,26 +256,19 @@ class Writer:
         ``--ckpt-write-timeout-s``: the write would never finish, and the loop would wait for it in NVRx's
         finalize (a blocking read of its results), at the next save or at the end of training. Ended like
         a dead rank (SIGKILL, after a ``helper_hung`` event), the in-job layer restarts it with new helpers."""
-        stopped_since = None
+        hung = StoppedFor(STOPPED_S)
         while self.helpers:
             time.sleep(0.5)
             if not self.writes_in_flight:
-                stopped_since = None
+                hung = StoppedFor(STOPPED_S)    # a stop counts only while a write waits on it
                 continue
-            now, why, stopped = time.monotonic(), None, False
+            now, why = time.monotonic(), None
             for pid in list(self.helpers):
-                try:
-                    status = psutil.Process(pid).status()
-                except psutil.NoSuchProcess:
-                    status = psutil.STATUS_DEAD
-                if status in (psutil.STATUS_ZOMBIE, psutil.STATUS_DEAD):
+                if is_gone(pid):
                     why = f"the checkpoint {self._helper(pid)} of rank {self.rank} (pid {pid}) is gone"
-                elif status == psutil.STATUS_STOPPED:
-                    stopped, stopped_since = True, stopped_since or now
-                    if now - stopped_since > STOPPED_S:
-                        why = (f"the checkpoint {self._helper(pid)} of rank {self.rank} (pid {pid}) was stopped "
-                               f"for {STOPPED_S:g}s")
-            stopped_since = stopped_since if stopped else None
+                elif hung(pid):
+                    why = (f"the checkpoint {self._helper(pid)} of rank {self.rank} (pid {pid}) was stopped "
+                           f"for {STOPPED_S:g}s")
             if why is None and now - self.write_started > self.cfg.write_timeout_s:
                 why = (f"a checkpoint write of rank {self.rank} took more than {self.cfg.write_timeout_s:g}s "
                        f"(--ckpt-write-timeout-s)")
