@@ -43,7 +43,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from trainer.events import read_events
+from trainer.events import Event, read_events
 
 # Pipeline arguments of the local demo, sized for 2 CPU cores: about 30 s of training steps, so that its
 # goodput figure means something (a few seconds of startup and teardown are most of a shorter run), and
@@ -653,7 +653,7 @@ def _stopped_at(run: LocalRun) -> int | None:
     runs = Path(run.run_root).parent.parent / "runs" if run.run_root else None
     ends = []
     for events in (runs.glob("*/events.jsonl") if runs and runs.is_dir() else []):
-        ends += [e for e in read_events(events) if e["event"] == "exit" and e["t"] >= time.time() - run.wall_s]
+        ends += [e for e in read_events(events) if e["event"] == Event.EXIT and e["t"] >= time.time() - run.wall_s]
     return max(ends, key=lambda e: e["t"])["step"] if ends else None
 
 

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .config import CheckpointConfig
-from .events import EventLog, read_events
+from .events import Event, EventLog, read_events
 
 DEFAULT_MTBF_S = 24 * 3600.0
 # Meta, "The Llama 3 Herd of Models" (2024): 419 unexpected interruptions in 54 days on 16,384 H100s.
@@ -60,7 +60,8 @@ class IntervalPolicy:
         one more checkpoint per restart."""
         self.cfg, self.events_path, self.events = cfg, events_path, events
         self.auto = cfg.ckpt_every == "auto"
-        chosen = [e["steps"] for e in read_events(events_path) if e["event"] == "ckpt_interval"] if self.auto else []
+        chosen = ([e["steps"] for e in read_events(events_path) if e["event"] == Event.CKPT_INTERVAL]
+                  if self.auto else [])
         self.chosen: int | None = chosen[-1] if chosen else None
         self.every = (self.chosen or self.first_auto_step) if self.auto else int(cfg.ckpt_every)
         self.last_step, self.last_time = start_step, time.monotonic()
@@ -91,8 +92,8 @@ class IntervalPolicy:
         if self.cfg.mtbf_s > 0:
             return self.cfg.mtbf_s
         events = read_events(self.events_path)
-        starts = [e["t"] for e in events if e["event"] == "run_start"]
-        from_disk = sum(e["event"] == "resumed" and e.get("source") == "checkpoint" for e in events)
+        starts = [e["t"] for e in events if e["event"] == Event.RUN_START]
+        from_disk = sum(e["event"] == Event.RESUMED and e.get("source") == "checkpoint" for e in events)
         if from_disk and starts:
             return max(1.0, (events[-1]["t"] - starts[0]) / from_disk)
         return DEFAULT_MTBF_S
@@ -117,7 +118,7 @@ class IntervalPolicy:
                 "ckpt-every auto: %d steps (Young-Daly: cost %.4fs = blocking %.4fs + write interference %.4fs, "
                 "MTBF %.0fs, step %.3fs)", steps, cost, block, interference, mtbf, step)
             if self.events is not None:
-                self.events.emit("ckpt_interval", steps=steps, block_s=round(block, 4),
+                self.events.emit(Event.CKPT_INTERVAL, steps=steps, block_s=round(block, 4),
                                  interference_s=round(interference, 4), mtbf_s=round(mtbf, 1), step_s=round(step, 5))
             self.chosen = steps
         return steps
@@ -167,13 +168,13 @@ class FaultRecord:
 
 def account(events: list[dict]) -> dict:
     """Faults, restarts, redone work and the wall-time breakdown of a run, from its event log."""
-    starts = [e for e in events if e["event"] == "run_start"]
+    starts = [e for e in events if e["event"] == Event.RUN_START]
     if not starts:
         return {}
     t0, t_end = starts[0]["t"], max(e["t"] for e in events)
-    steps = [e for e in events if e["event"] == "step"]
-    restarts = [e for e in events if e["event"] == "restart"]
-    injected = [e for e in events if e["event"] == "fault_injected"]
+    steps = [e for e in events if e["event"] == Event.STEP]
+    restarts = [e for e in events if e["event"] == Event.RESTART]
+    injected = [e for e in events if e["event"] == Event.FAULT_INJECTED]
 
     faults = []
     for f in injected:
@@ -193,7 +194,7 @@ def account(events: list[dict]) -> dict:
     redone = [s for s in steps if kept[s["step"]] is not s]
     productive_s = sum(s["step_s"] for s in kept.values())
     redone_s = sum(s["step_s"] for s in redone)
-    block_s = sum(e["block_s"] for e in events if e["event"] in ("ckpt_snapshot", "memory_snapshot"))
+    block_s = sum(e["block_s"] for e in events if e["event"] in (Event.CKPT_SNAPSHOT, Event.MEMORY_SNAPSHOT))
     startup_s = (steps[0]["t"] - steps[0]["step_s"] - t0) if steps else 0.0
     # Restart cost: from each fault (or restart, for uninjected ones) to the next completed step.
     restart_s = 0.0

@@ -323,9 +323,9 @@ def run_local_training(trainer_args: list[str], launch: LaunchConfig, fsx_root: 
 
 
 def _any_rank_started(out: Path, since: float) -> bool:
-    from .events import read_events
+    from .events import Event, read_events
 
-    return any(e["event"] == "run_start" and e["t"] >= since for e in read_events(out / "events.jsonl"))
+    return any(e["event"] == Event.RUN_START and e["t"] >= since for e in read_events(out / "events.jsonl"))
 
 
 # ---- many nodes on this machine -----------------------------------------------------------------------
@@ -632,13 +632,13 @@ class LocalCluster:
 def last_stop(trainer_args: list[str], since: float) -> int | None:
     """The step of the checkpoint the ranks committed when a stop signal ended their run after ``since``
     (wall clock), from ``--out``'s events; None if they were stopped before they trained."""
-    from .events import read_events
+    from .events import Event, read_events
 
     try:
         out = Path(parse_config(trainer_args + (["--data", "-"] if "--data" not in trainer_args else [])).run.out)
     except ValueError:
         return None
-    exits = [e for e in read_events(out / "events.jsonl") if e["event"] == "exit" and e["t"] >= since]
+    exits = [e for e in read_events(out / "events.jsonl") if e["event"] == Event.EXIT and e["t"] >= since]
     return exits[-1]["step"] if exits else None
 
 

@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 from .checkpoint import Checkpointer
 from .config import OptimConfig, TrainConfig
 from .data import BatchSampler, Split, eval_windows
-from .events import EventLog, read_events
+from .events import Event, EventLog, read_events
 from .hooks import StepHook, StepReport
 from .live_state import LiveStateDict
 from .mesh import launcher_mesh
@@ -146,7 +146,7 @@ class Trainer:
                                           store=iteration_store(self.recovery.iteration), shape=shape,
                                           form_mesh=p.parallel == "fsdp")
             if self.recovery.iteration > 0 and d.is_main:
-                self.events.emit("restart", layer="inprocess", iteration=self.recovery.iteration)
+                self.events.emit(Event.RESTART, layer="inprocess", iteration=self.recovery.iteration)
 
             # ---- build: the same on every rank (same seed), then sharded/replicated
             plan = ParallelPlan(mode=cfg.parallel.parallel, activation_checkpointing=cfg.model.activation_checkpointing,
@@ -187,14 +187,14 @@ class Trainer:
                          d.device.type,
                          self.tokens_per_step,
                          f"resumed from step {resumed_from} ({source})" if resumed_from is not None else "fresh start")
-                self.events.emit("resumed" if resumed_from is not None else "fresh_start", step=self.state.step,
+                self.events.emit(Event.RESUMED if resumed_from is not None else Event.FRESH_START, step=self.state.step,
                                  source=source)
 
     def _fresh_start(self) -> None:
         if self.cfg.model.init_from:   # a fresh start only: a committed checkpoint or snapshot wins
             load_hf_weights(self.model, self.spec, self.cfg.model.init_from)   # collective: each rank its shards
             if self.d.is_main:
-                self.events.emit("init_from", path=self.cfg.model.init_from)
+                self.events.emit(Event.INIT_FROM, path=self.cfg.model.init_from)
         # Per-rank stream for dropout; model init used the shared seed.
         torch.manual_seed(self.cfg.run.seed + 1 + self.d.rank)
 
@@ -287,14 +287,14 @@ class Trainer:
     def stop(self) -> None:
         """Every rank saw the stop flag (SIGTERM or SIGINT) at the same step: commit a final checkpoint and return."""
         step, grace_s = self.state.step, self.cfg.checkpoint.sigterm_grace_s
-        self.events.emit("sigterm", step=step, signal=self.recovery.stop_signal)
+        self.events.emit(Event.SIGTERM, step=step, signal=self.recovery.stop_signal)
         t0 = time.monotonic()
         self.checkpointer.save_on_stop(step)
         took = time.monotonic() - t0
         if self.d.is_main:
             if took > grace_s:
                 log.warning("final checkpoint took %.1fs, over the %.0fs grace period", took, grace_s)
-            self.events.emit("exit", reason=self.recovery.stop_signal, step=step, ckpt_s=round(took, 4))
+            self.events.emit(Event.EXIT, reason=self.recovery.stop_signal, step=step, ckpt_s=round(took, 4))
         dist.destroy_process_group()
         return None
 
@@ -307,7 +307,7 @@ class Trainer:
             sha = params_sha256(self.model)
             if self.d.is_main:
                 self.checkpointer.maybe_drain_mirror()   # after the last collective: the summary sees it mirrored
-                self.events.emit("run_end", step=state.step, val_loss=round(val_loss, 6))
+                self.events.emit(Event.RUN_END, step=state.step, val_loss=round(val_loss, 6))
                 summary = summarize(read_events(self.session.events_path), steps=state.step, tokens=state.tokens,
                                     final_val_loss=val_loss, params_sha256=sha, n_params=self.n_params,
                                     mesh=self.d.shape.describe())
@@ -327,7 +327,7 @@ class StepLog(StepHook):
     def after_step(self, r: StepReport) -> None:
         if not self.is_main:
             return
-        self.events.emit("step", step=r.step, loss=round(r.loss, 6), step_s=round(r.step_s, 5), lr=r.lr,
+        self.events.emit(Event.STEP, step=r.step, loss=round(r.loss, 6), step_s=round(r.step_s, 5), lr=r.lr,
                          tokens=r.tokens_seen, tokens_per_s=round(r.tokens_per_s, 1),
                          **({"mfu": round(r.mfu, 5)} if r.mfu is not None else {}))
         if r.step % self.log_every == 0 or r.step == 1:
