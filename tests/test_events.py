@@ -142,3 +142,24 @@ def test_the_docs_list_every_event_with_its_fields_and_no_other():
         f"not in docs/training.md: {sorted(schema.keys() - documented.keys())}; "
         f"not events: {sorted(documented.keys() - schema.keys())}")
     assert {n: f for n, f in documented.items() if f != schema[n]} == {}, "fields differ from trainer.events.Event"
+
+
+def test_every_emit_in_the_project_gives_its_event_s_fields():
+    """Checked where it is written, so that an emit on a rare path (a spot notice, a hung helper) cannot fail the
+    run the first time it happens."""
+    wrong = []
+    for rel, source in project_sources().items():
+        for node in ast.walk(ast.parse(source)):
+            if not (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "emit"):
+                continue
+            events = [a.attr for a in ast.walk(node.args[0]) if isinstance(a, ast.Attribute)
+                      and isinstance(a.value, ast.Name) and a.value.id == "Event"]
+            given = {k.arg for k in node.keywords if k.arg is not None}
+            spread = any(k.arg is None for k in node.keywords)    # **fields: checked when emitted
+            for event in (Event[name] for name in events):
+                missing = set() if spread else event.fields - given
+                unknown = given - event.fields - event.optional
+                if missing or unknown:
+                    wrong.append(f"{rel}:{node.lineno}: {event.value}: missing {sorted(missing)}, "
+                                 f"unknown {sorted(unknown)}")
+    assert not wrong, "\n".join(wrong)
