@@ -37,6 +37,7 @@ import torch
 from _runs import dataset, events, summary, table, train
 
 from trainer.checkpoint.integrity import digest
+from trainer.events import Event
 from trainer.launch import LaunchConfig
 from trainer.layout import checkpoints_dir
 
@@ -78,9 +79,9 @@ def main() -> None:
         if code != 0:
             raise SystemExit(f"{name} run failed ({code}); see {out}.log")
         log = events(out)
-        blocks = [e["block_s"] for e in log if e["event"] == "ckpt_snapshot" and e["step"] < a.steps]
-        step_s = {e["step"]: e["step_s"] for e in log if e["event"] == "step"}
-        saved = [e["step"] for e in log if e["event"] == "ckpt_snapshot" and e["step"] < a.steps]
+        blocks = [e["block_s"] for e in log if e["event"] == Event.CKPT_SNAPSHOT and e["step"] < a.steps]
+        step_s = {e["step"]: e["step_s"] for e in log if e["event"] == Event.STEP}
+        saved = [e["step"] for e in log if e["event"] == Event.CKPT_SNAPSHOT and e["step"] < a.steps]
         after = {s + i for s in saved for i in (1, 2)}
         median_step = statistics.median(v for k, v in step_s.items() if k not in after and k > 2)
         extra = statistics.mean(step_s[k] - median_step for k in after if k in step_s)
@@ -88,7 +89,7 @@ def main() -> None:
         state_mb = sum(f.stat().st_size for f in checkpoints_dir(out).glob("step_*/*.distcp")) / 2 / 1e6
         newest = sorted(checkpoints_dir(out).glob("step_*"))[-1]
         rank0_bytes = sum(f.stat().st_size for f in newest.glob("__0_*.distcp"))
-        commit_s = [e["commit_s"] for e in log if e["event"] == "ckpt_committed" and e["step"] < a.steps]
+        commit_s = [e["commit_s"] for e in log if e["event"] == Event.CKPT_COMMITTED and e["step"] < a.steps]
         results[name] = {"blocks": blocks, "wall": wall, "sha": s["params_sha256"], "state_mb": state_mb,
                          "extra": extra, "rank0_bytes": rank0_bytes, "commit_s": commit_s}
     base = statistics.median(results["sync-dcp"]["blocks"])

@@ -43,6 +43,7 @@ from pathlib import Path
 
 from _runs import dataset, events, summary, table, train
 
+from trainer.events import Event
 from trainer.goodput import LLAMA3_FAILURES_PER_GPU_HOUR, LLAMA3_NODE_LOSS_SHARE, project
 from trainer.launch import LaunchConfig
 
@@ -65,7 +66,7 @@ WINDOW_S = 10.0
 
 def completions(out: Path) -> list[tuple[float, int]]:
     """(wall clock, step) of every step completed, in order (a step redone after a restart appears twice)."""
-    return [(e["t"], e["step"]) for e in events(out) if e["event"] == "step"]
+    return [(e["t"], e["step"]) for e in events(out) if e["event"] == Event.STEP]
 
 
 def cost_since(done: list[tuple[float, int]], i: int, steps: int, search_from: int) -> float:
@@ -83,7 +84,7 @@ def fault_costs(out: Path, step_s: float) -> list[tuple[dict, int, float]]:
     """(fault event, step resumed from, cost in seconds) of every fault of a run, from its own timeline."""
     done, steps = completions(out), round(WINDOW_S / step_s)
     result = []
-    for fault in (e for e in events(out) if e["event"] == "fault_injected"):
+    for fault in (e for e in events(out) if e["event"] == Event.FAULT_INJECTED):
         after = next(k for k, (t, _) in enumerate(done) if t > fault["t"])   # the first step after recovery
         resumed = done[after][1] - 1
         before = max(k for k in range(after) if done[k][1] == resumed)       # its completion before the fault
@@ -99,7 +100,7 @@ def null_cost(out: Path, resumed: int, step_s: float) -> float:
 
 
 def median_step_s(out: Path) -> float:
-    return statistics.median(e["step_s"] for e in events(out) if e["event"] == "step")
+    return statistics.median(e["step_s"] for e in events(out) if e["event"] == Event.STEP)
 
 
 def main() -> None:

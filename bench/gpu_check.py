@@ -38,6 +38,7 @@ from pathlib import Path
 import torch
 from _runs import dataset, events, summary, table, train
 
+from trainer.events import Event
 from trainer.launch import LaunchConfig
 from trainer.layout import checkpoints_dir
 
@@ -82,13 +83,13 @@ def main() -> None:
             print((Path(f"{out}.log")).read_text()[-4000:])
             continue
         s, log = summary(out), events(out)
-        blocks = [e["block_s"] for e in log if e["event"] == "ckpt_snapshot" and e["step"] < a.steps]
-        steps = [e["step_s"] for e in log if e["event"] == "step" and e["step"] > 5]
-        copies = [e["copy_s"] for e in log if e["event"] == "memory_snapshot"]
-        ckpt_copies = [e["copy_s"] for e in log if e["event"] == "ckpt_snapshot" and "copy_s" in e]
+        blocks = [e["block_s"] for e in log if e["event"] == Event.CKPT_SNAPSHOT and e["step"] < a.steps]
+        steps = [e["step_s"] for e in log if e["event"] == Event.STEP and e["step"] > 5]
+        copies = [e["copy_s"] for e in log if e["event"] == Event.MEMORY_SNAPSHOT]
+        ckpt_copies = [e["copy_s"] for e in log if e["event"] == Event.CKPT_SNAPSHOT and "copy_s" in e]
         ckpts = checkpoints_dir(out).glob("step_*")
         state_gb = max((sum(f.stat().st_size for f in d.glob("*.distcp")) for d in ckpts), default=0) / nproc / 1e9
-        loads = [(e["source"], e["step"]) for e in log if e["event"] == "ckpt_loaded"]
+        loads = [(e["source"], e["step"]) for e in log if e["event"] == Event.CKPT_LOADED]
         sha[name] = s["params_sha256"]
         if blocks:
             block_p50[name] = statistics.median(blocks)
@@ -136,7 +137,7 @@ class _gpu_hog:
 
     def _start_when_due(self) -> None:
         while not self.done.wait(0.5):
-            if any(e["event"] == "step" and e["step"] >= self.after_step for e in events(self.out)):
+            if any(e["event"] == Event.STEP and e["step"] >= self.after_step for e in events(self.out)):
                 self.proc = subprocess.Popen([sys.executable, "-c", _HOG], start_new_session=True,
                                              env={**os.environ, "CUDA_VISIBLE_DEVICES": str(self.device)})
                 print(f"  straggler: matrix products on GPU {self.device} from step {self.after_step}")
@@ -152,7 +153,7 @@ class _gpu_hog:
 
 
 def _print_stragglers(log: list[dict], slowed: int | None) -> None:
-    reports = [e for e in log if e["event"] == "straggler"]
+    reports = [e for e in log if e["event"] == Event.STRAGGLER]
     for e in reports:
         print(f"  straggler event at step {e['step']}: ranks {e['ranks']} on {e['nodes']}, "
               f"relative {e['relative']}, individual {e['individual']}")

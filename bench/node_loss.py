@@ -50,6 +50,7 @@ from pathlib import Path
 
 from _runs import dataset, events, table
 
+from trainer.events import Event
 from trainer.launch import LOCAL_KEEP_ALIVE, LOCAL_RDZV_POLL_S, LaunchConfig, LocalCluster
 from trainer.layout import run_dir, summary_path
 
@@ -92,9 +93,9 @@ def _keep_alive(value: str) -> tuple[float, int]:
 
 def _steady(ev: list[dict]) -> bool:
     """Past LOSS_AT, the step-CKPT_EVERY checkpoint committed, and a memory snapshot taken since."""
-    committed = next((e["t"] for e in ev if e["event"] == "ckpt_committed" and e["step"] == CKPT_EVERY), None)
-    return (committed is not None and any(e["event"] == "step" and e["step"] >= LOSS_AT for e in ev) and
-            any(e["event"] == "memory_snapshot" and e["t"] > committed for e in ev))
+    committed = next((e["t"] for e in ev if e["event"] == Event.CKPT_COMMITTED and e["step"] == CKPT_EVERY), None)
+    return (committed is not None and any(e["event"] == Event.STEP and e["step"] >= LOSS_AT for e in ev) and
+            any(e["event"] == Event.MEMORY_SNAPSHOT and e["t"] > committed for e in ev))
 
 
 def run(kind: str, root: Path, data: Path, lose: bool, timeout: float, launch: LaunchConfig = LAUNCH,
@@ -124,14 +125,14 @@ def run(kind: str, root: Path, data: Path, lose: bool, timeout: float, launch: L
     summary = summary_path(out)
     result["sha"] = json.loads(summary.read_text())["params_sha256"] if summary.exists() else None
     ev = events(out)
-    result["step_s_p50"] = statistics.median(e["step_s"] for e in ev if e["event"] == "step" and e["step"] > 5)
+    result["step_s_p50"] = statistics.median(e["step_s"] for e in ev if e["event"] == Event.STEP and e["step"] > 5)
     if lose:
-        before = max(e["step"] for e in ev if e["event"] == "step" and e["t"] <= result["lost_at"])
-        loads = [e for e in ev if e["event"] in ("ckpt_loaded", "fresh_start") and e["t"] > result["lost_at"]]
-        steps = [e for e in ev if e["event"] == "step" and loads and e["t"] > loads[0]["t"]]
+        before = max(e["step"] for e in ev if e["event"] == Event.STEP and e["t"] <= result["lost_at"])
+        loads = [e for e in ev if e["event"] in (Event.CKPT_LOADED, Event.FRESH_START) and e["t"] > result["lost_at"]]
+        steps = [e for e in ev if e["event"] == Event.STEP and loads and e["t"] > loads[0]["t"]]
         if loads and steps:
             result.update(recovered_s=steps[0]["t"] - result["lost_at"], redone=before - loads[0]["step"],
-                          source=loads[0]["source"] if loads[0]["event"] == "ckpt_loaded" else "nothing (step 0)")
+                          source=loads[0]["source"] if loads[0]["event"] == Event.CKPT_LOADED else "nothing (step 0)")
         if kind != "torchrun":
             result["timeline"] = timeline(result["lost_at"], ev, *logs)
     return result
@@ -165,7 +166,7 @@ def timeline(lost_at: float, ev: list[dict], survivor_log: Path, replacement_log
         found = [key(e) for e in after if e["event"] == name]
         return max(found) if len(found) >= 2 else None      # both ranks
 
-    first_step = next((e["t"] for e in after if e["event"] == "step"), None)
+    first_step = next((e["t"] for e in after if e["event"] == Event.STEP), None)
     stages = [
         ("survivor's rank sees the peer gone", first(survivor, "Connection reset", "Connection closed", "fn_ex")),
         ("replacement's launcher asks to join", first(replacement, "attempts to join")),
@@ -174,9 +175,9 @@ def timeline(lost_at: float, ev: list[dict], survivor_log: Path, replacement_log
         ("round complete (both nodes joined)", max(
             (t for t in (first(survivor, "has joined round"), first(replacement, "has joined round")) if t),
             default=None)),
-        ("both ranks started (worker_start)", last_rank("worker_start")),
-        ("process groups up, restore begins", last_rank("ckpt_loaded", lambda e: e["t"] - e.get("load_s", 0))),
-        ("both ranks restored (ckpt_loaded)", last_rank("ckpt_loaded")),
+        ("both ranks started (worker_start)", last_rank(Event.WORKER_START)),
+        ("process groups up, restore begins", last_rank(Event.CKPT_LOADED, lambda e: e["t"] - e.get("load_s", 0))),
+        ("both ranks restored (ckpt_loaded)", last_rank(Event.CKPT_LOADED)),
         ("first resumed step", first_step),
     ]
     return [(name, round(t - lost_at, 3)) for name, t in stages if t is not None]

@@ -25,7 +25,7 @@ import math
 from datetime import datetime, timezone
 from pathlib import Path
 
-from trainer.events import read_events
+from trainer.events import Event, read_events
 from trainer.layout import events_path, summary_path
 from trainer.mesh import MeshShape
 
@@ -154,9 +154,9 @@ def _attempts(events: list[dict]) -> list[list[dict]]:
     """Rank 0's step events, split where the processes started again (a restart of any layer)."""
     attempts: list[list[dict]] = [[]]
     for e in events:
-        if e.get("event") in ("run_start", "restart") and attempts[-1]:
+        if e.get("event") in (Event.RUN_START, Event.RESTART) and attempts[-1]:
             attempts.append([])
-        elif e.get("event") == "step" and e.get("rank", 0) == 0 and isinstance(e.get("step_s"), (int, float)):
+        elif e.get("event") == Event.STEP and e.get("rank", 0) == 0 and isinstance(e.get("step_s"), (int, float)):
             attempts[-1].append(e)
     return [a for a in attempts if a]
 
@@ -195,8 +195,8 @@ def timeline_svg(events: list[dict], t0: float, width: int = 960, height: int = 
     p = _Plot(width, height, (0.0, t_end), (0.0, top), "wall time since the run started (s)", "steps per second")
     bottom = height - p.b
 
-    faults = [e for e in events if e.get("event") == "fault_injected"]
-    restarts = [e for e in events if e.get("event") == "restart"]
+    faults = [e for e in events if e.get("event") == Event.FAULT_INJECTED]
+    restarts = [e for e in events if e.get("event") == Event.RESTART]
     steps_after = sorted(s["t"] for a in attempts for s in a)
     # Recovery: from each fault to the first step completed after the restart that followed it.
     for f in faults:
@@ -208,10 +208,10 @@ def timeline_svg(events: list[dict], t0: float, width: int = 960, height: int = 
                   f'fill="{COLORS["recovery"]}" opacity="0.8"><title>recovery after {_E(f.get("fault", "fault"))}: '
                   f'{fmt_s(back - f["t"])} from the fault to the next step</title></rect>')
     for e in events:
-        if e.get("event") in ("ckpt_snapshot", "memory_snapshot") and e.get("rank", 0) == 0:
+        if e.get("event") in (Event.CKPT_SNAPSHOT, Event.MEMORY_SNAPSHOT) and e.get("rank", 0) == 0:
             block = float(e.get("block_s") or 0.0)
             x1, x0 = p.px(e["t"] - t0), p.px(e["t"] - t0 - block)
-            memory = e["event"] == "memory_snapshot"
+            memory = e["event"] == Event.MEMORY_SNAPSHOT
             what = ("memory snapshot" if memory else "final checkpoint (synchronous)" if e.get("sync")
                     else "checkpoint")
             wait = f", {fmt_s(e['wait_s'])} of it waiting for the previous write" if e.get("wait_s") else ""
@@ -236,7 +236,7 @@ def timeline_svg(events: list[dict], t0: float, width: int = 960, height: int = 
                             title=f"{label}: steps {seg[0][4]}-{seg[-1][5]}"))
             start = i
     for e in events:
-        if e.get("event") == "ckpt_committed" and e.get("rank", 0) == 0:
+        if e.get("event") == Event.CKPT_COMMITTED and e.get("rank", 0) == 0:
             x = p.px(e["t"] - t0)
             p.add(f'<path d="M{x:.1f},{bottom - 11} l-5,10 h10 z" fill="{COLORS["commit"]}"><title>checkpoint of '
                   f'step {e.get("step")} committed (write took {fmt_s(e.get("commit_s"))})</title></path>')
@@ -246,7 +246,7 @@ def timeline_svg(events: list[dict], t0: float, width: int = 960, height: int = 
                LAYERS.get(r.get("layer"), "restart"), "4 3") for r in restarts]
     marks += [(e["t"], COLORS["signal"], e["event"].replace("_", " "),
                f"{e['event'].replace('_', ' ')} at step {e.get('step', '?')}", "2 3")
-              for e in events if e.get("event") in ("sigterm", "spot_notice") and e.get("rank", 0) == 0]
+              for e in events if e.get("event") in (Event.SIGTERM, Event.SPOT_NOTICE) and e.get("rank", 0) == 0]
     for i, (t, color, label, tip, dash) in enumerate(sorted(marks)):
         x = p.px(t - t0)
         y = p.t + 13 + 13 * (i % 3)          # staggered, so labels of marks close together stay readable
@@ -383,7 +383,7 @@ def tasks_section(evaluation: dict) -> str:
 
 def train_curve(events: list[dict]) -> list[tuple[int, float]]:
     """The training loss of each step as kept (a step redone after a restart counts once, its last run)."""
-    curve = {e["step"]: e["loss"] for e in events if e.get("event") == "step" and e.get("rank", 0) == 0
+    curve = {e["step"]: e["loss"] for e in events if e.get("event") == Event.STEP and e.get("rank", 0) == 0
              and isinstance(e.get("loss"), (int, float)) and math.isfinite(e["loss"])}
     return sorted(curve.items())
 
@@ -397,8 +397,8 @@ def checkpoints_table(evaluation: dict, events: list[dict], t0: float | None) ->
     scored = {c["step"]: c for c in evaluation.get("checkpoints") or []}
     skipped = {s["step"]: s for s in evaluation.get("skipped") or []}
     best = (evaluation.get("best") or {}).get("step")
-    snap = {e["step"]: e for e in events if e.get("event") == "ckpt_snapshot" and e.get("rank", 0) == 0}
-    committed = {e["step"]: e for e in events if e.get("event") == "ckpt_committed" and e.get("rank", 0) == 0}
+    snap = {e["step"]: e for e in events if e.get("event") == Event.CKPT_SNAPSHOT and e.get("rank", 0) == 0}
+    committed = {e["step"]: e for e in events if e.get("event") == Event.CKPT_COMMITTED and e.get("rank", 0) == 0}
     steps = sorted(set(scored) | set(skipped) | set(committed))
     if not steps:
         return '<p class="note">No checkpoint was committed.</p>'
@@ -447,7 +447,7 @@ def _layer(layer: str | None) -> str:
 def faults_table(summary: dict, events: list[dict]) -> str:
     faults = summary.get("faults")
     if faults is None:
-        injected = [e for e in events if e.get("event") == "fault_injected"]
+        injected = [e for e in events if e.get("event") == Event.FAULT_INJECTED]
         faults = [{"kind": e.get("kind"), "step": e.get("step"), "rank": e.get("rank")} for e in injected]
     if not faults:
         return '<p class="note">No faults: the run went through without a restart.</p>'
@@ -596,7 +596,7 @@ def render_report(evaluation: dict, run_dir: Path) -> str:
         except ValueError:
             summary = None
     summary = summary or {}
-    starts = [e["t"] for e in events if e.get("event") == "run_start"]
+    starts = [e["t"] for e in events if e.get("event") == Event.RUN_START]
     t0 = starts[0] if starts else (events[0]["t"] if events else None)
     best = evaluation.get("best") or {}
     promoted = bool(evaluation.get("promoted"))

@@ -45,7 +45,7 @@ from pathlib import Path
 
 from trainer import layout
 from trainer.durable import staging_dir
-from trainer.events import read_events
+from trainer.events import Event, read_events
 from trainer.signals import KILLED_GONE_S, handlers, marked, reap
 
 # Pipeline arguments of the local demo, sized for 2 CPU cores: about 30 s of training steps, so that its
@@ -627,7 +627,7 @@ def _stopped_at(run: LocalRun) -> int | None:
     runs = layout.runs_dir(Path(run.run_root).parent.parent) if run.run_root else None
     ends = []
     for events in (map(layout.events_path, runs.iterdir()) if runs and runs.is_dir() else []):
-        ends += [e for e in read_events(events) if e["event"] == "exit" and e["t"] >= time.time() - run.wall_s]
+        ends += [e for e in read_events(events) if e["event"] == Event.EXIT and e["t"] >= time.time() - run.wall_s]
     return max(ends, key=lambda e: e["t"])["step"] if ends else None
 
 

@@ -28,7 +28,7 @@ from trainer.checkpoint import CheckpointManager, step_dir
 from trainer.checkpoint.integrity import ChecksumMismatch, state_digests, verify_files
 from trainer.checkpoint.replica import NodeReplica
 from trainer.config import CheckpointConfig
-from trainer.events import EventLog, read_events
+from trainer.events import Event, EventLog, read_events
 from trainer.layout import replica_dir, replica_marker, replica_previous, replica_slot
 from trainer.peer import Auth, PeerRefused, PeerSender, PeerStore, peer_steps, restore_from_peer
 
@@ -421,10 +421,10 @@ def test_refused_copies_and_peer_messages_are_counted_in_the_run_metrics(tmp_pat
     from trainer.metrics import RunCollector
 
     events = EventLog(tmp_path / "events.jsonl", 0)
-    events.emit("run_start")
-    events.emit("step", step=1, step_s=0.1)
+    events.emit(Event.RUN_START, world_size=1, restart_count=0, run_id="r", agent_attempts={}, agent_restart_counts={})
+    events.emit(Event.STEP, step=1, loss=1.0, step_s=0.1, lr=1e-3, tokens=64, tokens_per_s=640.0)
     for source in ("checkpoint", "memory"):
-        events.emit("checksum_mismatch", source=source, step=1, rank=0, reason="x")
-    events.emit("peer_refused", role="store", peer="10.0.0.9", reason="forged")
+        events.emit(Event.CHECKSUM_MISMATCH, source=source, step=1, rank=0, reason="x")
+    events.emit(Event.PEER_REFUSED, role="store", peer="10.0.0.9", reason="forged")
     values = RunCollector(tmp_path / "events.jsonl", refresh_s=0).values()
     assert values["goodput_integrity_refusals"] == {"checksum_mismatch": 2, "peer_refused": 1}

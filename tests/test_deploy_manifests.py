@@ -244,13 +244,13 @@ def exported_series(tmp_path) -> set[str]:
 
     from prometheus_client.parser import text_string_to_metric_families
 
-    from trainer.events import EventLog
+    from trainer.events import Event, EventLog
     from trainer.metrics import MetricsExporter
 
     from tests.test_metrics import free_ports
 
     log = EventLog(tmp_path / "events.jsonl", 0)
-    log.emit("run_start", world_size=1, restart_count=0)
+    log.emit(Event.RUN_START, world_size=1, restart_count=0, run_id="r", agent_attempts={}, agent_restart_counts={})
     log.close()
     port = free_ports(1)
     exporter = MetricsExporter(MetricsConfig(metrics_port=port, metrics_addr="127.0.0.1"), rank=0, local_rank=0,

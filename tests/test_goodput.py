@@ -11,7 +11,7 @@ import signal
 
 import pytest
 
-from trainer.events import TORN_LINE, EventLog, EventLogError, read_events
+from trainer.events import Event, EventLog, EventLogError, read_events
 from trainer.faults import Fault, chaos_schedule
 from trainer.checkpoint.policy import AUTO, IntervalPolicy
 from trainer.goodput import DEFAULT_MTBF_S, account, project, young_daly_interval_s
@@ -259,10 +259,10 @@ def test_a_torn_line_is_sealed_by_the_next_writer_and_then_skipped(tmp_path):
     # The next attempt's ranks open the log; the first seals the line, the second finds it sealed.
     logs = [EventLog(path, rank=r) for r in (0, 1)]
     for log in logs:
-        log.emit("run_start", attempt=2)
+        log.emit(Event.RUN_START, world_size=2, restart_count=0, run_id="r", agent_attempts={}, agent_restart_counts={})
         log.close()
     events = read_events(path)
-    assert [e["event"] for e in events] == ["run_start", TORN_LINE, "run_start", "run_start"]
+    assert [e["event"] for e in events] == ["run_start", Event.TORN_LINE, "run_start", "run_start"]
     assert path.read_bytes().count(b"\n") == 5
     # The summary (its goodput accounting included) takes the seal as an event like any other.
     assert summarize(events, steps=0, tokens=0, final_val_loss=0.0, params_sha256="", n_params=0)["restarts"] == 2

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from trainer.config import MetricsConfig
 from trainer.data import BatchSampler, Split
-from trainer.events import EventLog, read_events
+from trainer.events import Event, EventLog, read_events
 from trainer.goodput import account
 from trainer.metrics import PROCESS_SERIES, RUN_SERIES, DataWaitMonitor, MetricsExporter
 
@@ -190,13 +190,13 @@ def test_slow_batches_are_measured_warned_about_and_counted(dataset, tmp_path, c
 def test_run_wide_series_follow_the_event_log_across_restarts(tmp_path):
     path = tmp_path / "events.jsonl"
     log0, log1 = EventLog(path, 0), EventLog(path, 1)
-    log0.emit("run_start", world_size=2, restart_count=0)
+    log0.emit(Event.RUN_START, world_size=2, restart_count=0, run_id="r", agent_attempts={}, agent_restart_counts={})
     for step in (1, 2, 3):
-        log0.emit("step", step=step, loss=1.0, step_s=0.1, lr=1e-3, tokens=step * 64)
-    log0.emit("ckpt_committed", step=2, commit_s=0.1)
-    log1.emit("fault_injected", fault="f1", kind="exception", step=3)
-    log0.emit("restart", layer="inprocess", iteration=1)
-    log0.emit("step", step=3, loss=1.0, step_s=0.1, lr=1e-3, tokens=192)
+        log0.emit(Event.STEP, step=step, loss=1.0, step_s=0.1, lr=1e-3, tokens=step * 64, tokens_per_s=640.0)
+    log0.emit(Event.CKPT_COMMITTED, step=2, commit_s=0.1)
+    log1.emit(Event.FAULT_INJECTED, fault="f1", kind="exception", step=3)
+    log0.emit(Event.RESTART, layer="inprocess", iteration=1)
+    log0.emit(Event.STEP, step=3, loss=1.0, step_s=0.1, lr=1e-3, tokens=192, tokens_per_s=640.0)
     port = free_ports(1)
     cfg = MetricsConfig(metrics_port=port, metrics_addr="127.0.0.1", run_refresh_s=0.0)
     exporter = MetricsExporter(cfg, rank=0, local_rank=0, world_size=2, events_path=path)
@@ -210,8 +210,9 @@ def test_run_wide_series_follow_the_event_log_across_restarts(tmp_path):
         assert value(s, "goodput_last_committed_step") == 2
 
         # A new attempt appends; half a line (a writer caught mid-write) is not read until it is whole.
-        log0.emit("run_start", world_size=2, restart_count=1)
-        log0.emit("restart", layer="injob", restart_count=1)
+        log0.emit(Event.RUN_START, world_size=2, restart_count=1, run_id="r", agent_attempts={},
+                  agent_restart_counts={})
+        log0.emit(Event.RESTART, layer="injob", restart_count=1)
         with open(path, "ab") as fh:
             fh.write(b'{"t": 1e10, "rank": 0, "event": "ckpt_committed", "st')
         s = scrape(port)

@@ -22,7 +22,7 @@ import pytest
 from tests.trainer_flags import settings
 from trainer.checkpoint import COMMITTED, committed_steps, step_dir
 from trainer.config import CheckpointConfig, SpotConfig, parse_config
-from trainer.events import EventLog, read_events
+from trainer.events import Event, EventLog, read_events
 from trainer.errors import MirrorFailed
 from trainer.metrics import RunCollector
 from trainer.mirror import CRC32_KEY, CheckpointMirror, MirrorLayout, fetch_newest, file_crc32, mirror_stats
@@ -273,7 +273,7 @@ def test_a_mirror_that_cannot_build_its_client_or_whose_thread_fails_says_so(tmp
     assert error["phase"] == "thread" and error["error"].startswith("ZeroDivisionError")
     # The run's metrics (rank 0 reads events.jsonl) count it by phase.
     log = EventLog(events_path, 0)
-    log.emit("run_start", world_size=1, restart_count=0)
+    log.emit(Event.RUN_START, world_size=1, restart_count=0, run_id="r", agent_attempts={}, agent_restart_counts={})
     log.close()
     assert RunCollector(events_path, refresh_s=0).values()["goodput_mirror_errors"] == {"thread": 1}
 

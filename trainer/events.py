@@ -7,19 +7,88 @@ A line can be torn only by a writer that died mid-write (or is still writing): t
 The next writer to open the log seals such a line: it ends it and appends a ``torn_line`` event, so the
 torn line stays recognisable once later attempts append after it. Readers skip a torn last line and a
 sealed one; any other line that is not an event is an ``EventLogError`` naming the file and the line.
+
+``Event`` is the schema: each event's name and fields, the one definition that emitters (``EventLog.emit``
+checks the fields it is given) and readers (which compare ``e["event"]`` with its members) use.
 """
 
 from __future__ import annotations
 
 import contextlib
+import enum
 import fcntl
 import json
 import os
 import time
 from pathlib import Path
 
-TORN_LINE = "torn_line"
-"""The event that seals the torn line right before it (written by ``EventLog`` on open)."""
+
+class Event(enum.StrEnum):
+    """Every event of the log: its name (the ``event`` of a line; a member equals its name, so a line read back
+    compares with it) and its fields, those every emit gives (``fields``) and those some give (``optional``).
+    docs/training.md lists them (tests/test_events.py keeps the two the same)."""
+
+    def __new__(cls, name: str, fields: tuple[str, ...] = (), optional: tuple[str, ...] = ()):
+        event = str.__new__(cls, name)
+        event._value_ = name
+        event.fields, event.optional = frozenset(fields), frozenset(optional)
+        return event
+
+    # A process of an attempt, and the run
+    WORKER_START = "worker_start", ("pid", "warm")
+    RUN_START = "run_start", ("world_size", "restart_count", "run_id", "agent_attempts", "agent_restart_counts")
+    RESTART = "restart", ("layer",), ("restart_count", "membership_change", "iteration")
+    RESUMED = "resumed", ("step", "source")
+    FRESH_START = "fresh_start", ("step", "source")
+    INIT_FROM = "init_from", ("path",)
+    STEP = "step", ("step", "loss", "step_s", "lr", "tokens", "tokens_per_s"), ("mfu",)
+    RUN_END = "run_end", ("step", "val_loss")
+    SIGTERM = "sigterm", ("step", "signal")
+    EXIT = "exit", ("reason", "step", "ckpt_s")
+    FATAL = "fatal", ("reason",)
+    # Faults, hangs, slow ranks, spot reclaims
+    FAULT_INJECTED = "fault_injected", ("fault", "kind", "step")
+    FT_STEP_TIMEOUT = "ft_step_timeout", ("step", "timeout_s")
+    DATA_STARVED = "data_starved", ("step", "ratio", "window_steps")
+    STRAGGLER = "straggler", ("step", "ranks", "nodes", "relative", "individual", "scores")
+    SPOT_NOTICE = "spot_notice", ("action", "notice_time", "seconds_left")
+    SPOT_CHECKPOINT = "spot_checkpoint", ("step", "since_notice_s")
+    SPOT_WATCH_ERROR = "spot_watch_error", ("error",)
+    # Checkpoints
+    CKPT_INTERVAL = "ckpt_interval", ("steps", "block_s", "interference_s", "mtbf_s", "step_s")
+    CKPT_START = "ckpt_start", ("step",)
+    CKPT_SNAPSHOT = "ckpt_snapshot", ("step", "block_s", "sync"), (
+        "wait_s", "commit_s", "stage_s", "plan_s", "start_s", "copy_before_plan_s", "copy_wait_s", "copy_s")
+    MEMORY_SNAPSHOT = "memory_snapshot", ("step", "block_s", "copy_s")
+    CKPT_HANDED_OVER = "ckpt_handed_over", ("deferred_s", "block_s", "booted")
+    HELPER_HUNG = "helper_hung", ("reason",)
+    CKPT_COMMITTED = "ckpt_committed", ("step", "commit_s")
+    CKPT_TORN_DELETED = "ckpt_torn_deleted", ("step",)
+    CKPT_LOADED = "ckpt_loaded", ("step", "source"), ("load_s", "fetched")
+    CKPT_VERIFIED = "ckpt_verified", ("step", "verify_s")
+    RESHARDED = "resharded", ("from_world_size", "to_world_size", "step")
+    CHECKSUM_MISMATCH = "checksum_mismatch", ("source", "step", "rank", "reason")
+    PEER_REFUSED = "peer_refused", ("role", "peer", "reason")
+    # The S3 mirror
+    MIRROR_READY = "mirror_ready", ("url", "keep", "required")
+    MIRROR_START = "mirror_start", ("step", "files", "bytes", "attempt")
+    MIRROR_COMMITTED = "mirror_committed", ("step", "bytes", "seconds", "lag_s", "attempt")
+    MIRROR_SKIPPED = "mirror_skipped", ("step", "reason")
+    MIRROR_DELETED = "mirror_deleted", ("step", "torn")
+    MIRROR_DRAIN = "mirror_drain", ("waited_s", "left")
+    MIRROR_ERROR = "mirror_error", ("step", "phase", "error"), ("retry_in_s", "attempt")
+    RESUMED_FROM_MIRROR = "resumed_from_mirror", ("step", "bytes", "download_s", "url", "ignored_unmarked")
+    # The log itself: seals the torn line right before it (written by ``EventLog`` on open)
+    TORN_LINE = "torn_line"
+
+    def check(self, given: dict) -> None:
+        """Raises TypeError unless ``given`` has every field of this event and no other."""
+        missing, unknown = self.fields - given.keys(), given.keys() - self.fields - self.optional
+        problems = [f"{what} field(s) {sorted(names)}" for what, names in (("missing", missing), ("unknown", unknown))
+                    if names]
+        if problems:
+            raise TypeError(f"event {self.value!r}: {'; '.join(problems)} (its fields: {sorted(self.fields)}, "
+                            f"optional: {sorted(self.optional)})")
 
 
 class EventLogError(ValueError):
@@ -39,12 +108,21 @@ class EventLog:
         with _locked(self._fd):
             size = os.fstat(self._fd).st_size
             if size and os.pread(self._fd, 1, size - 1) != b"\n":
-                os.write(self._fd, b"\n" + self._record(TORN_LINE, {}))
+                os.write(self._fd, b"\n" + self._record(Event.TORN_LINE, {}))
 
-    def _record(self, event: str, fields: dict) -> bytes:
+    def _record(self, event: Event, fields: dict) -> bytes:
         return (json.dumps({"t": round(time.time(), 6), "rank": self.rank, "event": event, **fields}) + "\n").encode()
 
-    def emit(self, event: str, **fields) -> None:
+    def emit(self, event: Event, **fields) -> None:
+        """Append ``event`` with ``fields``.
+
+        Raises:
+            TypeError: ``event`` is not an ``Event``, or ``fields`` are not its fields (a programming error:
+                no reader would find such an event).
+        """
+        if not isinstance(event, Event):
+            raise TypeError(f"EventLog.emit takes an Event (trainer.events), not {event!r}")
+        event.check(fields)
         if self._fd < 0:
             return        # closed: a SIGTERM during interpreter teardown has nothing left to record
         os.write(self._fd, self._record(event, fields))
@@ -95,7 +173,7 @@ def parse_lines(lines: list[bytes], path: Path, first_line: int = 1) -> tuple[li
         if i + 1 == len(lines):
             return events, i
         sealed = _decode(lines[i + 1])
-        if sealed is None or sealed["event"] != TORN_LINE:
+        if sealed is None or sealed["event"] != Event.TORN_LINE:
             raise EventLogError(f"{path}:{first_line + i}: not an event ({line[:80]!r}); only a line torn by a "
                                 f"crash mid-write may be malformed, and this one is neither the last nor sealed")
     return events, len(lines)

@@ -27,7 +27,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .events import EventLog, read_events
+from .events import Event, EventLog, read_events
 from .hooks import StepHook
 
 KINDS = ("exception", "kill", "hang", "sigterm", "ckpt-crash")
@@ -75,11 +75,11 @@ class FaultInjector(StepHook):
                  chaos_seed: int | None = None, fault_every_s: float = 0.0):
         self.rank, self.events = rank, events
         past = read_events(events_path)
-        self.fired = {e["fault"] for e in past if e["event"] == "fault_injected"}
+        self.fired = {e["fault"] for e in past if e["event"] == Event.FAULT_INJECTED}
         self.faults = [f for f in map(Fault.parse, specs) if f.rank == rank and f.id not in self.fired]
         self.chaos: list[tuple[float, str, str]] = []
         if chaos_seed is not None and fault_every_s > 0:
-            starts = [e["t"] for e in past if e["event"] == "run_start"]
+            starts = [e["t"] for e in past if e["event"] == Event.RUN_START]
             t0, now = (starts[0] if starts else time.time()), time.time()
             # Faults whose moment passed while the run was down (restarting) are skipped, not stacked.
             self.chaos = [(t0 + t, kind, f"chaos:{chaos_seed}:{i}:{kind}")
@@ -112,7 +112,7 @@ class FaultInjector(StepHook):
     def _fire(self, kind: str, fault_id: str, step: int) -> None:
         self.fired.add(fault_id)
         # Recorded before it fires: a killed rank cannot write afterwards, and the restart must skip it.
-        self.events.emit("fault_injected", fault=fault_id, kind=kind, step=step)
+        self.events.emit(Event.FAULT_INJECTED, fault=fault_id, kind=kind, step=step)
         if kind == "exception":
             raise InjectedFault(f"injected exception at step {step} on rank {self.rank}")
         if kind in ("kill", "ckpt-crash"):

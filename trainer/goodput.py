@@ -18,6 +18,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
+from .events import Event
 
 DEFAULT_MTBF_S = 24 * 3600.0
 # Meta, "The Llama 3 Herd of Models" (2024): 419 unexpected interruptions in 54 days on 16,384 H100s.
@@ -44,13 +45,13 @@ class FaultRecord:
 
 def account(events: list[dict]) -> dict:
     """Faults, restarts, redone work and the wall-time breakdown of a run, from its event log."""
-    starts = [e for e in events if e["event"] == "run_start"]
+    starts = [e for e in events if e["event"] == Event.RUN_START]
     if not starts:
         return {}
     t0, t_end = starts[0]["t"], max(e["t"] for e in events)
-    steps = [e for e in events if e["event"] == "step"]
-    restarts = [e for e in events if e["event"] == "restart"]
-    injected = [e for e in events if e["event"] == "fault_injected"]
+    steps = [e for e in events if e["event"] == Event.STEP]
+    restarts = [e for e in events if e["event"] == Event.RESTART]
+    injected = [e for e in events if e["event"] == Event.FAULT_INJECTED]
 
     faults = []
     for f in injected:
@@ -70,7 +71,7 @@ def account(events: list[dict]) -> dict:
     redone = [s for s in steps if kept[s["step"]] is not s]
     productive_s = sum(s["step_s"] for s in kept.values())
     redone_s = sum(s["step_s"] for s in redone)
-    block_s = sum(e["block_s"] for e in events if e["event"] in ("ckpt_snapshot", "memory_snapshot"))
+    block_s = sum(e["block_s"] for e in events if e["event"] in (Event.CKPT_SNAPSHOT, Event.MEMORY_SNAPSHOT))
     startup_s = (steps[0]["t"] - steps[0]["step_s"] - t0) if steps else 0.0
     # Restart cost: from each fault (or restart, for uninjected ones) to the next completed step.
     restart_s = 0.0

@@ -323,9 +323,9 @@ def run_local_training(settings: TrainConfig, launch: LaunchConfig, fsx_root: Pa
 
 
 def _any_rank_started(out: Path, since: float) -> bool:
-    from .events import read_events
+    from .events import Event, read_events
 
-    return any(e["event"] == "run_start" and e["t"] >= since for e in read_events(layout.events_path(out)))
+    return any(e["event"] == Event.RUN_START and e["t"] >= since for e in read_events(layout.events_path(out)))
 
 
 # ---- many nodes on this machine -----------------------------------------------------------------------
@@ -615,9 +615,9 @@ class LocalCluster:
 def last_stop(out: Path, since: float) -> int | None:
     """The step of the checkpoint the ranks committed when a stop signal ended their run after ``since``
     (wall clock), from the run directory's events; None if they were stopped before they trained."""
-    from .events import read_events
+    from .events import Event, read_events
 
-    exits = [e for e in read_events(layout.events_path(out)) if e["event"] == "exit" and e["t"] >= since]
+    exits = [e for e in read_events(layout.events_path(out)) if e["event"] == Event.EXIT and e["t"] >= since]
     return exits[-1]["step"] if exits else None
 
 

@@ -38,6 +38,7 @@ import weakref
 from pathlib import Path
 
 from .config import MetricsConfig
+from .events import Event
 from .hooks import StepHook, StepReport
 
 log = logging.getLogger("trainer")
@@ -55,7 +56,7 @@ STRAGGLER_SERIES = ("goodput_straggler_score",)   # rank 0, once a straggler rep
 RUN_SERIES = ("goodput_ratio", "goodput_restarts", "goodput_lost_steps", "goodput_last_committed_step",
               "goodput_integrity_refusals", "goodput_mirror_errors")
 # Events of copies of the state or peer messages that were refused (trainer.checkpoint.integrity, trainer.peer).
-INTEGRITY_EVENTS = ("checksum_mismatch", "peer_refused")
+INTEGRITY_EVENTS = (Event.CHECKSUM_MISMATCH, Event.PEER_REFUSED)
 
 
 class DataWaitMonitor:
@@ -124,7 +125,7 @@ class RunCollector:
 
         self._read_new()
         acc = account(self._events)
-        committed = [e["step"] for e in self._events if e.get("event") == "ckpt_committed"]
+        committed = [e["step"] for e in self._events if e.get("event") == Event.CKPT_COMMITTED]
         self._values = {} if not acc else {
             "goodput_ratio": acc["goodput"],
             "goodput_restarts": {layer: acc[f"restarts_{layer}"] for layer in RESTART_LAYERS},
@@ -249,7 +250,7 @@ class MetricsExporter(StepHook):
                         "waiting for batches (GPU utilisation will swing between busy and idle); read ahead "
                         "or stage the data closer", self.rank, 100 * starved, self.data_wait.window)
             if self.events is not None:
-                self.events.emit("data_starved", step=step, ratio=round(starved, 4),
+                self.events.emit(Event.DATA_STARVED, step=step, ratio=round(starved, 4),
                                  window_steps=self.data_wait.window)
         if self._server is None:
             return

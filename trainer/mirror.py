@@ -59,7 +59,7 @@ from pathlib import Path
 
 from .config import CheckpointConfig
 from .errors import ChecksumMismatch, MirrorFailed
-from .events import EventLog
+from .events import Event, EventLog
 from .durable import publish_dir, write_bytes
 from .layout import CHECKPOINTS, COMMITTED, committed_steps, step_dir, step_of
 from .s3url import parse_s3_url
@@ -194,7 +194,7 @@ class CheckpointMirror:
         self._failure: str | None = None           # the first failure: what --require-mirror ends the run with
         self._client = self._manager = None
         self._futures: list = []                   # s3transfer futures of the upload in flight
-        self.events.emit("mirror_ready", url=self.layout.url, keep=cfg.mirror_keep, required=cfg.require_mirror)
+        self.events.emit(Event.MIRROR_READY, url=self.layout.url, keep=cfg.mirror_keep, required=cfg.require_mirror)
         if cfg.require_mirror:
             # A mirror that cannot be reached fails the run now, at setup, not at its first commit.
             try:
@@ -254,7 +254,7 @@ class CheckpointMirror:
         # Said at once, as trainer.recovery.exit_if_recurring will: only this rank fails, the others wait for it
         # in a collective, and the in-process layer's way out waits for them; the launch wrapper stops the
         # launcher on this event.
-        self.events.emit("fatal", reason=f"{type(e).__name__}: {e}")
+        self.events.emit(Event.FATAL, reason=f"{type(e).__name__}: {e}")
         raise e
 
     def _drain(self, timeout_s: float) -> bool:
@@ -271,7 +271,7 @@ class CheckpointMirror:
                 self._cv.wait(min(0.2, max(0.0, deadline - time.monotonic())))
             left = sorted(self._pending) + ([self._current] if self._current is not None else [])
         if left or time.monotonic() - t0 > 0.05:
-            self.events.emit("mirror_drain", waited_s=round(time.monotonic() - t0, 3), left=left)
+            self.events.emit(Event.MIRROR_DRAIN, waited_s=round(time.monotonic() - t0, 3), left=left)
         if left:
             log.warning("mirror: %s not uploaded after %.0fs (--ckpt-mirror-drain-s); FSx still has them",
                         left, timeout_s)
@@ -298,7 +298,7 @@ class CheckpointMirror:
         text = _error_text(e)
         what = f"{phase} of step {step}" if step is not None else phase
         log.warning("WARNING: the S3 mirror %s failed (%s): %s; %s", self.layout.url, what, text, consequence)
-        self.events.emit("mirror_error", step=step, phase=phase, error=text, **fields)
+        self.events.emit(Event.MIRROR_ERROR, step=step, phase=phase, error=text, **fields)
         with self._cv:
             self._failure = self._failure or f"{what}: {text}"
             self._cv.notify_all()
@@ -370,7 +370,7 @@ class CheckpointMirror:
         cutoff = window[-self.cfg.mirror_keep]
         for step in [s for s in self._pending if s < cutoff]:
             del self._pending[step]
-            self.events.emit("mirror_skipped", step=step, reason="superseded by newer mirrored checkpoints")
+            self.events.emit(Event.MIRROR_SKIPPED, step=step, reason="superseded by newer mirrored checkpoints")
 
     def _mirror(self, item: _Item) -> None:
         try:
@@ -391,10 +391,10 @@ class CheckpointMirror:
                 marker = json.loads((path / COMMITTED).read_text())
                 sizes = {n: (path / n).stat().st_size for n in _files_of(marker)}
             except FileNotFoundError:
-                self.events.emit("mirror_skipped", step=step, reason="no longer on FSx")
+                self.events.emit(Event.MIRROR_SKIPPED, step=step, reason="no longer on FSx")
                 return
             nbytes = sum(sizes.values())
-            self.events.emit("mirror_start", step=step, files=len(sizes), bytes=nbytes, attempt=item.attempts)
+            self.events.emit(Event.MIRROR_START, step=step, files=len(sizes), bytes=nbytes, attempt=item.attempts)
             futures = self._futures = [self._manager.upload(str(path / n), lay.bucket, lay.key(step, n),
                                                             extra_args=_UPLOAD_ARGS) for n in sizes]
             errors = []
@@ -425,7 +425,7 @@ class CheckpointMirror:
             return
         took = time.monotonic() - t0
         lag = time.time() - marker["committed_at"]
-        self.events.emit("mirror_committed", step=step, bytes=nbytes, seconds=round(took, 4), lag_s=round(lag, 4),
+        self.events.emit(Event.MIRROR_COMMITTED, step=step, bytes=nbytes, seconds=round(took, 4), lag_s=round(lag, 4),
                          attempt=item.attempts)
         log.info("mirror: step %d -> %s (%.1f MB in %.2fs, %.2fs after its local commit)", step, lay.url,
                  nbytes / 1e6, took, lag)
@@ -456,7 +456,7 @@ class CheckpointMirror:
             self.layout.delete_step(self._client, step)
             with self._cv:
                 self._mirrored.discard(step)
-            self.events.emit("mirror_deleted", step=step, torn=not listing[step])
+            self.events.emit(Event.MIRROR_DELETED, step=step, torn=not listing[step])
 
 
 # ------------------------------------------------------------------------------------------ resume
@@ -490,10 +490,10 @@ def fetch_newest(root: Path, cfg: CheckpointConfig, events: EventLog) -> int | N
                     corrupt.append(step)
                 log.warning("WARNING: the S3 mirror %s: step %d refused or not downloadable: %s; trying an older one",
                             lay.url, step, _error_text(e))
-                events.emit("mirror_error", step=step, phase="download", error=_error_text(e), retry_in_s=None)
+                events.emit(Event.MIRROR_ERROR, step=step, phase="download", error=_error_text(e), retry_in_s=None)
                 continue
             took = time.monotonic() - t0
-            events.emit("resumed_from_mirror", step=step, bytes=nbytes, download_s=round(took, 4), url=lay.url,
+            events.emit(Event.RESUMED_FROM_MIRROR, step=step, bytes=nbytes, download_s=round(took, 4), url=lay.url,
                         ignored_unmarked=ignored)
             log.info("resume: FSx has no committed checkpoint; fetched step %d from %s (%.1f MB in %.1fs)", step,
                      lay.url, nbytes / 1e6, took)
@@ -602,13 +602,17 @@ def mirror_warning(stats: dict | None) -> str | None:
             f"(events.jsonl: mirror_error)")
 
 
+# Events that only a run with a mirror has.
+MIRROR_EVENTS = frozenset(e for e in Event if e.startswith("mirror_")) | {Event.RESUMED_FROM_MIRROR}
+
+
 def mirror_stats(events: list[dict]) -> dict | None:
     """The ``mirror`` entry of ``summary.json`` (None when the run had no mirror)."""
-    if not any(e["event"].startswith("mirror_") or e["event"] == "resumed_from_mirror" for e in events):
+    if not any(e["event"] in MIRROR_EVENTS for e in events):
         return None
-    done = [e for e in events if e["event"] == "mirror_committed"]
-    resumed = [e["step"] for e in events if e["event"] == "resumed_from_mirror"]
-    errors = [e for e in events if e["event"] == "mirror_error"]
+    done = [e for e in events if e["event"] == Event.MIRROR_COMMITTED]
+    resumed = [e["step"] for e in events if e["event"] == Event.RESUMED_FROM_MIRROR]
+    errors = [e for e in events if e["event"] == Event.MIRROR_ERROR]
     last = errors[-1] if errors else None
     return {
         "checkpoints_mirrored": len(done),
@@ -624,6 +628,6 @@ def mirror_stats(events: list[dict]) -> dict | None:
         "disabled": any(e["phase"] in ("client", "thread") for e in errors),
         "last_error": None if last is None else
         f"{last['phase']}{'' if last.get('step') is None else ' of step ' + str(last['step'])}: {last['error']}",
-        "skipped": sum(e["event"] == "mirror_skipped" for e in events),
+        "skipped": sum(e["event"] == Event.MIRROR_SKIPPED for e in events),
         "resumed_from_mirror_step": resumed[-1] if resumed else None,
     }

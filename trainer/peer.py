@@ -63,7 +63,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .events import EventLog
+from .events import Event, EventLog
 from .digests import path_digest
 from .durable import write_bytes
 from .layout import peer_file, replica_marker, replica_previous, replica_ranks, replica_slot
@@ -304,7 +304,7 @@ class PeerStore:
             self.refused += 1
         log.warning("peer snapshot: refused a message from %s: %s", client, e)
         if self.events is not None:
-            self.events.emit("peer_refused", role="store", peer=str(client[0]), reason=str(e))
+            self.events.emit(Event.PEER_REFUSED, role="store", peer=str(client[0]), reason=str(e))
 
     def _handle(self, sock: socket.socket) -> None:
         request = self.auth.open(_recv_json(sock))

@@ -23,7 +23,7 @@ import torch.distributed as dist
 from . import compat, warmstart
 from .config import TrainConfig
 from .errors import recurring_cause
-from .events import EventLog
+from .events import Event, EventLog
 from .ft import FTManager
 from .hooks import StepHook, StepReport
 from .layout import events_path
@@ -130,7 +130,7 @@ class Recovery(StepHook):
             return
         timeout_s = self.ft.observe_step()
         if timeout_s is not None and self.is_main:
-            self.events.emit("ft_step_timeout", step=report.step, timeout_s=round(timeout_s, 3))
+            self.events.emit(Event.FT_STEP_TIMEOUT, step=report.step, timeout_s=round(timeout_s, 3))
 
     def state_dict(self) -> str:
         """Saved in every checkpoint: the rank monitor's learned timeouts."""
@@ -162,7 +162,7 @@ def exit_if_recurring(cfg: TrainConfig, e: BaseException) -> None:
     rank = int(os.environ.get("RANK", "0"))
     with contextlib.suppress(OSError):
         log_ = EventLog(events_path(cfg.run.out), rank)
-        log_.emit("fatal", reason=reason)
+        log_.emit(Event.FATAL, reason=reason)
         log_.close()
     print(f"error: rank {rank}: {reason} (not retried: it would fail the same way)", file=sys.stderr)
     if warmstart.ZYGOTE_PID_ENV in os.environ:

@@ -16,7 +16,7 @@ from . import layout, warmstart
 from .checkpoint import CheckpointManager
 from .config import TrainConfig, record_settings
 from .data import Split
-from .events import EventLog, read_events
+from .events import Event, EventLog, read_events
 from .faults import FaultInjector
 from .ft import FTManager
 from .metrics import build_metrics
@@ -42,7 +42,7 @@ class Session:
         agents = launch_agents(cfg.restart.collective_timeout_s)
         if self.rank == 0:
             self._record_start(agents)
-        self.events.emit("worker_start", pid=os.getpid(), warm=warmstart.forked)
+        self.events.emit(Event.WORKER_START, pid=os.getpid(), warm=warmstart.forked)
         self.faults = FaultInjector(cfg.faults.inject_fault, self.rank, self.world_size, self.events,
                                     self.events_path,
                                     chaos_seed=cfg.faults.chaos_seed if cfg.faults.chaos_seed >= 0 else None,
@@ -69,7 +69,7 @@ class Session:
         if agents is None:
             agents = {int(os.environ.get("GROUP_RANK", "0")):
                       (restart_count, os.environ.get("TORCHELASTIC_ERROR_FILE"))}
-        starts = [e for e in read_events(self.events_path) if e["event"] == "run_start"]
+        starts = [e for e in read_events(self.events_path) if e["event"] == Event.RUN_START]
         attempts = {str(node): attempt for node, (_, attempt) in agents.items() if attempt}
         seen = {a for e in starts for a in (e.get("agent_attempts") or {}).values()}
         most = max(count for count, _ in agents.values())
@@ -77,15 +77,15 @@ class Session:
         self.run_id = (starts[0].get("run_id") if starts else None) or uuid.uuid4().hex
         record_settings(self.out, self.cfg)
         self.cfg.save(layout.config_path(self.out), model=self.spec.describe())
-        self.events.emit("run_start", world_size=self.world_size, restart_count=restart_count, run_id=self.run_id,
+        self.events.emit(Event.RUN_START, world_size=self.world_size, restart_count=restart_count, run_id=self.run_id,
                          agent_attempts=attempts,
                          agent_restart_counts={str(node): count for node, (count, _) in agents.items()})
         if most > 0:
-            self.events.emit("restart", layer="injob", restart_count=most)
+            self.events.emit(Event.RESTART, layer="injob", restart_count=most)
         elif seen & set(attempts.values()):
-            self.events.emit("restart", layer="injob", restart_count=0, membership_change=True)
+            self.events.emit(Event.RESTART, layer="injob", restart_count=0, membership_change=True)
         elif starts:
-            self.events.emit("restart", layer="job")
+            self.events.emit(Event.RESTART, layer="job")
 
     def checkpoints(self, d: Dist) -> CheckpointManager:
         """The process's checkpoint manager, built by the first attempt (it needs the process's device)."""

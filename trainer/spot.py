@@ -30,7 +30,7 @@ import urllib.request
 from datetime import datetime
 
 from .config import SpotConfig
-from .events import EventLog
+from .events import Event, EventLog
 
 log = logging.getLogger(__name__)
 
@@ -111,7 +111,7 @@ class SpotWatcher:
             return False
         self._taken = True
         age = time.monotonic() - self.noticed_at
-        self.events.emit("spot_checkpoint", step=step, since_notice_s=round(age, 4))
+        self.events.emit(Event.SPOT_CHECKPOINT, step=step, since_notice_s=round(age, 4))
         log.warning("spot interruption notice %.1fs ago: checkpoint at step %d, then training on until SIGTERM",
                     age, step)
         return True
@@ -123,7 +123,7 @@ class SpotWatcher:
             return action
         self.notice, self.noticed_at = action, time.monotonic()
         left = _seconds_until(action.get("time"))
-        self.events.emit("spot_notice", action=action.get("action"), notice_time=action.get("time"),
+        self.events.emit(Event.SPOT_NOTICE, action=action.get("action"), notice_time=action.get("time"),
                          seconds_left=None if left is None else round(left, 1))
         log.warning("spot interruption notice: %s at %s (%s s left)", action.get("action"), action.get("time"),
                     "?" if left is None else f"{left:.0f}")
@@ -139,7 +139,7 @@ class SpotWatcher:
             except (OSError, ValueError) as e:   # URLError, timeouts, HTTP errors, bad JSON
                 if not failing:   # once per outage, not once per poll
                     log.warning("spot watch: instance metadata at %s not answering: %s", self.cfg.metadata_url, e)
-                    self.events.emit("spot_watch_error", error=str(e)[:200])
+                    self.events.emit(Event.SPOT_WATCH_ERROR, error=str(e)[:200])
                 failing = True
             self._stop.wait(self.cfg.poll_s)
 

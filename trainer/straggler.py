@@ -15,7 +15,7 @@ from typing import Any
 
 from . import compat
 from .config import MetricsConfig
-from .events import EventLog
+from .events import Event, EventLog
 from .hooks import StepHook, StepReport
 from .metrics import MetricsExporter
 from .parallel import Dist
@@ -72,7 +72,7 @@ def record_stragglers(report: Any, step: int, events: EventLog, metrics: Metrics
     if record["ranks"]:
         log.warning("straggler: rank(s) %s on %s below NVRx's thresholds (GPU scores %s)", record["ranks"],
                     record["nodes"], record["scores"])
-        events.emit("straggler", step=step, **record)
+        events.emit(Event.STRAGGLER, step=step, **record)
     return record
 
 

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from . import layout
 from .durable import write_json
+from .events import Event
 from .goodput import account
 from .mirror import mirror_stats
 
@@ -15,10 +16,10 @@ from .mirror import mirror_stats
 def summarize(events: list[dict], *, steps: int, tokens: int, final_val_loss: float, params_sha256: str,
               n_params: int, mesh: dict | None = None) -> dict:
     """``mesh``: the run's (last) device mesh, which its throughput and MFU were measured on."""
-    starts = [e for e in events if e["event"] == "run_start"]
-    step_events = [e for e in events if e["event"] == "step"]
+    starts = [e for e in events if e["event"] == Event.RUN_START]
+    step_events = [e for e in events if e["event"] == Event.STEP]
     # Every save the loop waited for, the final (synchronous) one and those after SIGTERM included.
-    blocks = sorted(e["block_s"] for e in events if e["event"] == "ckpt_snapshot")
+    blocks = sorted(e["block_s"] for e in events if e["event"] == Event.CKPT_SNAPSHOT)
     t_end = max(e["t"] for e in events)
     return {
         "steps": steps,
@@ -30,7 +31,7 @@ def summarize(events: list[dict], *, steps: int, tokens: int, final_val_loss: fl
         "tokens_per_s_p50": _median(e.get("tokens_per_s") for e in step_events),
         "mfu_p50": _median(e.get("mfu") for e in step_events),   # None on CPU: no device peak to divide by
         "mesh": mesh,
-        "checkpoints_committed": sum(e["event"] == "ckpt_committed" for e in events),
+        "checkpoints_committed": sum(e["event"] == Event.CKPT_COMMITTED for e in events),
         "ckpt_saves": len(blocks),
         # A save's own figure (the lower middle one of an even count), not the mean of two.
         "ckpt_block_s_p50": statistics.median_low(blocks) if blocks else 0.0,

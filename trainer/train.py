@@ -36,7 +36,7 @@ from . import digests
 from .checkpoint import Checkpointer, StepSignals
 from .config import OptimConfig, TrainConfig
 from .data import BatchSampler, Split, eval_windows
-from .events import EventLog, read_events
+from .events import Event, EventLog, read_events
 from .hooks import StepHook, StepReport
 from .layout import summary_path
 from .live_state import LiveStateDict
@@ -140,7 +140,7 @@ class Trainer:
                                           store=iteration_store(self.recovery.iteration), shape=shape,
                                           form_mesh=p.parallel == "fsdp")
             if self.recovery.iteration > 0 and d.is_main:
-                self.events.emit("restart", layer="inprocess", iteration=self.recovery.iteration)
+                self.events.emit(Event.RESTART, layer="inprocess", iteration=self.recovery.iteration)
 
             # ---- build: the same on every rank (same seed), then sharded/replicated
             plan = ParallelPlan(mode=cfg.parallel.parallel, activation_checkpointing=cfg.model.activation_checkpointing,
@@ -179,14 +179,14 @@ class Trainer:
                          d.device.type,
                          self.tokens_per_step,
                          f"resumed from step {resumed_from} ({source})" if resumed_from is not None else "fresh start")
-                self.events.emit("resumed" if resumed_from is not None else "fresh_start", step=self.state.step,
+                self.events.emit(Event.RESUMED if resumed_from is not None else Event.FRESH_START, step=self.state.step,
                                  source=source)
 
     def _fresh_start(self) -> None:
         if self.cfg.model.init_from:   # a fresh start only: a committed checkpoint or snapshot wins
             load_hf_weights(self.model, self.spec, self.cfg.model.init_from)   # collective: each rank its shards
             if self.d.is_main:
-                self.events.emit("init_from", path=self.cfg.model.init_from)
+                self.events.emit(Event.INIT_FROM, path=self.cfg.model.init_from)
         # Per-rank stream for dropout; model init used the shared seed.
         torch.manual_seed(self.cfg.run.seed + 1 + self.d.rank)
 
@@ -289,7 +289,7 @@ class Trainer:
             sha = params_sha256(self.model)
             self.checkpointer.close(state.step)   # after the last collective: the summary sees the mirror drained
             if self.d.is_main:
-                self.events.emit("run_end", step=state.step, val_loss=round(val_loss, 6))
+                self.events.emit(Event.RUN_END, step=state.step, val_loss=round(val_loss, 6))
                 summary = summarize(read_events(self.session.events_path), steps=state.step, tokens=state.tokens,
                                     final_val_loss=val_loss, params_sha256=sha, n_params=self.n_params,
                                     mesh=self.d.shape.describe())
@@ -309,7 +309,7 @@ class StepLog(StepHook):
     def after_step(self, r: StepReport) -> None:
         if not self.is_main:
             return
-        self.events.emit("step", step=r.step, loss=round(r.loss, 6), step_s=round(r.step_s, 5), lr=r.lr,
+        self.events.emit(Event.STEP, step=r.step, loss=round(r.loss, 6), step_s=round(r.step_s, 5), lr=r.lr,
                          tokens=r.tokens_seen, tokens_per_s=round(r.tokens_per_s, 1),
                          **({"mfu": round(r.mfu, 5)} if r.mfu is not None else {}))
         if r.step % self.log_every == 0 or r.step == 1:

@@ -42,6 +42,7 @@ from typing import Callable
 
 import psutil
 
+from .events import Event
 from .layout import checkpoints_dir, events_path, replica_dir
 from .peer import ENV as PEER_ENV
 from .peer import JOB_ENV as PEER_JOB_ENV
@@ -238,7 +239,7 @@ class _FatalWatch:
         for line in new[:new.rfind(b"\n") + 1].splitlines():
             with contextlib.suppress(ValueError):
                 event = json.loads(line)
-                if event.get("event") == "fatal":
+                if event.get("event") == Event.FATAL:
                     self.reason = event["reason"]
                     print(f"goodput: rank {event['rank']}: {self.reason}; the launcher is stopped, no layer "
                           f"retries an error that would come back", file=sys.stderr)

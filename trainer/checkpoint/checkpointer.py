@@ -27,7 +27,7 @@ from typing import Callable, Protocol, Sequence
 import torch
 
 from ..config import CheckpointConfig
-from ..events import EventLog
+from ..events import Event, EventLog
 from ..hooks import StepReport
 from ..layout import COMMITTED, step_dir
 from ..parallel import Dist
@@ -250,7 +250,7 @@ class Checkpointer:
         """Every rank saw the stop flag at ``step``: commit what is owed and a final checkpoint of ``step``
         (recorded with the time it took, against the pod's grace period)."""
         grace_s = self.cfg.sigterm_grace_s
-        self.events.emit("sigterm", step=step, signal=self.guard.stop_signal)
+        self.events.emit(Event.SIGTERM, step=step, signal=self.guard.stop_signal)
         t0 = time.monotonic()
         self._save_owed(self.guard.saving)
         with self.guard.saving():
@@ -260,7 +260,7 @@ class Checkpointer:
         if self.d.is_main:
             if took > grace_s:
                 log.warning("final checkpoint took %.1fs, over the %.0fs grace period", took, grace_s)
-            self.events.emit("exit", reason=self.guard.stop_signal, step=step, ckpt_s=round(took, 4))
+            self.events.emit(Event.EXIT, reason=self.guard.stop_signal, step=step, ckpt_s=round(took, 4))
 
     def _save_final(self, step: int) -> None:
         """The end of training: every checkpoint committed, ``step`` among them."""

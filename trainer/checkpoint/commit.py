@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..events import EventLog
+from ..events import Event, EventLog
 from ..durable import fsync_dir, write_bytes
 from ..layout import COMMITTED, committed_steps, step_dir, step_of
 from ..mirror import CheckpointMirror
@@ -108,7 +108,7 @@ class Commits:
                   "files": sorted(f.name for f in path.iterdir() if not f.name.startswith(".rank")),
                   **marker_fields(checksums)}
         write_bytes(path / COMMITTED, json.dumps(marker).encode())
-        self.events.emit("ckpt_committed", step=p.step, commit_s=round(time.monotonic() - p.started, 4))
+        self.events.emit(Event.CKPT_COMMITTED, step=p.step, commit_s=round(time.monotonic() - p.started, 4))
         if self.mirror is not None:
             self.mirror.enqueue(p.step, marker["committed_at"])
         self._start_purge(p.step)
@@ -157,5 +157,5 @@ class Commits:
                 continue
             if older_than is not None and step >= older_than:
                 continue
-            self.events.emit("ckpt_torn_deleted", step=step)
+            self.events.emit(Event.CKPT_TORN_DELETED, step=step)
             shutil.rmtree(p, ignore_errors=True)

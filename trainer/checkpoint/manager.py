@@ -36,7 +36,7 @@ from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 
 from .. import compat
 from ..config import CheckpointConfig
-from ..events import EventLog
+from ..events import Event, EventLog
 from ..durable import write_bytes
 from ..layout import peer_file, read_marker, replica_dir, step_dir
 from ..mirror import CheckpointMirror, maybe_fetch_from_mirror
@@ -183,7 +183,7 @@ class CheckpointManager:
         if step is not None:
             copy_state_dict, _ = compat.cpu_state_dict_helpers()
             restored = copy_state_dict(self._memory_snapshot(step, state), state)
-            self.events.emit("ckpt_loaded", step=step, source=source,
+            self.events.emit(Event.CKPT_LOADED, step=step, source=source,
                              **({"fetched": step not in own[self.d.rank]} if source == "peer" else {}))
         else:
             step, source, restored = self._load_committed(state), "checkpoint", state
@@ -289,12 +289,12 @@ class CheckpointManager:
     def peer_refused(self, holder: tuple[str, int], why: str) -> None:
         """A reply from the holder was not authentic: nothing of it is used."""
         log.error("rank %d: refused a reply of the peer holder %s:%d: %s", self.d.rank, *holder, why)
-        self.events.emit("peer_refused", role="rank", peer=f"{holder[0]}:{holder[1]}", reason=why[:400])
+        self.events.emit(Event.PEER_REFUSED, role="rank", peer=f"{holder[0]}:{holder[1]}", reason=why[:400])
 
     def checksum_mismatch(self, source: str, step: int, why: str) -> None:
         """A copy of ``step`` in ``source`` does not hold the bytes that were staged: it is not used."""
         log.error("rank %d: the %s copy of step %d is not used: %s", self.d.rank, source, step, why)
-        self.events.emit("checksum_mismatch", source=source, step=step, rank=self.d.rank, reason=why[:400])
+        self.events.emit(Event.CHECKSUM_MISMATCH, source=source, step=step, rank=self.d.rank, reason=why[:400])
 
     def _memory_snapshot(self, step: int, state: dict) -> dict:
         """This rank's snapshot of ``step`` in memory: the staging copy's, the replica's, or the one before."""
@@ -333,7 +333,7 @@ class CheckpointManager:
             self._reshard(state, path, step, written_by)
         t0 = time.monotonic()
         dcp.load(state, checkpoint_id=str(path))
-        self.events.emit("ckpt_loaded", step=step, source="checkpoint", load_s=round(time.monotonic() - t0, 4))
+        self.events.emit(Event.CKPT_LOADED, step=step, source="checkpoint", load_s=round(time.monotonic() - t0, 4))
         return step
 
     def _newest_committed(self) -> int | None:
@@ -364,7 +364,7 @@ class CheckpointManager:
         flags = [None] * self.d.world_size
         dist.all_gather_object(flags, ok)   # sync point: the checkpoint is used only if every share verified
         if self.d.is_main and all(flags):
-            self.events.emit("ckpt_verified", step=step, verify_s=round(time.monotonic() - t0, 4))
+            self.events.emit(Event.CKPT_VERIFIED, step=step, verify_s=round(time.monotonic() - t0, 4))
         return all(flags)
 
     def _reshard(self, state: dict, path: Path, step: int, written_by: int) -> None:
@@ -377,7 +377,7 @@ class CheckpointManager:
         if self.d.is_main:
             log.warning("resuming from step %d written by %d ranks on %d: resharded, not a bitwise resume",
                         step, written_by, self.d.world_size)
-            self.events.emit("resharded", from_world_size=written_by, to_world_size=self.d.world_size, step=step)
+            self.events.emit(Event.RESHARDED, from_world_size=written_by, to_world_size=self.d.world_size, step=step)
 
     # ----------------------------------------------------------------------------------------- save
     def save(self, step: int, state: StateSource, *, blocking: bool = False) -> None:
@@ -393,7 +393,7 @@ class CheckpointManager:
         state = state() if callable(state) else state
         path = step_dir(self.root, step)
         if self.d.is_main:
-            self.events.emit("ckpt_start", step=step)
+            self.events.emit(Event.CKPT_START, step=step)
         if self.cfg.sync or (blocking and self._writer_cold()):
             planner = DefaultSavePlanner()
             dcp.save(state, checkpoint_id=str(path), planner=planner)
@@ -518,7 +518,7 @@ class CheckpointManager:
             if self.peer_ring:
                 wake_peer_daemon(self.replica.node.dir)
             if self.d.is_main:
-                self.events.emit("memory_snapshot", step=s.step, block_s=round(s.blocked_s + waited, 4),
+                self.events.emit(Event.MEMORY_SNAPSHOT, step=s.step, block_s=round(s.blocked_s + waited, 4),
                                  copy_s=round(copy_s, 4))
             return waited
         self.snapshot, self.snapshot_step, self.snapshot_sums = s.state, s.step, s.sums
@@ -562,7 +562,7 @@ class CheckpointManager:
     def _snapshot_taken(self, step: int, block_s: float, *, sync: bool, phases: dict | None = None,
                         interval: bool = True) -> None:
         if self.d.is_main:
-            self.events.emit("ckpt_snapshot", step=step, block_s=round(block_s, 4), sync=sync,
+            self.events.emit(Event.CKPT_SNAPSHOT, step=step, block_s=round(block_s, 4), sync=sync,
                              **{k: round(v, 4) for k, v in (phases or {}).items()})
         if interval and self.on_snapshot is not None:
             self.on_snapshot(block_s)

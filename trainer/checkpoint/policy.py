@@ -10,7 +10,7 @@ from collections import deque
 from pathlib import Path
 from typing import Literal
 
-from ..events import EventLog, read_events
+from ..events import Event, EventLog, read_events
 from ..goodput import DEFAULT_MTBF_S, young_daly_interval_s
 
 AUTO = "auto"
@@ -54,7 +54,8 @@ class IntervalPolicy:
         self.events_path, self.events = events_path, events
         self.every_s, self.memory_every_s, self.configured_mtbf_s = every_s, memory_every_s, mtbf_s
         self.auto = every == AUTO
-        chosen = [e["steps"] for e in read_events(events_path) if e["event"] == "ckpt_interval"] if self.auto else []
+        chosen = ([e["steps"] for e in read_events(events_path) if e["event"] == Event.CKPT_INTERVAL]
+                  if self.auto else [])
         self.chosen: int | None = chosen[-1] if chosen else None
         self.every: int = (self.chosen or self.first_auto_step) if self.auto else every
         self.last_step, self.last_time = start_step, time.monotonic()
@@ -85,8 +86,8 @@ class IntervalPolicy:
         if self.configured_mtbf_s > 0:
             return self.configured_mtbf_s
         events = read_events(self.events_path)
-        starts = [e["t"] for e in events if e["event"] == "run_start"]
-        from_disk = sum(e["event"] == "resumed" and e.get("source") == "checkpoint" for e in events)
+        starts = [e["t"] for e in events if e["event"] == Event.RUN_START]
+        from_disk = sum(e["event"] == Event.RESUMED and e.get("source") == "checkpoint" for e in events)
         if from_disk and starts:
             return max(1.0, (events[-1]["t"] - starts[0]) / from_disk)
         return DEFAULT_MTBF_S
@@ -110,7 +111,7 @@ class IntervalPolicy:
             log.info("ckpt-every auto: %d steps (Young-Daly: cost %.4fs = blocking %.4fs + write interference "
                      "%.4fs, MTBF %.0fs, step %.3fs)", steps, cost, block, interference, mtbf, step)
             if self.events is not None:
-                self.events.emit("ckpt_interval", steps=steps, block_s=round(block, 4),
+                self.events.emit(Event.CKPT_INTERVAL, steps=steps, block_s=round(block, 4),
                                  interference_s=round(interference, 4), mtbf_s=round(mtbf, 1), step_s=round(step, 5))
             self.chosen = steps
         return steps

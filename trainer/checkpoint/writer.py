@@ -21,7 +21,7 @@ import psutil
 
 from .. import compat
 from ..config import CheckpointConfig
-from ..events import EventLog
+from ..events import Event, EventLog
 from ..signals import STOP_SIGNALS, STOPPED_S, StoppedFor, die_with_parent, handlers, is_gone
 
 log = logging.getLogger(__name__)
@@ -196,7 +196,7 @@ class Writer:
             self.queue.schedule_async_request(request)
             if self.rank == 0:   # how long it was held back, and what the hand-over blocked (from 0.6 the
                 # worker runs the preload function meanwhile): blocking time of the step whose top it was
-                self.events.emit("ckpt_handed_over", deferred_s=round(t0 - since, 4),
+                self.events.emit(Event.CKPT_HANDED_OVER, deferred_s=round(t0 - since, 4),
                                  block_s=round(time.monotonic() - t0, 4), booted=self.warm)
 
     def written(self) -> None:
@@ -274,7 +274,7 @@ class Writer:
                        f"(--ckpt-write-timeout-s)")
             if why is not None:
                 log.error("%s: ending this rank so that the in-job layer restarts it with new helpers", why)
-                self.events.emit("helper_hung", reason=why)
+                self.events.emit(Event.HELPER_HUNG, reason=why)
                 for pid in self.helpers:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
