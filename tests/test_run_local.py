@@ -191,7 +191,8 @@ def test_run_local_rejects_bad_arguments_before_running(tmp_path):
                                     ["--wait"], ["--pipeline", "goodput-train"]])
 def test_run_local_refuses_the_options_of_cluster_runs(tmp_path, option):
     fsx = tmp_path / "fsx"
-    res = CliRunner().invoke(main, ["run", "--local", "--fsx-root", str(fsx), *option])
+    # An unknown parameter too: the option is refused first, and an unrefused one never starts a run here.
+    res = CliRunner().invoke(main, ["run", "--local", "--fsx-root", str(fsx), *option, "-p", "max_stepz=3"])
     assert res.exit_code == 2, res.output
     shown = "--cache/--no-cache" if option[0] == "--no-cache" else option[0]
     assert res.output.strip() == f"Error: {shown}: only for cluster runs (--local runs this checkout's " \
