@@ -177,7 +177,10 @@ def test_run_local_rejects_bad_arguments_before_running(tmp_path):
                           (["-p", "model_config={oops"], "model_config is not valid JSON"),
                           (["-p", f"init_from={tmp_path}/nowhere"], "no config.json there"),
                           (["-p", "model=llama", "-p", "init_from=production"], "no production model 'llama'"),
-                          (["-p", "backend=local"], "unknown parameter(s) backend")):
+                          (["-p", "backend=local"], "unknown parameter(s) backend"),
+                          # a registry URL of a scheme not served, instead of a directory named after it
+                          (["-p", "registry=ftp://host/models"], "the scheme ftp:// is not served"),
+                          (["-p", "registry=mlflow://"], "expected mlflow://HOST:PORT")):
         res = CliRunner().invoke(main, ["run", "--local", "--fsx-root", str(fsx), *args])
         assert res.exit_code == 2, res.output
         assert message in res.output
