@@ -45,10 +45,10 @@ from pathlib import Path
 
 from trainer.events import read_events
 
-# Pipeline arguments of the local demo, sized for 2 CPU cores: the first run shows training, four committed
-# checkpoints, their evaluation and the promotion within about a minute. Steps of 32 sequences, so that the
-# fixed costs of a step (its hooks, the all-reduce) and of the run (startup, the final save) leave a goodput
-# figure that means something; -p overrides any. The model is a small ByteGPT; -p model=llama trains
+# Pipeline arguments of the local demo, sized for 2 CPU cores: training, four committed checkpoints, their
+# evaluation and the promotion. Steps of 32 sequences, so that the fixed costs of a step (its hooks, the
+# all-reduce) and of the run (startup, the final save) leave a goodput figure that means something (README: the
+# measured wall time and goodput); -p overrides any. The model is a small ByteGPT; -p model=llama trains
 # llama's default flavor (debug, sized for 2 CPU cores).
 DEMO_ARGUMENTS = {
     "local_nproc": 2,
