@@ -382,7 +382,7 @@ def evaluate_run(
     registry: str | None = None,
     endpoint_url: str | None = None,
     *,
-    model_name: str = "bytegpt",
+    model_name: str = "",
     max_windows: int | None = None,
     batch_size: int = 32,
     seq_len: int | None = None,
@@ -406,7 +406,8 @@ def evaluate_run(
         registry: model registry, a directory or ``s3://bucket/prefix``; None: the gate is decided and
             reported, nothing is written and there is no production model to compare with.
         endpoint_url: S3-compatible endpoint for an ``s3://`` registry.
-        model_name: the model's name in the registry.
+        model_name: the model's name in the registry; empty: the run's own model's (``bytegpt``, ``llama``, the
+            last part of a user module's name), as the pipeline names it.
         max_windows: validation windows (default: the run's ``eval_windows``, so the final checkpoint
             reproduces the run's ``final_val_loss``).
         batch_size: windows per forward pass.
@@ -428,12 +429,15 @@ def evaluate_run(
             disk that cannot be loaded, or a model (the run's, the baseline, production) that cannot read the
             dataset.
     """
+    from components.train_config import registry_name
     from trainer.data import Split, bytes_per_token, eval_windows, read_manifest
     from trainer.layout import committed_steps, step_dir
     from trainer.models.hf import dataset_tokenizer
 
     run_dir = Path(run_dir)
     run_config = read_run_config(run_dir)
+    # A run from before model plug-ins names no model: it trained bytegpt (``run_spec``).
+    model_name = registry_name(run_config.get("model", {}).get("name", "bytegpt"), model_name)
     if tolerance < 0:
         raise ValueError(f"tolerance must not be negative, got {tolerance}")
     if require_beat_baseline and not baseline:

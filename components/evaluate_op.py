@@ -20,7 +20,7 @@ def evaluate_op(
     last_n: int = 0,
     threshold: float = 5.545177444479562,
     tolerance: float = 0.0,
-    model_name: str = "bytegpt",
+    model_name: str = "",
     registry: str = "",
     endpoint_url: str = "",
     baseline: str = "",
@@ -47,7 +47,7 @@ def evaluate_op(
         threshold: promote only if the best validation loss (nats per token) is below this (default ln 256,
             a uniform guess over bytes).
         tolerance: promote only if the best loss is at most the production model's loss plus this.
-        model_name: the model's name in the registry.
+        model_name: the model's name in the registry; empty: the run's own model's (bytegpt, llama, ...).
         registry: model registry, a directory, ``s3://bucket/prefix`` or an MLflow server (``mlflow://HOST:PORT``,
             ``mlflow+https://HOST``); empty: decide, write nothing.
         endpoint_url: S3-compatible endpoint for an ``s3://`` registry; empty for AWS (IRSA credentials).

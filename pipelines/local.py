@@ -48,19 +48,20 @@ from trainer.durable import staging_dir
 from trainer.events import Event, read_events
 from trainer.signals import KILLED_GONE_S, handlers, marked, reap
 
-# Pipeline arguments of the local demo, sized for 2 CPU cores: about 30 s of training steps, so that its
-# goodput figure means something (a few seconds of startup and teardown are most of a shorter run), and
-# under 2 minutes in all; -p overrides any. The model is a small ByteGPT; -p model=llama trains llama's
-# default flavor (debug, sized for 2 CPU cores).
+# Pipeline arguments of the local demo, sized for 2 CPU cores: training, four committed checkpoints, their
+# evaluation and the promotion. Steps of 32 sequences, so that the fixed costs of a step (its hooks, the
+# all-reduce) and of the run (startup, the final save) leave a goodput figure that means something (README: the
+# measured wall time and goodput); -p overrides any. The model is a small ByteGPT; -p model=llama trains
+# llama's default flavor (debug, sized for 2 CPU cores).
 DEMO_ARGUMENTS = {
     "local_nproc": 2,
     "local_nodes": 1,
     "model": "bytegpt",
     "model_flavor": "",
     "seq_len": 64,
-    "batch_size": 8,
-    "max_steps": 800,
-    "ckpt_every": "200",
+    "batch_size": 32,
+    "max_steps": 400,
+    "ckpt_every": "100",
 }
 DEMO_BYTEGPT = '{"n_layer": 2, "n_head": 2, "n_embd": 64}'
 """The demo ByteGPT's size, unless -p model_config (or another model) is given."""

@@ -344,6 +344,20 @@ def test_settings_the_check_settings_step_rejects_fail_here_in_one_line(api, goo
     assert api.requests == []
 
 
+@pytest.mark.parametrize("args, message", [
+    (["--fsx-root", "fsx"], "--fsx-root: only for --local runs; leave it out"),
+    (["--verbose"], "--verbose: only for --local runs; leave it out"),
+    (["-v", "--wait"], "--verbose: only for --local runs; leave it out"),
+    (["--timeout", "60"], "--timeout: only with --wait; leave it out"),
+    (["--poll-interval", "1", "--timeout", "5"], "--timeout, --poll-interval: only with --wait; leave them out"),
+])
+def test_options_a_cluster_run_would_not_apply_are_refused(api, package, args, message):
+    res = goodput(api, "run", "--package", str(package), *args)
+    assert res.exit_code == 2, res.output
+    assert res.output.strip() == f"Error: {message}", res.output
+    assert api.requests == []
+
+
 def test_params_file_errors_are_rejected_before_any_request(api, package, tmp_path):
     bad = tmp_path / "bad.yaml"
     bad.write_text("- just\n- a list\n")

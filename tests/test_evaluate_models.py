@@ -226,6 +226,22 @@ def test_the_gate_can_require_beating_the_baseline(data, states, random_hf, tmp_
     assert res.exit_code == 2 and "--require-beat-baseline needs --baseline" in res.output
 
 
+def test_a_run_is_gated_and_registered_under_its_own_model_unless_named(data, states, tmp_path):
+    """`goodput evaluate` without --model-name files a llama run under llama, not under bytegpt (whose
+    production model, here a better one, it would otherwise be gated against)."""
+    registry = tmp_path / "registry"
+    (registry / "bytegpt").mkdir(parents=True)
+    (registry / "bytegpt" / "production.json").write_text(json.dumps({"version": "v1", "val_loss": 0.01}))
+    run = llama_run(tmp_path, "run", data, {20: states["late"]})
+    res = CliRunner().invoke(cli, ["evaluate", "--run", str(run), "--registry", str(registry)])
+    assert res.exit_code == 0, res.output
+    assert "PROMOTED" in res.output
+    assert json.loads((registry / "llama" / "production.json").read_text())["version"]
+    assert [p.name for p in (registry / "bytegpt").iterdir()] == ["production.json"]
+    res = CliRunner().invoke(cli, ["evaluate", "--run", str(run), "--model-name", "bad name"])
+    assert res.exit_code == 2 and "model_name 'bad name' must be" in res.output, res.output
+
+
 def test_a_baseline_that_cannot_read_the_dataset_is_refused_before_any_checkpoint(data, states, tmp_path):
     spec = resolve_model("llama", "debug", {**SMALL, "vocab_size": 100})
     small_vocab = export_state_dict(build_local(spec).state_dict(), spec, tmp_path / "v100")

@@ -183,6 +183,21 @@ def test_requirement_pins_satisfy_pyproject():
             assert importlib.metadata.version(name) == version, name
 
 
+def test_the_declared_python_versions_are_those_tested_and_those_of_the_images():
+    """requires-python and the classifiers name exactly the Pythons the tests and the images run."""
+    from packaging.specifiers import SpecifierSet
+
+    prefix = "Programming Language :: Python :: "
+    versions = [c[len(prefix):] for c in PYPROJECT["project"]["classifiers"] if c.startswith(prefix)]
+    declared = {v for v in versions if re.fullmatch(r"3\.\d+", v)}
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    assert declared == {here, check_deps_fact("TRAINER_PYTHON"), check_deps_fact("COMPONENTS_PYTHON")}
+    lowest = min(declared, key=lambda v: tuple(map(int, v.split("."))))
+    below = f"3.{int(lowest.split('.')[1]) - 1}"
+    assert [v in SpecifierSet(PYPROJECT["project"]["requires-python"]) for v in (below, *sorted(declared))] == \
+        [False] + [True] * len(declared)
+
+
 def test_the_trainer_image_pins_and_labels_the_nvrx_release_the_launch_commands_default_to():
     """One pin: trainer/compat.py's IMAGE_RELEASE is the NVRX_RELEASE build arg's default, the image installs
     NVRx at that arg and nowhere else, carries it as a label, and the tests here run on it."""

@@ -178,11 +178,36 @@ def test_run_local_rejects_bad_arguments_before_running(tmp_path):
                           (["-p", f"init_from={tmp_path}/nowhere"], "no config.json there"),
                           (["-p", "model=llama", "-p", "init_from=production"], "no production model 'llama'"),
                           (["-p", "backend=local"], "unknown parameter(s) backend"),
-                          (["--pipeline", "goodput-train"], "--pipeline, --cache, --wait")):
+                          # a registry URL of a scheme not served, instead of a directory named after it
+                          (["-p", "registry=ftp://host/models"], "the scheme ftp:// is not served"),
+                          (["-p", "registry=mlflow://"], "expected mlflow://HOST:PORT")):
         res = CliRunner().invoke(main, ["run", "--local", "--fsx-root", str(fsx), *args])
         assert res.exit_code == 2, res.output
         assert message in res.output
     assert not fsx.exists()
+
+
+@pytest.mark.parametrize("option", [["--run-name", "demo"], ["--experiment", "e"], ["--version", "v2"],
+                                    ["--timeout", "60"], ["--poll-interval", "1"], ["--host", "http://kfp:8080"],
+                                    ["--token", "t"], ["--namespace", "team"], ["--cookie", "a=b"],
+                                    ["--ui-host", "http://ui"], ["--service-account", "sa"], ["--no-cache"],
+                                    ["--wait"], ["--pipeline", "goodput-train"]])
+def test_run_local_refuses_the_options_of_cluster_runs(tmp_path, option):
+    fsx = tmp_path / "fsx"
+    # An unknown parameter too: the option is refused first, and an unrefused one never starts a run here.
+    res = CliRunner().invoke(main, ["run", "--local", "--fsx-root", str(fsx), *option, "-p", "max_stepz=3"])
+    assert res.exit_code == 2, res.output
+    shown = "--cache/--no-cache" if option[0] == "--no-cache" else option[0]
+    assert res.output.strip() == f"Error: {shown}: only for cluster runs (--local runs this checkout's " \
+                                 "pipeline here); leave it out", res.output
+    assert not fsx.exists()
+
+
+def test_run_local_leaves_the_kfp_environment_alone(tmp_path):
+    """KFP_HOST in the environment is not an option of this run: --local goes on to check its parameters."""
+    res = CliRunner().invoke(main, ["run", "--local", "--fsx-root", str(tmp_path / "fsx"), "-p", "max_stepz=3"],
+                             env={"KFP_HOST": "http://kfp:8080", "KFP_TOKEN": "t"})
+    assert res.exit_code == 2 and "unknown parameter(s) max_stepz" in res.output, res.output
 
 
 def test_orphaned_workers_of_a_killed_process_do_not_outlive_the_run():

@@ -608,6 +608,12 @@ def test_render_job_kind_runtime_prints_the_shipped_runtime_or_one_built_from_th
     (["--kind", "trainjob", "--nodes", "4", "--min-nodes", "2"], "no elastic training"),
     (["--kind", "trainjob", "--backoff-limit", "5"], "backoff_limit=5 differs from ClusterTrainingRuntime"),
     (["--kind", "runtime", "--max-steps", "5"], "a runtime has no trainer arguments"),
+    # Job settings the runtime cannot carry are refused, not dropped.
+    (["--kind", "runtime", "--nodes", "4"], "a runtime does not take --nodes: they are a TrainJob's"),
+    (["--kind", "runtime", "--spot"], "a runtime does not take --spot"),
+    (["--kind", "runtime", "--node-group", "p5"], "a runtime does not take --node-group"),
+    (["--kind", "runtime", "--queue", "q"], "a runtime does not take --queue"),
+    (["--kind", "runtime", "--name", "j", "--namespace", "ns"], "a runtime does not take --name, --namespace"),
     (["--kind", "slurm"], "Invalid value for '--kind'"),
 ])
 def test_render_job_kind_refuses_what_the_kind_cannot_carry(argv, message):

@@ -26,7 +26,9 @@ import click
               help="Model registry: a directory, s3://BUCKET/PREFIX, or an MLflow server (mlflow://HOST:PORT, "
                    "mlflow+https://HOST; token in MLFLOW_TRACKING_TOKEN); the promoted model is written there and "
                    "the current production model is read from there. Without it nothing is written.")
-@click.option("--model-name", default="bytegpt", show_default=True, help="The model's name in the registry.")
+@click.option("--model-name", default="",
+              help="The model's name in the registry [default: the run's model: bytegpt, llama, or the last part "
+                   "of your module's name].")
 @click.option("--endpoint-url", default=None, help="S3-compatible endpoint for an s3:// registry.")
 @click.option("--windows", "max_windows", default=None, type=int,
               help="Validation windows (default: the run's --eval-windows).")

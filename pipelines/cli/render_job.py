@@ -147,6 +147,9 @@ def render_job(ctx: click.Context, kind, runtime_name, node_selector, env, label
                                  "TrainJob's")
             # The pod settings given on the command line (those that differ from a job's defaults).
             given = {k: v for k, v in settings.items() if v != _DEFAULTS[k] and k in RUNTIME_POD_SETTINGS}
+            jobs = ["--" + k.replace("_", "-") for k, v in settings.items() if v != _DEFAULTS[k] and k not in given]
+            if jobs:
+                raise ValueError(f"a runtime does not take {', '.join(jobs)}: they are a TrainJob's (--kind trainjob)")
             manifest = runtime_manifest(RuntimeSpec.from_dict({"name": runtime_name, **given, **{
                 k: v for k, v in extra.items() if v != _DEFAULTS[k]}}))
         else:

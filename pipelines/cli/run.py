@@ -9,7 +9,33 @@ from pathlib import Path
 
 import click
 
+from pipelines.cli import OneLineError
 from pipelines.cli.kfp_options import api_errors, connection_options, params_options, run_target, target_options
+
+# Options that only a cluster run applies (to the KFP API or the run it creates), and those only --local applies.
+_CLUSTER_ONLY = ("pipeline_name", "version_name", "experiment", "run_name", "service_account", "enable_caching",
+                 "wait", "timeout", "poll_interval", "host", "namespace", "token", "cookie", "ui_host")
+_LOCAL_ONLY = ("fsx_root", "verbose")
+_WAIT_ONLY = ("timeout", "poll_interval")
+
+
+def _given(ctx: click.Context, names) -> list[str]:
+    """The options among ``names`` given on the command line, as typed (``--run-name``)."""
+    flags = {p.name: "/".join([p.opts[0], *p.secondary_opts]) for p in ctx.command.params}
+    return [flags[n] for n in names if ctx.get_parameter_source(n) is click.core.ParameterSource.COMMANDLINE]
+
+
+def _refuse_unapplied(ctx: click.Context, local: bool, wait: bool) -> None:
+    """An option this run would not apply is refused (one line, exit 2) before anything is compiled or sent.
+    The KFP_* environment variables are not given to this run: --local leaves them alone."""
+    if local:
+        given, why = _given(ctx, _CLUSTER_ONLY), "only for cluster runs (--local runs this checkout's pipeline here)"
+    elif _given(ctx, _LOCAL_ONLY):
+        given, why = _given(ctx, _LOCAL_ONLY), "only for --local runs"
+    else:
+        given, why = ([] if wait else _given(ctx, _WAIT_ONLY)), "only with --wait"
+    if given:
+        raise OneLineError(f"{', '.join(given)}: {why}; leave {'it' if len(given) == 1 else 'them'} out", 2)
 
 
 @click.command()
@@ -34,10 +60,11 @@ from pipelines.cli.kfp_options import api_errors, connection_options, params_opt
 @click.option("--poll-interval", type=float, default=10.0, show_default=True, metavar="SECONDS",
               help="--wait: seconds between status requests.")
 @connection_options
-@click.pass_obj
+@click.pass_context
 @api_errors
-def run(kfp, local: bool, params, params_file, inject_faults, fsx_root, package, pipeline_name, version_name,
-        experiment, run_name, service_account, enable_caching, verbose, wait, timeout, poll_interval) -> None:
+def run(ctx: click.Context, local: bool, params, params_file, inject_faults, fsx_root, package, pipeline_name,
+        version_name, experiment, run_name, service_account, enable_caching, verbose, wait, timeout,
+        poll_interval) -> None:
     """Run the pipeline: on KFP (default), or entirely on this machine with --local.
 
     \b
@@ -50,10 +77,8 @@ def run(kfp, local: bool, params, params_file, inject_faults, fsx_root, package,
       KFP_HOST=http://localhost:8080 goodput run -p dataset_source=s3://my-bucket/corpus/ -p nodes=2 --wait
       goodput run --pipeline goodput-train --params-file prod.yaml -n my-profile --cookie "$KFP_COOKIE"
     """
+    _refuse_unapplied(ctx, local, wait)
     if local:
-        if pipeline_name or enable_caching is not None or wait or service_account:
-            raise click.UsageError("--local runs this checkout's pipeline here; --pipeline, --cache, --wait and "
-                                   "--service-account are for cluster runs")
         from pipelines.local import run_local_cli
 
         sys.exit(run_local_cli(params=params, params_file=params_file, inject_faults=inject_faults,
@@ -61,6 +86,8 @@ def run(kfp, local: bool, params, params_file, inject_faults, fsx_root, package,
     if inject_faults:
         params = (*params, f"inject_fault={','.join(inject_faults)}")
     from pipelines.kfp_client import run_url, submit_run, wait_for_run
+
+    kfp = ctx.obj
 
     run_name = run_name or f"goodput-{datetime.now(timezone.utc):%Y%m%d-%H%M%S}"
     with run_target(kfp, package, pipeline_name, version_name, params, params_file) as (what, arguments):
