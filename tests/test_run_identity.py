@@ -54,9 +54,9 @@ def test_flags_reach_the_trainer_and_another_run_is_refused_its_directory(tmp_pa
 def test_the_defining_settings_are_compared_and_the_placing_ones_may_change(tmp_path):
     base = flags("--data", "/d", "--out", str(tmp_path), "--max-steps", "10")
     record_settings(tmp_path, base)
-    check_run_directory(tmp_path, flags("--data", "/d", "--out", str(tmp_path), "--max-steps", "10", "--tp", "2",
+    check_run_directory(tmp_path, flags("--data", "/d", "--out", str(tmp_path), "--max-steps", "30", "--tp", "2",
                                         "--restart-layers", "injob", "--collective-timeout-s", "9"))
-    for changed, what in ((["--max-steps", "20"], "run.max_steps: 10 -> 20"), (["--seed", "1"], "run.seed"),
+    for changed, what in ((["--warmup-steps", "5"], "optim.warmup_steps: 20 -> 5"), (["--seed", "1"], "run.seed"),
                           (["--model", "llama"], "model.name"), (["--batch-size", "3"], "data.batch_size")):
         with pytest.raises(RunMismatch, match=what):
             check_run_directory(tmp_path, flags("--data", "/d", "--out", str(tmp_path), "--max-steps", "10",

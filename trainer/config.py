@@ -198,7 +198,7 @@ class CheckpointConfig:
 class RunConfig:
     out: str = _f("fsx/runs/local", "run directory: checkpoints/, events.jsonl, summary.json")
     seed: int = _d(1337, "random seed (model init, data order, dropout)")
-    max_steps: int = _d(200, "optimizer steps to train")
+    max_steps: int = _f(200, "optimizer steps to train")
     log_every: int = _f(10, "print a progress line every N steps")
 
 
