@@ -17,7 +17,6 @@ import subprocess
 import time
 import uuid
 
-import psutil
 import pytest
 
 from trainer.events import read_events
@@ -180,7 +179,7 @@ def test_node_1_lost_and_replaced_by_a_warm_standby_ends_with_the_fault_free_wei
     standby = c.standbys[0]
     wait_for(c, lambda e: e["event"] == "ckpt_committed" and e["step"] == 4)
     assert until(c.standby_ready, 60), logs(c)
-    launcher = [p for p in c._pids(standby) if psutil.Process(p).cmdline()[1:3] == ["-m", "trainer.launch"]]
+    launcher = [p.pid for p in c._processes(standby) if p.cmdline()[1:3] == ["-m", "trainer.launch"]]
     wait_for(c, lambda e: e["event"] == "step" and e["step"] >= 6)
     assert "attempts to join" not in standby.log.read_text()        # waiting at the gate, not in the round
     assert {e["rank"] for e in events(c) if e["event"] == "worker_start"} == {0, 1}
