@@ -91,7 +91,8 @@ def test_run_local_with_an_injected_fault(tmp_path):
     # The summary the user sees, and the report's path.
     for text in ("succeeded", "exception@30:1 -> recovered by the", "goodput", "promoted?", str(report)):
         assert text in out, text
-    assert "trainer settings (besides the defaults):" in out and "Executor input" not in out and "executor_input" not in out
+    assert "trainer settings (besides the defaults):" in out
+    assert "Executor input" not in out and "executor_input" not in out
     print(f"goodput run --local with one fault: {wall:.0f} s wall")
 
 
