@@ -209,7 +209,7 @@ import json, re, sys, time
 def peak_mb():
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent across fork and exec.
     return int(re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) / 1024
-from components.stage import stage_dataset
+from components.stage.dataset import stage_dataset
 import tokenizers, numpy, pyarrow.parquet   # what the stage imports, before the baseline
 before = peak_mb()
 src, fsx, tok, batch = sys.argv[1:5]

@@ -101,7 +101,7 @@ def write_corpus(root: Path, total_mb: float, files: int, doc_chars: int = 2000)
 
 
 def train_tokenizer(root: Path, vocab: int, out: Path) -> Path:
-    from components.stage_tokenizer import train_bpe
+    from components.stage.tokenizer import train_bpe
 
     docs = (json.loads(line)["text"] for p in sorted(root.glob("*.jsonl"))[:2] for line in open(p))
     train_bpe(docs, vocab).save(str(out))
@@ -147,9 +147,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--work", type=Path, default=None, help="scratch directory (default: a temporary one)")
     args = p.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-    from components.stage import stage_dataset
-    from components.stage_fanout import merge_stage, plan_stage, stage_partition
-    from components.stage_tokenize import worker_allocator
+    from components.stage.dataset import stage_dataset
+    from components.stage.fanout import merge_stage, plan_stage, stage_partition
+    from components.stage.tokens import worker_allocator
 
     work = Path(tempfile.mkdtemp(prefix="bench-tokenize-", dir=args.work))
     try:

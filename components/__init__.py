@@ -10,21 +10,21 @@ import importlib
 
 # exported name -> module that defines it
 _EXPORTS = {
-    "stage_dataset": "components.stage",
-    "stage_op": "components.stage_op",
-    "StageResult": "components.stage",
-    "StageError": "components.stage",
-    "evaluate_run": "components.evaluate",
-    "evaluate_op": "components.evaluate_op",
-    "EvaluationResult": "components.evaluate",
-    "JobSpec": "components.pytorchjob",
-    "build_pytorchjob": "components.pytorchjob",
-    "job_manifest": "components.pytorchjob",
-    "job_name_for": "components.pytorchjob",
-    "run_job": "components.supervise",
-    "SuperviseConfig": "components.supervise",
-    "train_op": "components.train",
-    "TrainResult": "components.train",
+    "stage_dataset": "components.stage.dataset",
+    "stage_op": "components.stage.dataset_op",
+    "StageResult": "components.stage.dataset",
+    "StageError": "components.stage.dataset",
+    "evaluate_run": "components.evaluate.evaluate",
+    "evaluate_op": "components.evaluate.evaluate_op",
+    "EvaluationResult": "components.evaluate.evaluate",
+    "JobSpec": "components.train.pytorchjob",
+    "build_pytorchjob": "components.train.pytorchjob",
+    "job_manifest": "components.train.pytorchjob",
+    "job_name_for": "components.train.pytorchjob",
+    "run_job": "components.train.supervise",
+    "SuperviseConfig": "components.train.supervise",
+    "train_op": "components.train.launch",
+    "TrainResult": "components.train.launch",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -12,7 +12,7 @@ ENV PIP_NO_CACHE_DIR=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1
 
-# mimalloc: the stage's tokenizer workers preload it (components/stage_tokenize.py); a third of their time on
+# mimalloc: the stage's tokenizer workers preload it (components/stage/tokens.py); a third of their time on
 # glibc's malloc is allocation.
 RUN apt-get update && apt-get install -y --no-install-recommends libmimalloc2.0 && rm -rf /var/lib/apt/lists/*
 
@@ -27,7 +27,7 @@ COPY pipelines pipelines
 # --no-deps: the package's dependencies include torch and nvidia-resiliency-ext, which no step here imports.
 # The check fails the build if a component module pulls in torch at import time.
 RUN pip install --no-deps . \
- && python -c "import sys, components.stage, components.stage_model, components.train, components.train_config, components.register, components.cleanup, components.supervise, components.pytorchjob, pipelines.cli; sys.exit('torch' in sys.modules)" \
+ && python -c "import sys, components.stage.dataset, components.stage.model, components.train.launch, components.train.settings, components.evaluate.register, components.train.cleanup, components.train.supervise, components.train.pytorchjob, pipelines.cli; sys.exit('torch' in sys.modules)" \
  && goodput --help > /dev/null
 
 # Not root. KFP writes artifacts below /gcs, /minio, /s3 or /oci, which must exist and be writable. The same

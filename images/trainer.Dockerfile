@@ -50,7 +50,7 @@ COPY components components
 COPY pipelines pipelines
 # The installed NVRx is the labelled one, and one the launch command is checked for.
 RUN pip install --no-deps . \
- && python -c "import torch, nvidia_resiliency_ext, prometheus_client, trainer.train, components.evaluate" \
+ && python -c "import torch, nvidia_resiliency_ext, prometheus_client, trainer.train, components.evaluate.evaluate" \
  && python -c "from trainer import compat; assert compat.installed_release() == compat.image_release('${NVRX_RELEASE}')" \
  && ft_launcher --help > /dev/null \
  && python -m trainer --help > /dev/null

@@ -31,7 +31,7 @@ BACKENDS = ("pytorchjob", "trainjob")
 
 def check_image(ref: str, what: str) -> str:
     """``ref`` if it is a pinned image reference, else a ValueError saying what to pass."""
-    from components.pytorchjob import image_ref_problem
+    from components.train.pytorchjob import image_ref_problem
 
     problem = image_ref_problem(ref, pinned=True)
     if problem:

@@ -24,6 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import yaml
+
 TERMINAL_STATES = frozenset({"SUCCEEDED", "FAILED", "SKIPPED", "CANCELED"})
 
 
@@ -142,7 +144,8 @@ def upload(client, package: Path, *, name: str, version: str = "", description: 
            namespace: str = "") -> UploadResult:
     """Upload ``package`` as pipeline ``name``: a new pipeline, or a new version of the existing one.
 
-    Version names default to :func:`content_version`, so uploading an unchanged package is a no-op.
+    Version names default to :func:`content_version`. Nothing is uploaded when the pipeline has a version of that
+    name, or (no ``version`` given) when the package's spec is its newest version's, whatever that one's name.
     """
     package = Path(package)
     existing = find_pipeline(client, name, namespace)
@@ -153,8 +156,10 @@ def upload(client, package: Path, *, name: str, version: str = "", description: 
         first = latest_version(client, created.pipeline_id)
         return UploadResult(created.pipeline_id, first.pipeline_version_id, first.display_name,
                             new_pipeline=True, unchanged=False)
-    version = version or content_version(package)
-    same = find_version(client, existing.pipeline_id, version)
+    same = find_version(client, existing.pipeline_id, version or content_version(package))
+    if same is None and not version:
+        same = _same_spec_as_latest(client, existing, package)
+    version = same.display_name if same is not None else version or content_version(package)
     if same is not None:
         return UploadResult(existing.pipeline_id, same.pipeline_version_id, version, new_pipeline=False,
                             unchanged=True)
@@ -163,6 +168,34 @@ def upload(client, package: Path, *, name: str, version: str = "", description: 
                                                  description=description or None)
     return UploadResult(existing.pipeline_id, created.pipeline_version_id, version, new_pipeline=False,
                         unchanged=False)
+
+
+def stored_spec(package: Path) -> dict:
+    """The package's spec as KFP stores it in a version's ``pipeline_spec`` (a protobuf Struct): the pipeline spec,
+    or with a platform spec (kfp-kubernetes settings) both, as ``{"pipeline_spec": ..., "platform_spec": ...}``."""
+    docs = [d for d in yaml.safe_load_all(Path(package).read_text()) if d]
+    return docs[0] if len(docs) == 1 else {"pipeline_spec": docs[0], "platform_spec": docs[1]}
+
+
+def _struct_digest(value) -> str:
+    """A digest of a spec that a protobuf Struct round trip leaves unchanged (there every number is a float)."""
+    def plain(v):
+        if isinstance(v, dict):
+            return {k: plain(x) for k, x in v.items()}
+        if isinstance(v, list):
+            return [plain(x) for x in v]
+        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else v
+    return hashlib.sha256(json.dumps(plain(value), sort_keys=True).encode()).hexdigest()
+
+
+def _same_spec_as_latest(client, pipeline, package: Path):
+    """The pipeline's newest version when it holds the package's spec (the first upload's version is named by KFP,
+    not by content: without this, the same package uploaded again would add a second version)."""
+    latest = latest_version(client, pipeline.pipeline_id)
+    full = client.get_pipeline_version(pipeline.pipeline_id, latest.pipeline_version_id)
+    if full.pipeline_spec and _struct_digest(full.pipeline_spec) == _struct_digest(stored_spec(package)):
+        return latest
+    return None
 
 
 def resolve_version(client, pipeline: str, version: str = "", namespace: str = "") -> tuple[str, object]:

@@ -196,20 +196,17 @@ def check_settings(spec: dict, arguments: dict, *, reachable: bool = False) -> N
     Raises:
         ParamError: a setting the trainer or the job builder would reject, e.g. ``-p max_steps=-5``.
     """
-    import inspect
-
-    from components.train_config import build_train_config
+    from components.train.parameters import CHECKED, STEP_INPUTS
+    from components.train.settings import build_train_config
 
     inputs = _settings_inputs(spec, arguments)
     if inputs is None:
         return
-    try:
-        inspect.signature(build_train_config).bind(**inputs)
-    except TypeError:
+    if set(inputs) != {p.name for p in (*STEP_INPUTS, *CHECKED)}:
         return      # an uploaded version of the step with other inputs: the server's step checks it
     if "{{$" in str(inputs.get("run_id", "")):
         inputs["run_id"] = "check-settings"      # the server fills in the run's id
     try:
-        build_train_config(**inputs, reachable=reachable)
+        build_train_config(**inputs, reachable=reachable, record=False)
     except ValueError as e:
         raise ParamError(str(e)) from None

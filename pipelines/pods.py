@@ -5,8 +5,8 @@ Shared by the pipeline and its stage sub-pipeline, so every step pod is dressed 
 
 from kfp import dsl, kubernetes
 
-FSX_MOUNT = "/fsx"
-"""Where every step pod mounts the FSx claim (a constant: kfp-kubernetes mount paths are compile-time)."""
+# Where every step pod mounts the FSx claim (a constant: kfp-kubernetes mount paths are compile-time).
+from components.train.parameters import FSX_MOUNT
 S3_KEYS = {"AWS_ACCESS_KEY_ID": "AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY": "AWS_SECRET_ACCESS_KEY"}
 MLFLOW_KEYS = {"MLFLOW_TRACKING_TOKEN": "MLFLOW_TRACKING_TOKEN"}
 

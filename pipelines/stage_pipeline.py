@@ -3,15 +3,15 @@
     plan (list, tokenizer) -> ParallelFor(partitions): stage partition -> merge (manifest, atomically)
 
 Every step mounts the FSx claim and may read the S3 secret; the components are in ``components/stage_*_op.py``
-and the logic in ``components.stage_fanout``.
+and the logic in ``components.stage.fanout``.
 """
 
 from kfp import dsl
 from kfp.dsl import Dataset
 
-from components.stage_merge_op import stage_merge_op
-from components.stage_partition_op import stage_partition_op
-from components.stage_plan_op import stage_plan_op
+from components.stage.merge_op import stage_merge_op
+from components.stage.partition_op import stage_partition_op
+from components.stage.plan_op import stage_plan_op
 from pipelines.pods import on_fsx, placed, with_s3_secret
 
 MAX_PARALLEL_PODS = 64

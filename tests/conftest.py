@@ -29,6 +29,20 @@ TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", 
         "--eval-windows", "16", "--log-every", "5"]
 
 
+@pytest.fixture(autouse=True)
+def default_stop_signals():
+    """Every test runs with Python's own SIGINT and SIGTERM handling, whatever the runner started the suite with (a
+    background job of a shell without job control inherits SIGINT ignored, and then a Ctrl-C test's SIGINT would do
+    nothing) and whatever product code an earlier test ran in this process left installed."""
+    def default() -> None:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+
+    default()
+    yield
+    default()
+
+
 # The workload every recovery test runs: 14 steps, a checkpoint every 4.
 STEPS = ["--max-steps", "14", "--ckpt-every", "4"]
 

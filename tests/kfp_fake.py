@@ -21,6 +21,8 @@ from email.parser import BytesParser
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
+import yaml
+
 API = "/apis/v2beta1"
 
 
@@ -190,7 +192,7 @@ class FakeKfp:
         pid = self._new_id("pipeline")
         self.pipelines[pid] = {"pipeline_id": pid, "display_name": name, "namespace": r.query.get("namespace", ""),
                                "description": r.query.get("description", ""), "created_at": self._stamp()}
-        self._add_version(pid, name, {"uploaded": len(r.files["uploadfile"])})
+        self._add_version(pid, name, self._stored_spec(r.files["uploadfile"]))
         return 200, self.pipelines[pid]
 
     def _upload_version(self, r: Request) -> tuple[int, dict]:
@@ -199,7 +201,15 @@ class FakeKfp:
             return 404, {"code": 5, "message": f"pipeline {pid} not found"}
         if any(v["pipeline_id"] == pid and v["display_name"] == r.query["name"] for v in self.versions.values()):
             return 409, {"code": 6, "message": "version exists"}
-        return 200, self._add_version(pid, r.query["name"], {"uploaded": len(r.files["uploadfile"])})
+        return 200, self._add_version(pid, r.query["name"], self._stored_spec(r.files["uploadfile"]))
+
+    @staticmethod
+    def _stored_spec(package: bytes) -> dict:
+        """The spec as KFP's API server keeps it: a protobuf Struct (every number a float) of the pipeline spec, or
+        of ``{"pipeline_spec", "platform_spec"}`` when the package has a platform spec too."""
+        docs = [d for d in yaml.safe_load_all(package) if d]
+        spec = docs[0] if len(docs) == 1 else {"pipeline_spec": docs[0], "platform_spec": docs[1]}
+        return json.loads(json.dumps(spec), parse_int=float)
 
     def _list_versions(self, r: Request, pid: str) -> tuple[int, dict]:
         rows = [v for v in self.versions.values() if v["pipeline_id"] == pid]

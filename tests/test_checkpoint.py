@@ -361,3 +361,120 @@ def test_delete_uncommits_before_removing(tmp_path):
     os.chmod(d / "x.distcp", 0o444)
     delete_checkpoint(d)
     assert not d.exists() and committed_steps(tmp_path) == []
+
+
+def _save_and_step(mgr: CheckpointManager, step: int) -> None:
+    """An interval save as the loop makes it: the optimizer step after it changes the live state."""
+    live = _state(step)
+    mgr.save(step, live)
+    mgr.finish_snapshot()
+    for t in live["model"].values():
+        t.add_(100.0)
+
+
+def _assert_holds(root, step: int) -> None:
+    target = _zeros()
+    dcp.load(target, checkpoint_id=str(step_dir(root, step)))
+    assert torch.equal(target["model"]["w"], _state(step)["model"]["w"]) and target["train"]["step"] == step
+
+
+def test_the_first_save_after_the_load_gathers_no_plan(tmp_path, process_group, monkeypatch):
+    """The staging copy's first, collective planning is made when the writer is started at the load: in the
+    loop, the first save plans locally like every later one (it used to be the slowest save by far)."""
+    import torch.distributed as dist
+
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
+    try:
+        assert mgr.restore(_zeros())[0] is None      # a fresh start: the staging copy is allocated
+        mgr.start_writer()
+
+        def gathered(*args, **kwargs):
+            raise AssertionError("a save in the loop gathered every rank's plan")
+
+        with monkeypatch.context() as patched:
+            patched.setattr(dist, "gather_object", gathered)   # how DCP's planning gathers and scatters plans
+            patched.setattr(dist, "scatter_object_list", gathered)
+            for step in (1, 2):
+                _save_and_step(mgr, step)
+        mgr.wait()
+    finally:
+        mgr.close()
+    for step in (1, 2):
+        _assert_holds(tmp_path / "ckpt", step)
+
+
+def test_a_save_does_not_wait_for_the_commit_of_the_step_before(tmp_path, process_group, monkeypatch):
+    """Rank 0 commits the previous step (``.metadata``, the marker, their fsyncs) on a thread of its own."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+
+    gate, finish = threading.Event(), FileSystemWriterAsync.finish
+    # Held until the test opens it; 120 s: a save that waited for the commit fails the assertion below.
+    monkeypatch.setattr(FileSystemWriterAsync, "finish", lambda self, *a: (gate.wait(120), finish(self, *a))[1])
+    root = tmp_path / "ckpt"
+    mgr = CheckpointManager(root, CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
+    try:
+        _save_and_step(mgr, 1)
+        _save_and_step(mgr, 2)     # finishes step 1's write, hands its commit over, and returns
+        assert committed_steps(root) == [], "the save waited for the commit of step 1"
+        gate.set()
+        mgr.wait()
+    finally:
+        gate.set()
+        mgr.close()
+    assert committed_steps(root) == [1, 2]
+    for step in (1, 2):
+        _assert_holds(root, step)
+
+
+def test_a_commit_that_failed_behind_the_loop_fails_the_loop(tmp_path, process_group, monkeypatch):
+    """Step 1's commit, on rank 0's commit thread, fails; step 2's succeeds: the loop is told at its end."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+
+    finish, calls, failed = FileSystemWriterAsync.finish, [], threading.Event()
+
+    def full_once(self, *args):
+        calls.append(threading.current_thread().name)
+        if len(calls) == 1:
+            failed.set()
+            raise OSError(28, "No space left on device")
+        return finish(self, *args)
+
+    monkeypatch.setattr(FileSystemWriterAsync, "finish", full_once)
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
+    try:
+        _save_and_step(mgr, 1)
+        _save_and_step(mgr, 2)
+        assert failed.wait(120)
+        with pytest.raises(OSError, match="No space left"):
+            mgr.wait()
+    finally:
+        mgr.close()
+    assert calls == ["ckpt-commit", "MainThread"] and committed_steps(tmp_path / "ckpt") == [2]
+
+
+def test_checkpoints_saved_under_the_benchmarks_no_checksums_hook_are_never_loaded(tmp_path, process_group,
+                                                                                   monkeypatch):
+    """``bench/checkpoint_stall.py``'s hook: saves record no checksums, and a restore refuses what they wrote."""
+    import json
+
+    from trainer.checkpoint import integrity
+
+    monkeypatch.setenv(integrity.BENCH_NO_CHECKSUMS_ENV, "1")
+    integrity._bench_no_checksums.cache_clear()
+    root = tmp_path / "ckpt"
+    try:
+        mgr = CheckpointManager(root, CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
+        try:
+            _save_and_step(mgr, 1)
+            mgr.wait()
+        finally:
+            mgr.close()
+        assert json.loads((step_dir(root, 1) / COMMITTED).read_text())["checksums"] == {}
+        fresh = CheckpointManager(root, CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
+        try:
+            with pytest.raises(RuntimeError, match=r"steps \[1\] failed their checksums"):
+                fresh.restore(_zeros())
+        finally:
+            fresh.close()
+    finally:
+        integrity._bench_no_checksums.cache_clear()

@@ -107,6 +107,8 @@ def _checkpointer(tmp_path, max_steps=100, **cfg):
                         SpotWatcher(SpotConfig(), events, enabled=False), max_steps, events,
                         tmp_path / "events.jsonl", on_blocking=lambda s: None)
     assert ckpt.load() == (None, "checkpoint")
+    assert manager.calls == [("start_writer",)], "the writer boots from the load on, ready for the first save"
+    manager.calls.clear()
     return ckpt, manager
 
 
@@ -186,11 +188,13 @@ def test_a_checkpoint_due_while_the_writers_are_cold_is_copied_now_and_written_w
     ckpt, m = _checkpointer(tmp_path)
     assert _step(ckpt, 1) == Decision(None)
     assert _step(ckpt, 4, due=True, busy=True, cold=True) == Decision(Saved.OWED)   # first write on a booting writer
-    assert m.calls == [("start_writer",), ("memory", 4, "kept")]   # the loop waits for no boot
+    assert m.calls == [("memory", 4, "kept")]   # the loop waits for no boot
     _step(ckpt, 5, busy=True, cold=True)                   # still cold: nothing is written yet
-    assert m.calls[2:] == []
-    assert _step(ckpt, 6, busy=True) == Decision(Saved.OWED_WRITTEN)   # warm: step 4's copy, written as step 4
-    assert m.calls[2:] == [("save", 4, {"copy of step": 4}, False), ("release", 4)]
+    assert m.calls[1:] == []
+    _step(ckpt, 6, busy=True)                              # warm, still writing: it would wait for the write
+    assert m.calls[1:] == []
+    assert _step(ckpt, 7) == Decision(Saved.OWED_WRITTEN)   # warm and idle: step 4's copy, written as step 4
+    assert m.calls[1:] == [("save", 4, {"copy of step": 4}, False), ("release", 4)]
 
 
 def test_memory_snapshots_go_on_while_one_checkpoint_is_owed_and_stop_while_two_are(tmp_path):
@@ -208,19 +212,19 @@ def test_memory_snapshots_go_on_while_one_checkpoint_is_owed_and_stop_while_two_
     assert m.calls == [("release", 2), ("release", 4), ("memory", 5), ("save", 5, "live", False)]
 
 
-def test_at_most_two_checkpoints_are_owed_then_a_due_save_waits_and_supersedes_them(tmp_path):
-    ckpt, m = _checkpointer(tmp_path, max_steps=6)
+def test_a_third_checkpoint_due_while_the_writers_are_cold_is_owed_in_place_of_the_oldest(tmp_path):
+    ckpt, m = _checkpointer(tmp_path, max_steps=7)
     for step in (2, 3):
         _step(ckpt, step, due=True, busy=True, cold=True)
     m.calls.clear()
-    _step(ckpt, 4, due=True, busy=True, cold=True)
-    # The third waits for the writer, with this step copied to node memory first (a restart resumes from it).
-    # That copy takes a slot of the owed copies: they are dropped, not written later from a slot now holding
-    # step 4 (a "step 2" checkpoint with step 4's state), nor after step 4 commits.
-    assert m.calls == [("release", 2), ("release", 3), ("memory", 4), ("save", 4, "live", False)]
-    _step(ckpt, 5)
-    assert _step(ckpt, 6, busy=True) == Decision(Saved.FINAL)
-    assert [c for c in m.calls if c[0] == "save" and c[1] in (2, 3)] == []
+    # The third does not wait for the boot either: step 2's copy gives way (released before step 4 is copied
+    # into its slot, never written later from a slot now holding step 4's state).
+    assert _step(ckpt, 4, due=True, busy=True, cold=True) == Decision(Saved.OWED)
+    assert m.calls == [("release", 2), ("memory", 4, "kept")]
+    assert _step(ckpt, 5) == Decision(Saved.OWED_WRITTEN)   # warm: the owed ones, oldest first
+    assert _step(ckpt, 6) == Decision(Saved.OWED_WRITTEN)
+    assert _step(ckpt, 7) == Decision(Saved.FINAL)
+    assert [c[1] for c in m.calls if c[0] == "save"] == [3, 4, 7]
 
 
 def test_an_owed_checkpoint_is_superseded_by_a_due_save_behind_a_warm_busy_writer(tmp_path):

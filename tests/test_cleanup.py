@@ -3,9 +3,9 @@
 import pytest
 from kubernetes import client as k8s
 
-from components.cleanup import cleanup_run_jobs
-from components.cleanup_op import cleanup_op
-from components.pytorchjob import RUN_ID_LABEL, label_value
+from components.train.cleanup import cleanup_run_jobs
+from components.train.cleanup_op import cleanup_op
+from components.train.pytorchjob import RUN_ID_LABEL, label_value
 
 try:                                  # tests/ is a package when run from the repository root
     from tests.k8s_fake import FakeKube
@@ -71,7 +71,7 @@ def test_a_kind_that_is_not_installed_is_skipped_unless_it_is_the_runs_backend(k
     """Only the Training Operator is installed here: the TrainJob list is 404."""
     from kubernetes.client.rest import ApiException
 
-    from components.job_kinds import TRAINJOB
+    from components.train.job_kinds import TRAINJOB
 
     kube.put_job(job("gp-train-running", RUN), "team-a")
     lines = []

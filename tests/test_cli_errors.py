@@ -27,7 +27,7 @@ def boom(kind: str) -> None:
     """A command that raises what it is told to, as a command in a file of another engineer might."""
     from botocore.exceptions import NoCredentialsError
 
-    from components.evaluate import EvaluationError
+    from components.evaluate.evaluate import EvaluationError
 
     raise {"value": ValueError("invalid PyTorchJob settings:\n  --cpu -4 must be positive\n  --nodes 0 too"),
            "project": EvaluationError("no committed checkpoint under run/checkpoints"),

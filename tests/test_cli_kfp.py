@@ -71,9 +71,14 @@ def test_upload_creates_pipeline_then_adds_versions_by_content(api, package, tmp
     pid = next(iter(api.pipelines))
     assert f"{api.url}/#/pipelines/details/{pid}/version/" in res.output
 
+    # The same package again: its spec is the first version's (named by KFP, not by content): nothing uploaded.
+    res = goodput(api, "upload", "--package", str(package), "--name", "goodput-train")
+    assert res.exit_code == 0 and "nothing uploaded" in res.output, res.output
+    assert api.calls("POST", API + "/pipelines/upload_version") == []
+
     # Same name, changed package: a new version named after the content, on the existing pipeline.
     changed = tmp_path / "changed.yaml"
-    changed.write_text(package.read_text() + "\n# changed\n")
+    changed.write_text(package.read_text().replace("pipelineInfo:", "pipelineInfo:\n  description: changed", 1))
     res = goodput(api, "upload", "--package", str(changed), "--name", "goodput-train")
     assert res.exit_code == 0, res.output
     ver = only(api, "POST", "/pipelines/upload_version")

@@ -305,9 +305,10 @@ def test_importing_the_gate_imports_no_torch():
 # ------------------------------------------------------------------------------- today's launch command
 
 def test_the_flags_launch_py_emits_today_parse_on_every_release(monkeypatch):
-    """trainer/launch.py (on the gate, for 0.4.1) and components/pytorchjob.py (for the image's release): every flag
+    """trainer/launch.py (on the gate, for 0.4.1) and components/train/pytorchjob.py (for the image's release): every
+    flag
     is accepted by 0.4.1 to 0.7 (none breaks at parse time); what changes meaning is listed by the next test."""
-    from components.pytorchjob import JobSpec
+    from components.train.pytorchjob import JobSpec
 
     monkeypatch.setenv(compat.VERSION_ENV, "0.4.1")
     local = launcher_options(local_launcher_command(LaunchConfig(), TRAINER_ARGS))

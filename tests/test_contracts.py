@@ -148,22 +148,22 @@ def _trainer_config(url):
 
 
 def _registry(url):
-    from components.register import Registry
+    from components.evaluate.register import Registry
     Registry(url)
 
 
 def _stage_source(url):
-    from components.stage import parse_source
+    from components.stage.dataset import parse_source
     parse_source(url)
 
 
 def _init_from(url):
-    from components.stage_model import staged_model_dir
+    from components.stage.model import staged_model_dir
     staged_model_dir("/fsx", url)
 
 
 def _tokenizer(url):
-    from components.stage_tokenizer import parse_tokenizer
+    from components.stage.tokenizer import parse_tokenizer
     parse_tokenizer(url)
 
 
@@ -200,8 +200,8 @@ def test_the_trainer_and_registration_compute_the_same_params_sha256():
 
 # ------------------------------------------------------------------------------ the layout
 def test_the_components_place_things_where_the_layout_says(tmp_path):
-    from components.stage import dataset_dir
-    from components.stage_model import staged_model_dir
+    from components.stage.dataset import dataset_dir
+    from components.stage.model import staged_model_dir
     from pipelines.local import default_source
     from trainer.data import DEFAULT_DATASET_NAME, default_dataset_dir, default_dataset_version
 

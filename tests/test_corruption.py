@@ -29,6 +29,7 @@ from trainer.checkpoint.integrity import ChecksumMismatch, state_digests, verify
 from trainer.checkpoint.replica import NodeReplica
 from trainer.config import CheckpointConfig
 from trainer.events import Event, EventLog, read_events
+from trainer.faults import CORRUPT_KINDS, corruption_fault, corruption_outcome
 from trainer.layout import replica_dir, replica_marker, replica_previous, replica_slot
 from trainer.peer import Auth, PeerRefused, PeerSender, PeerStore, peer_steps, restore_from_peer
 
@@ -153,6 +154,25 @@ def test_a_corrupted_copy_is_detected_and_the_next_source_restores_the_exact_sta
     assert [e["source"] for e in _mismatches(tmp_path)] == [where]
 
 
+def test_the_memory_snapshot_an_in_process_restart_reads_where_it_lies_is_verified(tmp_path, process_group):
+    """An in-process restart reads its replica through the mapping it copied into (no file read): bytes flipped
+    under that mapping are refused there too, and the snapshot before it restored."""
+    mgr = _manager(tmp_path, process_group, sync=True, keep=3)
+    try:
+        _save(mgr, 2)
+        mgr.wait()
+        _memory(mgr, 5)
+        _memory(mgr, 6)
+        shm = replica_dir(tmp_path / "shm", tmp_path / "ckpt")
+        _flip(replica_slot(shm, 0, json.loads(replica_marker(shm, 0).read_text())["slot"]), random.Random(7),
+              (0, W_BYTES))
+        step, source, restored = mgr.restore(_zeros())
+    finally:
+        mgr.close()
+    assert (step, source) == (5, "memory") and _equal(restored, _state(5))
+    assert [(e["source"], e["step"]) for e in _mismatches(tmp_path)] == [("memory", 6)]
+
+
 def test_a_checkpoint_with_a_shard_corrupted_everywhere_is_refused_not_started_over(tmp_path, process_group):
     """Nothing unverified loads: with every committed checkpoint corrupt the restore fails, naming them, rather
     than training from scratch over them."""
@@ -230,11 +250,13 @@ def test_a_peer_copy_corrupted_at_its_source_or_its_holder_is_never_restored(tmp
         assert restore_from_peer(store.address, 0, [0], tmp_path / "new", among={4}) == 4
         with pytest.raises(ChecksumMismatch, match="differ from the bytes staged"):
             NodeReplica(tmp_path / "new", 0).load(_zeros())
-        # Flipped at the holder: the fetch itself fails its transfer checksum, nothing is written.
+        # Flipped at the holder: the fetch itself fails its transfer checksum (the restore records it), nothing is
+        # written.
         index = json.loads((tmp_path / "holder" / "node0" / "rank0.index").read_text())
         slot = next(int(s) for s, e in index.items() if e["step"] == 3)
         _flip(tmp_path / "holder" / "node0" / f"rank0.slot{slot}", random.Random(2), (0, W_BYTES))
-        assert restore_from_peer(store.address, 0, [0], tmp_path / "again", among={3}) is None
+        with pytest.raises(ChecksumMismatch, match="not the copy it was sent"):
+            restore_from_peer(store.address, 0, [0], tmp_path / "again", among={3})
         assert NodeReplica(tmp_path / "again", 0).load(_zeros()) is None
     finally:
         store.close()
@@ -348,12 +370,12 @@ def test_a_peer_daemon_without_the_jobs_secret_does_not_start(tmp_path, monkeypa
 
 
 def test_a_multi_node_peer_run_without_a_secret_stops_before_anything_starts(tmp_path, monkeypatch, capfd):
-    from trainer.warmstart import run_with_zygote
+    from trainer.warmstart import NodePlace, run_with_zygote
 
     monkeypatch.delenv(peer.SECRET_ENV, raising=False)
     command = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--rdzv-endpoint", "10.0.0.1:29500",
                "-m", "trainer", "--out", str(tmp_path / "run"), "--data", str(tmp_path / "data")]
-    assert run_with_zygote(command) == 2
+    assert run_with_zygote(command, node=NodePlace("2", "10.0.0.1:29500")) == 2
     err = capfd.readouterr().err.strip().splitlines()
     assert len(err) == 1 and err[0].startswith("warm start: GOODPUT_PEER_SECRET must hold")
     assert not (tmp_path / "run").exists()
@@ -396,6 +418,70 @@ def test_a_checkpoint_corrupted_in_the_s3_mirror_is_refused_after_its_download(t
     assert [(e["step"], e["phase"]) for e in events if e["event"] == "mirror_error"] == [(2, "download")]
 
 
+def _mirror_cfg(tmp_path, s3) -> CheckpointConfig:
+    from dataclasses import replace
+
+    s3.client().create_bucket(Bucket="ckpt")
+    # A prefix of its own: moto's buckets outlive the server of one test.
+    return replace(CheckpointConfig(memory_dir=str(tmp_path / "shm"), sync=True),
+                   mirror=f"s3://ckpt/runs/{tmp_path.name}", mirror_endpoint_url=s3.url)
+
+
+def _mirror(tmp_path, cfg: CheckpointConfig, *steps: int) -> None:
+    from trainer.mirror import CheckpointMirror
+
+    mirror = CheckpointMirror(tmp_path / "ckpt", cfg, EventLog(tmp_path / "events.jsonl", 0))
+    for step in steps:
+        mirror.enqueue(step, json.loads((step_dir(tmp_path / "ckpt", step) / "COMMITTED").read_text())["committed_at"])
+    assert mirror.drain(120)
+    mirror.close(0)
+
+
+def test_a_mirrored_step_corrupted_before_its_upload_is_refused_and_the_next_older_one_restored(
+        tmp_path, process_group, s3):
+    """Bytes wrong before the upload (here: flipped on FSx after the commit) pass S3's checksums; the checksums
+    taken at staging refuse the newest mirrored step after its download, and the next older one, verified, is
+    restored."""
+    cfg = _mirror_cfg(tmp_path, s3)
+    mgr = _manager(tmp_path, process_group, sync=True, keep=3)
+    try:
+        for step in (2, 4):
+            _save(mgr, step)
+    finally:
+        mgr.close()
+    _flip_tensor(sorted(step_dir(tmp_path / "ckpt", 4).glob("*.distcp"))[0], _state(4)["model"]["w"],
+                 random.Random(4))
+    _mirror(tmp_path, cfg, 2, 4)
+    shutil.rmtree(tmp_path / "ckpt")        # FSx lost
+    mgr = CheckpointManager(tmp_path / "ckpt", cfg, process_group, EventLog(tmp_path / "events.jsonl", 0))
+    try:
+        step, source, restored = mgr.restore(_zeros())
+    finally:
+        mgr.close()
+    assert (step, source) == (2, "checkpoint") and _equal(restored, _state(2))
+    events = read_events(tmp_path / "events.jsonl")
+    assert [(e["source"], e["step"]) for e in _mismatches(tmp_path)] == [("mirror", 4)]
+    assert [e["step"] for e in events if e["event"] == "resumed_from_mirror"] == [2]
+    assert not step_dir(tmp_path / "ckpt", 4).exists()     # never published where a restore would take it
+
+
+def test_a_corrupt_fsx_copy_of_the_only_checkpoint_is_replaced_by_the_mirrors_verified_copy(
+        tmp_path, process_group, s3):
+    cfg = _mirror_cfg(tmp_path, s3)
+    _committed_step_2(tmp_path, process_group)
+    _mirror(tmp_path, cfg, 2)
+    _flip_tensor(sorted(step_dir(tmp_path / "ckpt", 2).glob("*.distcp"))[0], _state(2)["optim"]["m"],
+                 random.Random(5))
+    mgr = CheckpointManager(tmp_path / "ckpt", cfg, process_group, EventLog(tmp_path / "events.jsonl", 0))
+    try:
+        step, source, restored = mgr.restore(_zeros())
+    finally:
+        mgr.close()
+    assert (step, source) == (2, "checkpoint") and _equal(restored, _state(2))
+    assert [(e["source"], e["step"]) for e in _mismatches(tmp_path)] == [("checkpoint", 2)]
+    assert [e["step"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "resumed_from_mirror"] == [2]
+
+
 def test_a_checkpoint_owed_to_a_cold_writer_is_not_written_from_a_copy_that_changed(tmp_path, process_group):
     """The copy a checkpoint owed to a booting writer is written from must still be the one taken at its step:
     had anything copied into its slot since, the checkpoint would hold another step's state under this one's
@@ -428,3 +514,91 @@ def test_refused_copies_and_peer_messages_are_counted_in_the_run_metrics(tmp_pat
     events.emit(Event.PEER_REFUSED, role="store", peer="10.0.0.9", reason="forged")
     values = RunCollector(tmp_path / "events.jsonl", refresh_s=0).values()
     assert values["goodput_integrity_refusals"] == {"checksum_mismatch": 2, "peer_refused": 1}
+
+
+# ---- the corruption chaos in real trainings ---------------------------------------------------------------
+# 2 ranks under ft_launcher, the recovery tests' 14 steps with a checkpoint every 2 and a memory snapshot at every
+# step between them (0.3 s apart would leave none on a quiet machine); one byte of a copy flipped, then the rank
+# killed (--inject-fault corrupt-*). Synchronous checkpoints: committed at their step, not whenever a writer that
+# boots after every start gets to it, so the fault finds two to choose from at its step.
+# bench/corruption_chaos.py runs the same over many seeds.
+CHAOS_RUN = ("--max-steps", "14", "--ckpt-every", "2", "--ckpt-sync", "--memory-snapshot-every-s", "0.01")
+
+
+@pytest.mark.parametrize("spec,message", [
+    ("corrupt-ckpt@5:1", "corrupt-ckpt fires on rank 0, which commits"),
+    ("corrupt-mirror@5", "corrupt-mirror@5 needs --ckpt-mirror"),
+    ("corrupt-peer@5:1 --no-peer-snapshots", "corrupt-peer@5:1 needs peer snapshots"),
+    ("kill@5:1/3", "only the corrupt-\\* kinds take a /SEED"),
+])
+def test_a_corruption_fault_that_cannot_do_what_it_says_is_refused_before_the_run(spec, message):
+    from trainer.config import parse_config
+
+    with pytest.raises(ValueError, match=message):
+        parse_config(["--data", "d", "--inject-fault", *spec.split()])
+    assert parse_config(["--data", "d", "--inject-fault", "corrupt-snapshot@5:1/7"]).faults.inject_fault
+
+
+# corrupt-peer needs two nodes: its own test below.
+ONE_NODE_KINDS = tuple(k for k in CORRUPT_KINDS if k != "corrupt-peer")
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("seed", range(len(ONE_NODE_KINDS)))
+def test_a_training_run_refuses_a_corrupted_copy_and_ends_with_the_fault_free_weights(
+        tmp_path, start_run, clean_sha, s3, seed):
+    spec = corruption_fault(seed, world_size=2, kinds=ONE_NODE_KINDS)
+    kind = spec.split("@")[0]
+    s3.client().create_bucket(Bucket="ckpt")
+    mirror = ("--ckpt-mirror", f"s3://ckpt/{tmp_path.name}", "--ckpt-mirror-endpoint-url", s3.url)
+    run = start_run(tmp_path / "run", *CHAOS_RUN, *(mirror if kind == "corrupt-mirror" else ()),
+                    "--inject-fault", spec, max_restarts=2)
+    assert run.wait() == 0, run.tail()
+    outcome = corruption_outcome(run.events())
+    assert outcome["kind"] == kind and outcome["detected"] and outcome["fell_back"], outcome
+    summary = run.summary()
+    assert summary["steps"] == 14 and summary["params_sha256"] == clean_sha("fsdp")
+
+
+def test_a_peer_copy_corruption_outside_a_local_cluster_is_refused_when_the_rank_starts(tmp_path, monkeypatch):
+    """On a real cluster the holder's copy is on another machine: the fault could never fire, so it is refused."""
+    from trainer.faults import FaultInjector
+    from trainer.launch import NODE_ENV
+
+    monkeypatch.delenv(NODE_ENV, raising=False)
+    events = tmp_path / "events.jsonl"
+    with pytest.raises(ValueError, match="corrupt-peer@4:1/3: .* LocalCluster only"):
+        FaultInjector(["corrupt-peer@4:1/3"], 1, 2, EventLog(events, 1), events)
+
+
+# A peer copy is restored only when it is newer than the newest checkpoint, and memory snapshots stay 20x their copy
+# time apart, counted from the last save (under load a first copy took 40 ms: none fit between checkpoints 2 steps
+# apart). Checkpoints 6 steps apart leave room for them.
+PEER_CHAOS_RUN = ("--max-steps", "14", "--ckpt-every", "6", "--ckpt-sync", "--memory-snapshot-every-s", "0.01")
+
+
+@pytest.mark.timeout(600)
+def test_a_lost_nodes_copy_corrupted_at_its_holder_is_refused_and_the_run_ends_with_the_fault_free_weights(
+        cluster, clean_sha, monkeypatch):
+    """2 nodes x 1 rank: the copy of rank 1's newest memory snapshot that node 0 keeps is flipped, then node 1's
+    memory is lost and its rank killed. The restart's rank 1 fetches its state from node 0, refuses the copy, and
+    both ranks resume from the checkpoint committed before it."""
+    from trainer.metrics import RunCollector
+
+    from tests.multinode import events, logs, summary
+
+    # One thread per rank, as the fault-free run on one node has (its launcher sets it for 2 ranks): the same
+    # weights bit for bit.
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    c = cluster(*PEER_CHAOS_RUN, "--inject-fault", "corrupt-peer@4:1/3")
+    assert c.supervise(timeout=300) == 0, logs(c)
+    ev = events(c)
+    outcome = corruption_outcome(ev)
+    assert outcome["detected"] and outcome["fell_back"] and outcome["resumed"][0] == "checkpoint", outcome
+    # The holder's copy was what the restore chose, and it was rank 1's fetch that refused it.
+    [refusal] = [e for e in ev if e["event"] == "checksum_mismatch"]
+    assert (refusal["source"], refusal["step"], refusal["rank"]) == ("peer", outcome["step"], 1), refusal
+    values = RunCollector(c.out / "events.jsonl", refresh_s=0).values()
+    assert values["goodput_integrity_refusals"]["checksum_mismatch"] == 1
+    s = summary(c)
+    assert s["steps"] == 14 and s["params_sha256"] == clean_sha("fsdp")

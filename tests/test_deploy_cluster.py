@@ -7,8 +7,8 @@ import re
 
 import pytest
 
-from components.pytorchjob import CAPACITY_LABELS, EFA_RESOURCE, GPU_RESOURCE, JobSpec, _parse_taint, job_manifest
-from components.pytorchjob import INSTANCE_TYPE_LABEL
+from components.train.pytorchjob import CAPACITY_LABELS, EFA_RESOURCE, GPU_RESOURCE, JobSpec, _parse_taint, job_manifest
+from components.train.pytorchjob import INSTANCE_TYPE_LABEL
 
 from tests.deploy_checks import DEPLOY, fits, load_all, model_roundtrip_problems, placeholders, render, tolerates
 

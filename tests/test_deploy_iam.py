@@ -110,8 +110,8 @@ def s3(monkeypatch):
 
 
 def test_pipeline_policy_allows_every_request_of_stage_and_the_registry(s3, tmp_path):
-    from components.evaluate import Registry
-    from components.stage import stage_dataset
+    from components.evaluate.evaluate import Registry
+    from components.stage.dataset import stage_dataset
 
     client = s3.client()
     for bucket in ("goodput-datasets", "goodput-models"):

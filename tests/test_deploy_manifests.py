@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components.pytorchjob import CONTAINER_NAME, JobSpec, job_manifest
+from components.train.pytorchjob import CONTAINER_NAME, JobSpec, job_manifest
 from trainer.config import MetricsConfig, parse_config
 
 from tests.deploy_checks import (DEPLOY, SHARED_SCHEMAS, crd_validator, load_all, model_roundtrip_problems,

@@ -1,4 +1,4 @@
-"""Benchmark tasks in evaluate (``components.eval_tasks``): EleutherAI's lm-evaluation-harness scores each
+"""Benchmark tasks in evaluate (``components.evaluate.tasks``): EleutherAI's lm-evaluation-harness scores each
 checkpoint of a small llama run on task files written here (multiple-choice and loglikelihood, data beside
 them, no network); the scores are checked against the same likelihoods computed with ``transformers`` on the
 exported directory, land in evaluation.json, the report and the KFP Metrics, and decide promotion."""
@@ -13,9 +13,9 @@ import torch
 from click.testing import CliRunner
 from kfp import dsl
 
-from components.eval_tasks import TaskError, byte_tokenizer, check_task_settings, gate_on_task, parse_promote_on
-from components.evaluate import EvaluationError, evaluate_run
-from components.evaluate_op import evaluate_op
+from components.evaluate.tasks import TaskError, byte_tokenizer, check_task_settings, gate_on_task, parse_promote_on
+from components.evaluate.evaluate import EvaluationError, evaluate_run
+from components.evaluate.evaluate_op import evaluate_op
 from pipelines.cli import main as cli
 from tests.eval_task_files import LL_TASK, MC_DOCS, MC_TASK, write_task_files
 from tests.test_evaluate_models import SMALL, llama_run, trained_state
@@ -171,7 +171,7 @@ def test_a_task_whose_data_cannot_be_read_fails_the_step_by_name_before_scoring(
 
 
 def test_task_files_on_s3_are_loaded_with_the_data_beside_them(s3, tmp_path):
-    from components.eval_tasks import load_tasks
+    from components.evaluate.tasks import load_tasks
 
     write_task_files(tmp_path / "evals")
     client = s3.client()

@@ -1,4 +1,4 @@
-"""``components.evaluate`` on the checkpoints of a real 2-rank ``goodput train`` run (FSDP2, gloo)."""
+"""``components.evaluate.evaluate`` on the checkpoints of a real 2-rank ``goodput train`` run (FSDP2, gloo)."""
 
 from __future__ import annotations
 
@@ -14,8 +14,8 @@ import pytest
 import torch
 from click.testing import CliRunner
 
-from components.evaluate import (EvaluationError, evaluate_run, load_checkpoint_model, params_sha256, read_run_config,
-                                 run_spec, validation_loss)
+from components.evaluate.evaluate import (
+    EvaluationError, evaluate_run, load_checkpoint_model, params_sha256, read_run_config, run_spec, validation_loss)
 from pipelines.cli import main as cli
 from trainer.checkpoint import COMMITTED, step_dir
 from trainer.config import ModelConfig
@@ -129,7 +129,7 @@ def test_a_whole_checkpoint_that_fails_to_load_fails_the_evaluation(trained, tmp
     assert res.exit_code == 1 and f"checkpoint {newest} is whole on disk" in res.output
 
     # A bug in our own loader fails the same way.
-    import components.evaluate as evaluate
+    import components.evaluate.evaluate as evaluate
 
     def buggy(path, spec):
         raise TypeError("load_state_dict() got an unexpected keyword argument 'strict_'")
@@ -230,7 +230,7 @@ def test_validation_loss_matches_a_direct_computation(trained):
 def test_evaluate_component_runs_in_kfp_local(trained, tmp_path):
     import kfp.local
 
-    from components.evaluate_op import evaluate_op
+    from components.evaluate.evaluate_op import evaluate_op
 
     run, data = trained
     run = copy_run(run, tmp_path / "kr")

@@ -11,7 +11,8 @@ from trainer.events import Event, EventLog, read_events
 
 ROOT = Path(__file__).resolve().parent.parent
 # Strings equal to an event's name that name something else: the registry's baseline named after the setting.
-NOT_EVENTS = {("components/train_config.py", "init_from"), ("components/stage_model.py", "init_from")}
+NOT_EVENTS = {("components/train/settings.py", "init_from"), ("components/stage/model.py", "init_from"),
+              ("components/train/parameters.py", "init_from")}
 
 
 def test_an_emit_is_written_as_before_and_read_back_equal_to_its_definition(tmp_path):

@@ -159,7 +159,7 @@ def test_entrypoints_exist(image):
         dist = importlib.metadata.distribution(NVRX)          # the tests' (constraints.txt), as the image's has
         assert dist.version == constraints()[NVRX]
         assert any(e.name == "ft_launcher" for e in dist.entry_points if e.group == "console_scripts")
-        from components.pytorchjob import JobSpec
+        from components.train.pytorchjob import JobSpec
 
         assert JobSpec(image="x").pod_command()[:4] == ["python", "-m", "trainer.warmstart", "ft_launcher"]
         assert (ROOT / "trainer" / "warmstart.py").is_file()
@@ -215,7 +215,7 @@ def test_the_trainer_image_pins_and_labels_the_nvrx_release_the_launch_commands_
     pinned = [p.name for p in IMAGES.iterdir() for line in p.read_text().splitlines()
               if re.match(r"\s*nvidia[-_]resiliency[-_]ext\s*[=<>~]", line)]
     assert pinned == [], f"NVRx pinned outside the build arg: {pinned}"
-    from components.pytorchjob import JobSpec
+    from components.train.pytorchjob import JobSpec
 
     assert JobSpec(image="x").release == compat.release(compat.IMAGE_RELEASE)     # what pods are built for
     assert compat.IMAGE_RELEASE in compat.CHECKED
@@ -316,15 +316,15 @@ def test_the_light_image_s_modules_work_without_torch(tmp_path):
         (src / f"f{i}.txt").write_text(f"some text {i} " * 200)
     code = _BLOCK_TORCH + f"""
 import {modules}
-from components.pytorchjob import JobSpec, job_manifest
-from components.stage import stage_dataset
+from components.train.pytorchjob import JobSpec, job_manifest
+from components.stage.dataset import stage_dataset
 m = job_manifest(JobSpec(image='x', nodes=2, trainer=dict(run=dict(max_steps=10))))
 assert m['kind'] == 'PyTorchJob'
-from components.trainjob import trainjob_manifest
+from components.train.trainjob import trainjob_manifest
 assert trainjob_manifest(JobSpec(image='x', nodes=2, nvrx_release='0.7.0'))['kind'] == 'TrainJob'
 r = stage_dataset({str(src)!r}, {str(tmp_path / 'fsx')!r}, 'd', '1', val_percent=50)
 assert r.files == 8, r
-import components.stage_model  # the init_from stage runs on the component image
+import components.stage.model  # the init_from stage runs on the component image
 assert 'torch' not in sys.modules
 """
     res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
@@ -332,10 +332,10 @@ assert 'torch' not in sys.modules
 
 
 def test_component_images_come_from_parameters_with_defaults():
-    ops = {"stage_op": "components.stage_op", "stage_model_op": "components.stage_model_op",
-           "train_config_op": "components.train_config_op",
-           "train_op": "components.train", "register_op": "components.register_op",
-           "cleanup_op": "components.cleanup_op", "evaluate_op": "components.evaluate_op"}
+    ops = {"stage_op": "components.stage.dataset_op", "stage_model_op": "components.stage.model_op",
+           "train_config_op": "components.train.settings_op",
+           "train_op": "components.train.launch", "register_op": "components.evaluate.register_op",
+           "cleanup_op": "components.train.cleanup_op", "evaluate_op": "components.evaluate.evaluate_op"}
     code = ("import importlib, json\nout = {}\n"
             f"for name, mod in {ops!r}.items():\n"
             "    spec = getattr(importlib.import_module(mod), name).component_spec\n"
@@ -350,7 +350,7 @@ def test_component_images_come_from_parameters_with_defaults():
 
         return json.loads(res.stdout.splitlines()[-1])
 
-    from components.train import TRAINER_IMAGE
+    from components.train.launch import TRAINER_IMAGE
 
     on_trainer = {"evaluate_op", "train_config_op"}     # evaluation and the model check need torch
     defaults = images()
@@ -363,10 +363,6 @@ def test_component_images_come_from_parameters_with_defaults():
     assert {v for k, v in built.items() if k not in on_trainer} == {
         "123.dkr.ecr.us-west-2.amazonaws.com/goodput-components:0.1.0"}
     # The trainer pods' image is a pipeline parameter whose default is the same trainer image.
-    import ast
+    from components.train.parameters import PARAMETERS
 
-    tree = ast.parse((ROOT / "pipelines" / "pipeline.py").read_text())
-    (fn,) = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "pipeline_parameters"]
-    args = fn.args.args
-    defaults = dict(zip([a.arg for a in args[len(args) - len(fn.args.defaults):]], fn.args.defaults))
-    assert ast.unparse(defaults["trainer_image"]) == "TRAINER_IMAGE"
+    assert PARAMETERS["trainer_image"].default == TRAINER_IMAGE

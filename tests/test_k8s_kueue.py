@@ -15,10 +15,10 @@ import time
 
 import pytest
 
-from components.kueue import QUEUE_LABEL
-from components.pytorchjob import JobSpec, job_manifest
-from components.supervise import JobTimeout, NotAdmitted
-from components.trainjob import RuntimeSpec, trainjob_manifest
+from components.train.kueue import QUEUE_LABEL
+from components.train.pytorchjob import JobSpec, job_manifest
+from components.train.supervise import JobTimeout, NotAdmitted
+from components.train.trainjob import RuntimeSpec, trainjob_manifest
 
 from tests.k8s_apiserver import PYTORCHJOB, TRAINJOB, wait_until
 from tests.test_k8s_supervise import (CPU_RUNTIME, FAST, Launcher, _cluster, no_denials, start, subprocess_launcher,
@@ -157,7 +157,7 @@ def test_cancel_while_queued_leaves_nothing(kube, tmp_path):
 
 
 def test_admission_timeout_is_a_job_option_only_with_kueue(tmp_path):
-    from components.train import train
+    from components.train.launch import train
 
     for job, message in (({"admission_timeout_s": 60}, "admission_timeout_s is how long Kueue may keep the job"),
                          ({"scheduler": "kueue", "queue": QUEUE, "admission_timeout_s": 0},

@@ -14,8 +14,8 @@ import threading
 import pytest
 from kubernetes import client as k8s
 
-from components.pytorchjob import INSTANCE_TYPES, JobSpec, job_manifest
-from components.supervise import run_job
+from components.train.pytorchjob import INSTANCE_TYPES, JobSpec, job_manifest
+from components.train.supervise import run_job
 from trainer.launch import LaunchConfig
 
 try:
@@ -74,7 +74,7 @@ def test_trainjobs_for_each_nvrx_release_and_a_runtime_with_the_node_health_daem
     command); their JobSets too."""
     import uuid
 
-    from components.trainjob import RuntimeSpec, runtime_manifest, trainjob_manifest
+    from components.train.trainjob import RuntimeSpec, runtime_manifest, trainjob_manifest
     from tests.test_trainjob_build import effective_jobset
 
     co = k8s.CustomObjectsApi(admin_ns.server.admin)
@@ -202,7 +202,7 @@ def test_a_profile_namespace_runs_the_launcher_as_default_editor(tmp_path):
 
 
 def _run(m: dict, ns, lines: list[str]) -> str:
-    from components.supervise import JobFailed, SuperviseConfig
+    from components.train.supervise import JobFailed, SuperviseConfig
 
     try:
         run_job(m, namespace=ns.name, client=ns.launcher_client(), log=lines.append,

@@ -1,4 +1,5 @@
-"""The launcher (components/supervise.py, components/train.py's cluster backends) against a real kube-apiserver.
+"""The launcher (components/train/supervise.py, components/train/launch.py's cluster backends) against a real
+kube-apiserver.
 
 The launcher authenticates as the pipeline's service account with a TokenRequest token, bound only by
 ``deploy/rbac.yaml`` (TrainJobs: ``deploy/trainer-v2/rbac.yaml``), so RBAC answers every call; the test plays
@@ -25,12 +26,12 @@ from pathlib import Path
 import pytest
 import yaml
 
-from components.cleanup import cleanup_run_jobs
-from components.job_kinds import KINDS
-from components.pytorchjob import JobSpec, job_manifest
-from components.supervise import JobCancelled, JobFailed, JobTimeout, NotAdmitted, SuperviseConfig, run_job
-from components.train import train
-from components.trainjob import RuntimeSpec, runtime_manifest, trainjob_manifest
+from components.train.cleanup import cleanup_run_jobs
+from components.train.job_kinds import KINDS
+from components.train.pytorchjob import JobSpec, job_manifest
+from components.train.supervise import JobCancelled, JobFailed, JobTimeout, NotAdmitted, SuperviseConfig, run_job
+from components.train.launch import train
+from components.train.trainjob import RuntimeSpec, runtime_manifest, trainjob_manifest
 
 try:
     from tests.k8s_apiserver import PYTORCHJOB, REPO, TRAINJOB, Operator, apiserver, make_namespace, wait_until
@@ -306,7 +307,7 @@ def subprocess_launcher(ns, m: dict, tmp: Path) -> tuple[subprocess.Popen, Path]
     env = {**os.environ, "KUBECONFIG": str(ns.kubeconfig),
            "PYTHONPATH": os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")])}
     with open(log, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, "-m", "components.supervise", str(path), ns.name],
+        proc = subprocess.Popen([sys.executable, "-m", "components.train.supervise", str(path), ns.name],
                                 stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=env)
     return proc, log
 

@@ -11,9 +11,9 @@ import re
 import pytest
 import yaml
 
-from components import kueue
-from components.pytorchjob import INSTANCE_TYPES, JobSpec, job_manifest, node_allocatable
-from components.trainjob import trainjob_manifest
+from components.train import kueue
+from components.train.pytorchjob import INSTANCE_TYPES, JobSpec, job_manifest, node_allocatable
+from components.train.trainjob import trainjob_manifest
 
 from tests.deploy_checks import DEPLOY, SHARED_SCHEMAS, crd_validator, load_all, schema_errors
 
@@ -41,7 +41,7 @@ def test_the_queues_are_generated_from_the_instance_table_and_the_node_groups():
     nodes = node_group_sizes()
     assert nodes == {"p5.48xlarge": 32, "p4d.24xlarge": 16}
     text = (KUEUE / "queues" / "queues.yaml").read_text()
-    assert text == kueue.render(nodes), "regenerate: python -m components.kueue " + " ".join(
+    assert text == kueue.render(nodes), "regenerate: python -m components.train.kueue " + " ".join(
         f"{k}={v}" for k, v in nodes.items())
 
 
@@ -152,10 +152,10 @@ def test_the_deploy_readme_points_at_kueue():
 
 
 def test_the_pipelines_kueue_settings_reach_the_train_steps_job_options():
-    from components.train_config import build_train_config
+    from components.train.settings import build_train_config
 
-    base = dict(fsx_root="/fsx", dataset_name="d", dataset_version="1", run_id="r", image="img:1", model="bytegpt",
-                reachable=False)
+    base = dict(fsx_root="/fsx", dataset_name="d", dataset_version="1", run_id="r", trainer_image="img:1",
+                model="bytegpt", reachable=False)
     job = build_train_config(**base, scheduler="kueue", queue="goodput", admission_timeout_s=600).job_options
     assert (job["scheduler"], job["queue"], job["admission_timeout_s"]) == ("kueue", "goodput", 600.0)
     assert "admission_timeout_s" not in build_train_config(**base).job_options

@@ -19,6 +19,7 @@ import pytest
 from trainer import compat
 from trainer.launch import (LOCAL_KEEP_ALIVE, LOCAL_RDZV_POLL_S, STANDBY_GATE_FLAG, LaunchConfig, LocalCluster,
                             launcher_command)
+from trainer.warmstart import parser as warmstart_parser
 from tests.trainer_flags import flags
 
 # One node's rendezvous handler, made as the launcher makes it (the c10d handler of the registry after
@@ -90,19 +91,24 @@ def test_a_lost_node_is_dropped_after_the_configured_keep_alive_not_nvrx_15_s():
             n.wait()
 
 
+def _launcher(argv: list[str]) -> list[str]:
+    """The launcher's command: what the warm-start wrapper (``python -m trainer.warmstart OPTIONS``) runs."""
+    return warmstart_parser().parse_args(argv[3:]).command
+
+
 def test_pods_keep_nvrx_keep_alive_unless_set():
     """The pods' command stays ``ft_launcher`` with no keep-alive keys; a keep-alive set goes into
     ``--rdzv-conf`` and the launcher runs behind the entry point that honours it."""
     pod = LaunchConfig(nnodes=2, rdzv_endpoint="job-master-0:23456")
     argv = launcher_command(pod, ["--max-steps", "1"], release=compat.release("0.4.1"))
-    assert argv[3] == "ft_launcher" and "--rdzv-conf" not in argv
+    assert _launcher(argv)[0] == "ft_launcher" and "--rdzv-conf" not in argv
     fast = LaunchConfig(nnodes=2, rdzv_endpoint="job-master-0:23456", keep_alive_interval_s=1)
     argv = launcher_command(fast, ["--max-steps", "1"], release=compat.release("0.5.0"))
-    assert argv[3:6] == ["python", "-m", "trainer.launch"]
+    assert _launcher(argv)[:3] == ["python", "-m", "trainer.launch"]
     assert argv[argv.index("--rdzv-conf") + 1] == "keep_alive_interval=1,keep_alive_max_attempt=3"
     # NVRx's own values, given explicitly, change nothing.
     same = LaunchConfig(nnodes=2, rdzv_endpoint="h:1", keep_alive_interval_s=5, keep_alive_max_attempts=3)
-    assert launcher_command(same, [], release=compat.release("0.4.1"))[3] == "ft_launcher"
+    assert _launcher(launcher_command(same, [], release=compat.release("0.4.1")))[0] == "ft_launcher"
 
 
 @pytest.mark.parametrize("version", ["0.6.0", "0.7.0"])
@@ -110,8 +116,8 @@ def test_a_keep_alive_is_refused_where_the_rendezvous_has_none(version):
     fast = LaunchConfig(nnodes=2, rdzv_endpoint="h:1", keep_alive_max_attempts=2)
     with pytest.raises(ValueError, match="no keep-alive heartbeats"):
         launcher_command(fast, [], release=compat.release(version))
-    assert launcher_command(LaunchConfig(nnodes=2, rdzv_endpoint="h:1"), [],
-                            release=compat.release(version))[3] == "ft_launcher"
+    assert _launcher(launcher_command(LaunchConfig(nnodes=2, rdzv_endpoint="h:1"), [],
+                                      release=compat.release(version)))[0] == "ft_launcher"
 
 
 def test_bad_keep_alive_is_an_error_before_anything_starts():

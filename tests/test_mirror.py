@@ -343,7 +343,7 @@ def test_config_validation_and_the_job_builder_budget():
     assert parse_config(base + ["--ckpt-mirror", "s3://b/p", "--require-mirror"]).checkpoint.require_mirror
     with pytest.raises(ValueError, match="--require-mirror needs a mirror: --ckpt-mirror s3://BUCKET/PREFIX"):
         parse_config(base + ["--require-mirror"])
-    from components.pytorchjob import JobSpec, build_pytorchjob
+    from components.train.pytorchjob import JobSpec, build_pytorchjob
 
     args = ["--data", "/fsx/d", "--out", "/fsx/runs/r", "--ckpt-mirror", "s3://b/p"]
     build_pytorchjob(JobSpec(image="img:1", trainer=settings(*args)))   # defaults: 30 s + 30 s fit in 60 s
@@ -355,11 +355,11 @@ def test_the_pipeline_passes_ckpt_mirror_and_require_mirror_to_the_trainer(tmp_p
     import yaml
     from kfp import compiler
 
-    from components.train_config import build_train_config
+    from components.train.settings import build_train_config
     from pipelines.pipeline import build_pipeline
 
     kw = dict(fsx_root="fsx", dataset_name="c", dataset_version="1", run_id="r", backend="local", reachable=False)
-    args = build_train_config(**kw, ckpt_mirror="s3://b/p", require_mirror=True, endpoint_url="http://s3:9000")
+    args = build_train_config(**kw, ckpt_mirror="s3://b/p", require_mirror=True, s3_endpoint_url="http://s3:9000")
     assert args.trainer_config["checkpoint"] == {"mirror": "s3://b/p", "mirror_endpoint_url": "http://s3:9000",
                                                  "require_mirror": True}
     assert "checkpoint" not in build_train_config(**kw).trainer_config, "no mirror, no endpoint"
@@ -528,7 +528,7 @@ class ReadOnlyS3(FaultProxy):
 def test_a_failed_mirror_shows_in_events_metrics_the_step_log_and_the_summary(tmp_path, s3, dataset, capfd):
     """The local backend of the train step: its ranks write into the step's own stdout and stderr (the KFP step
     log). S3 can be read (resume looks there first) but refuses every upload; training ends as usual."""
-    from components.train import train
+    from components.train.launch import train
     from trainer.config import MetricsConfig
     from trainer.metrics import MetricsExporter
 

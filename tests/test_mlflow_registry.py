@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from components.evaluate import evaluate_run, load_checkpoint_model
-from components.mlflow_registry import MlflowRegistryError
-from components.register import registered_model
-from components.register_op import register_op
+from components.evaluate.evaluate import evaluate_run, load_checkpoint_model
+from components.evaluate.mlflow_registry import MlflowRegistryError
+from components.evaluate.register import registered_model
+from components.evaluate.register_op import register_op
 from tests.eval_task_files import MC_TASK, write_task_files
 from tests.test_evaluate_models import SMALL, llama_run, trained_state, windows
 from trainer.data import ensure_default_dataset
@@ -191,7 +191,7 @@ def test_a_failure_mid_registration_leaves_no_version_and_no_run(
 
 
 def test_registries_of_schemes_we_do_not_serve_are_refused_at_check_settings():
-    from components.train_config import build_train_config
+    from components.train.settings import build_train_config
 
     kwargs = dict(fsx_root="/fsx", dataset_name="d", dataset_version="1", run_id="r", model="llama",
                   model_flavor="debug", reachable=False, backend="local")
@@ -200,3 +200,20 @@ def test_registries_of_schemes_we_do_not_serve_are_refused_at_check_settings():
             build_train_config(registry=bad, **kwargs)
     build_train_config(registry="mlflow://127.0.0.1:5000", **kwargs)
     build_train_config(registry="mlflow+https://mlflow.example.com/team", **kwargs)
+
+
+def test_an_mlflow_registry_that_cannot_be_reached_fails_check_settings_before_anything_is_recorded(tmp_path):
+    """A wrong address was found only by the evaluate step, after training."""
+    import socket
+
+    from components.train.settings import build_train_config
+    from trainer.layout import settings_path
+
+    with socket.socket() as s:          # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    kw = dict(fsx_root=str(tmp_path), dataset_name="d", dataset_version="1", run_id="r", backend="local")
+    with pytest.raises(ValueError, match=f"^registry mlflow://127.0.0.1:{port}: the MLflow server cannot be reached"):
+        build_train_config(registry=f"mlflow://127.0.0.1:{port}", **kw)
+    assert not settings_path(tmp_path / "runs" / "r").exists(), "refused before the run is recorded"
+    build_train_config(registry=f"mlflow://127.0.0.1:{port}", reachable=False, **kw)   # before submitting: the step's

@@ -80,12 +80,12 @@ def test_check_settings_runs_the_check_settings_step_as_the_pipeline_binds_it(go
         check_settings(goodput_spec, {"nodes": 0})
     # The model, as the step's trainer checks it (torch is installed here).
     with pytest.raises(ParamError, match="llama has the flavors"):
-        check_settings(goodput_spec, {"model_flavor": "llama3-2b"})
+        check_settings(goodput_spec, {"model": "llama", "model_flavor": "llama3-2b"})
     with pytest.raises(ParamError, match="llama has no field"):
-        check_settings(goodput_spec, {"model_config": '{"n_layer": 2}'})
+        check_settings(goodput_spec, {"model": "llama", "model_config": '{"n_layer": 2}'})
     with pytest.raises(ParamError, match="bytegpt has the flavors default"):
-        check_settings(goodput_spec, {"model": "bytegpt"})       # the form's flavor is llama's
-    check_settings(goodput_spec, {"model": "bytegpt", "model_flavor": "", "model_config": '{"n_layer": 12}'})
+        check_settings(goodput_spec, {"model_flavor": "llama3-1b"})       # the form's model is bytegpt
+    check_settings(goodput_spec, {"model": "llama", "model_flavor": "debug", "model_config": '{"n_layers": 2}'})
 
 
 def test_check_settings_before_submitting_leaves_what_only_the_cluster_has_to_the_step(goodput_spec):
@@ -97,6 +97,15 @@ def test_check_settings_before_submitting_leaves_what_only_the_cluster_has_to_th
         check_settings(goodput_spec, {"init_from": "/fsx/models/llama/v3"}, reachable=True)
     with pytest.raises(ParamError, match="not valid JSON"):      # what needs nothing of the cluster is checked
         check_settings(goodput_spec, {"model": "acme.models:build_spec", "model_config": "{n_layers: 2}"})
+
+
+def test_a_check_before_the_run_records_no_run(goodput_spec, tmp_path):
+    """The run does not exist yet: a check before it (``goodput run``) writes no run record, so the next run
+    with other settings is not held to this one's."""
+    here = {"dataset_source": str(tmp_path), "fsx_root": str(tmp_path)}
+    check_settings(goodput_spec, {**here, "batch_size": 32}, reachable=True)
+    check_settings(goodput_spec, {**here, "batch_size": 128}, reachable=True)
+    assert not (tmp_path / "runs").exists()
 
 
 def test_check_settings_leaves_a_pipeline_without_that_step_alone():

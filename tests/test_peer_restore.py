@@ -110,13 +110,14 @@ def test_a_lost_node_resumes_from_its_peer_copy_and_redoes_at_most_the_snapshot_
     assert loaded[1]["step"] == step == max(kept) and step > newest_commit
     assert [e["source"] for e in events(c) if e["event"] == "resumed" and e["t"] > lost_at] == ["peer"]
     # Redone: the steps from the resumed one to the last done before the loss, at most a snapshot interval
-    # (the largest gap between two snapshots before the loss, in steps), where the checkpoint would have cost
-    # all since the newest commit.
+    # (the largest gap between two snapshots before the loss, in steps), and fewer than the checkpoint would
+    # have cost (all since the newest commit). Snapshots are timed, so the interval in steps varies with load.
     ev = events(c)
     done = max(e["step"] for e in ev if e["event"] == "step" and e["t"] <= lost_at)
     snaps = sorted({e["step"] for e in ev if e["event"] == "memory_snapshot" and e["t"] <= lost_at})
     interval = max(b - a for a, b in zip(snaps, snaps[1:]))
-    assert s["lost_steps"] == done - step <= interval < done - newest_commit, (done, step, snaps, newest_commit)
+    assert s["lost_steps"] == done - step <= interval, (done, step, snaps)
+    assert s["lost_steps"] < done - newest_commit, (done, step, newest_commit)
 
 
 def assert_resumed_from_the_newest_checkpoint(c, lost_at: float, fault_free_sha: str) -> None:

@@ -161,8 +161,9 @@ def test_parameters_and_defaults(compiled):
     assert defaults["nodes"] == 2 and defaults["gpus_per_node"] == -1
     # The Create-run form shows what a cluster user sets: the backend is compiled in, the model is picked.
     assert not {"backend", "local_nproc", "n_layer", "n_head", "n_embd"} & set(params)
+    # The trainer's settings have the trainer's defaults (tests/test_settings_contract.py checks every one).
     assert (defaults["model"], defaults["model_flavor"], defaults["model_config"], defaults["init_from"]) == (
-        "llama", "llama3-1b", "", "")
+        "bytegpt", "", "", "")
     assert defaults["model_name"] == "" and defaults["evaluate_gpu_resource"] == ""
     assert "package.module:function" in params["model"]["description"]
     assert all(p.get("description") for p in params.values()), "every parameter of the form is described"
@@ -269,19 +270,20 @@ def test_compile_takes_images_from_the_environment_and_refuses_bad_ones(tmp_path
     assert res.exit_code == 2 and "--component-image" in res.output
 
 
-@pytest.mark.parametrize("instance_type", __import__("components.pytorchjob").pytorchjob.INSTANCE_TYPES)
+@pytest.mark.parametrize("instance_type", __import__("components.train.pytorchjob").train.pytorchjob.INSTANCE_TYPES)
 def test_each_documented_instance_type_gives_pods_that_fit_it(compiled, instance_type):
     """The compiled defaults plus instance_type, through the check-settings step and the train step's
     builder: each pod's requests fit the node's allocatable (EKS reserve, DaemonSets) and its devices."""
-    from components.pytorchjob import INSTANCE_TYPES, JobSpec, job_manifest, node_allocatable
-    from components.train_config import build_train_config
+    from components.train.pytorchjob import INSTANCE_TYPES, JobSpec, job_manifest, node_allocatable
+    from components.train.settings import build_train_config
 
     _, spec, _ = compiled
     p = {k: v.get("defaultValue") for k, v in spec["root"]["inputDefinitions"]["parameters"].items()}
     args, job, *_ = build_train_config(
         fsx_root=p["fsx_root"], dataset_name=p["dataset_name"], dataset_version="1", run_id="r",
-        instance_type=instance_type, image=p["trainer_image"], nodes=p["nodes"], gpus_per_node=p["gpus_per_node"],
-        efa_per_node=p["efa_per_node"], cpu=p["cpu"], memory=p["memory"], shm_size=p["shm_size"])
+        instance_type=instance_type, trainer_image=p["trainer_image"], nodes=p["nodes"],
+        gpus_per_node=p["gpus_per_node"], efa_per_node=p["efa_per_node"], cpu=p["cpu"], memory=p["memory"],
+        shm_size=p["shm_size"])
     m = job_manifest(JobSpec.from_dict({**job, "image": p["trainer_image"], "nodes": p["nodes"], "name": "j",
                                         "trainer": args}))
     shape = INSTANCE_TYPES[instance_type]

@@ -17,12 +17,13 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from components.pytorchjob import JobSpec, build_pytorchjob, job_manifest, job_name_for
+from components.train.pytorchjob import JobSpec, build_pytorchjob, job_manifest, job_name_for
 from pipelines.cli import main
 from trainer import compat
 from tests.trainer_flags import settings
-from trainer.config import parse_config
+from trainer.config import parse_config, settings_values
 from trainer.launch import LaunchConfig
+from trainer.warmstart import parser as warmstart_parser
 
 SCHEMAS = Path(os.environ.get("GOODPUT_SHARED") or Path(__file__).resolve().parents[1].parent / "shared") / "schemas"
 INT32 = (-2**31, 2**31 - 1)
@@ -215,7 +216,7 @@ def test_multi_node_pods_carry_what_training_on_p5_needs():
         assert vols["dshm"]["emptyDir"] == {"medium": "Memory", "sizeLimit": "512Gi"}
         env = {e["name"]: e.get("value", e.get("valueFrom")) for e in c["env"]}
         assert env["FI_PROVIDER"] == "efa" and env["FI_EFA_USE_DEVICE_RDMA"] == "1" and "NCCL_DEBUG" in env
-        # Every pod reads the job's own peer secret, which the launcher makes (components.peer_secret).
+        # Every pod reads the job's own peer secret, which the launcher makes (components.train.peer_secret).
         assert env["GOODPUT_PEER_SECRET"] == {"secretKeyRef": {"name": f"{m['metadata']['name']}-peer",
                                                                "key": "secret"}}
         keys = {t["key"] for t in pod["tolerations"]}
@@ -241,8 +242,10 @@ def test_pod_command_is_ft_launcher_with_a_c10d_rendezvous_on_replica_0():
     fixed = spec(name="exp", nodes=4, trainer=settings("--max-steps", "50"), nvrx_release=installed)
     cmd = _pod(job_manifest(fixed))["containers"][0]["command"]
     # ft_launcher runs behind the warm-start zygote (ranks are forked from one process that imported torch).
-    assert cmd[:4] == ["python", "-m", "trainer.warmstart", "ft_launcher"]
-    args = get_args_parser().parse_args(cmd[4:])
+    wrapper = warmstart_parser().parse_args(cmd[3:])
+    assert cmd[:3] == ["python", "-m", "trainer.warmstart"] and wrapper.command[0] == "ft_launcher"
+    args = get_args_parser().parse_args(wrapper.command[1:])
+    assert (wrapper.nnodes, wrapper.rdzv_endpoint, wrapper.rdzv_id) == ("4", "exp-master-0:23456", "exp")
     assert (args.nnodes, args.nproc_per_node) == ("4", "8")
     assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == ("c10d", "exp-master-0:23456", "exp")
     assert args.max_restarts == 3 and not args.standalone
@@ -257,8 +260,10 @@ def test_pod_command_is_ft_launcher_with_a_c10d_rendezvous_on_replica_0():
         assert set(elastic["spec"]["pytorchReplicaSpecs"]) == {"Worker"}
         policy = elastic["spec"]["elasticPolicy"]
         assert policy["minReplicas"] == 2 and policy["maxReplicas"] == 8
-        args = get_args_parser().parse_args(_pod(elastic, "Worker")["containers"][0]["command"][4:])
-        assert (args.nnodes, args.rdzv_endpoint) == ("2:8", "el-worker-0:23456")
+        wrapper = warmstart_parser().parse_args(_pod(elastic, "Worker")["containers"][0]["command"][3:])
+        args = get_args_parser().parse_args(wrapper.command[1:])
+        expected = ("2:8", "el-worker-0:23456")
+        assert (args.nnodes, args.rdzv_endpoint) == (wrapper.nnodes, wrapper.rdzv_endpoint) == expected
     # One node: a local store, nothing to resolve.
     one = spec(nodes=1, nvrx_release=installed)
     args = get_args_parser().parse_args(_pod(job_manifest(one))["containers"][0]["command"][4:])
@@ -279,7 +284,7 @@ def test_hot_spares_are_workers_beyond_the_training_nodes_under_an_elastic_polic
     assert cmd[cmd.index("--nnodes") + 1] == "4:6" and cmd[cmd.index("--ft-segment") + 1] == "2"
     assert cmd[cmd.index("--rdzv-endpoint") + 1] == "hs-worker-0:23456"
     # The supervisor streams the store's pod: worker 0 (no Master replica).
-    from components.job_kinds import PYTORCHJOB
+    from components.train.job_kinds import PYTORCHJOB
 
     assert PYTORCHJOB.master_selector("hs", m)[0].endswith("replica-type=worker,training.kubeflow.org/replica-index=0")
     # One training node and a spare: two pods, so a rendezvous service instead of --standalone.
@@ -396,7 +401,7 @@ def test_all_problems_are_listed_at_once():
 def test_from_dict_takes_kfp_values_and_rejects_unknown_settings(validator):
     assert JobSpec.from_dict({"nodes": 2, "launch": {"max_restarts": 7}}).launch.max_restarts == 7
     # A KFP dict parameter arrives as a protobuf Struct: every number a float.
-    s = JobSpec.from_dict({"image": IMG, "nodes": 3.0, "backoff_limit": 2.0, "spot": "true", "master_port": "29500",
+    s = JobSpec.from_dict({"image": IMG, "nodes": 3.0, "backoff_limit": 2.0, "spot": True, "master_port": 29500.0,
                            "tolerations": [{"key": "k", "operator": "Exists", "effect": "NoExecute",
                                             "tolerationSeconds": 30.0}], "launch": {"max_restarts": 4.0}})
     m = job_manifest(s)
@@ -404,8 +409,16 @@ def test_from_dict_takes_kfp_values_and_rejects_unknown_settings(validator):
     assert m["spec"]["pytorchReplicaSpecs"]["Worker"]["replicas"] == 2 and m["spec"]["runPolicy"]["backoffLimit"] == 2
     assert type(m["spec"]["runPolicy"]["backoffLimit"]) is int and s.spot is True and s.launch.max_restarts == 4
     assert _pod(m)["tolerations"][-1]["tolerationSeconds"] == 30
-    with pytest.raises(ValueError, match="nodes=2.5 is not a valid int"):
+    with pytest.raises(ValueError, match="^job setting nodes: 2.5 is not an int$"):
         JobSpec.from_dict({"nodes": 2.5})
+    # No string is a number or a boolean (KFP keeps a Struct's strings as strings): the trainer's settings' rule.
+    for value, kind in (("true", "bool"), ("29500", "int")):
+        key = "spot" if kind == "bool" else "master_port"
+        with pytest.raises(ValueError, match=f"^job setting {key}: '{value}' is not an? {kind}$"):
+            JobSpec.from_dict({key: value})
+    with pytest.raises(ValueError, match="^settings: run.max_steps: '5' is not an int$"):
+        settings_values({"run.max_steps": "5"})
+    assert settings_values({"run.max_steps": 5.0})["run"]["max_steps"] == 5
     with pytest.raises(ValueError, match="unknown job settings.*'gpus'"):
         JobSpec.from_dict({"gpus": 8})
     with pytest.raises(ValueError, match="unknown launch settings"):

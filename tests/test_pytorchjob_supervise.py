@@ -17,9 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from components.pytorchjob import JobSpec, job_manifest
-from components.supervise import (JobCancelled, JobFailed, JobTimeout, SuperviseConfig, api_client,
-                                  run_job)
+from components.train.pytorchjob import JobSpec, job_manifest
+from components.train.supervise import JobCancelled, JobFailed, JobTimeout, SuperviseConfig, api_client, run_job
 
 try:
     from tests.k8s_fake import FakeKube
@@ -148,7 +147,7 @@ def test_restarts_are_counted_per_replica_and_each_container_log_streamed_once()
 
 CHILD = textwrap.dedent("""
     import json, sys
-    from components.supervise import SuperviseConfig, api_client, run_job
+    from components.train.supervise import SuperviseConfig, api_client, run_job
     cfg = SuperviseConfig(timeout_s=60, watch_timeout_s=1, backoff_s=0.05, backoff_max_s=0.2, delete_wait_s=3,
                           log_poll_s=0.05, log_idle_s=3)
     run_job(json.load(open(sys.argv[1])), namespace=sys.argv[3], client=api_client(sys.argv[2]), cfg=cfg)

@@ -17,9 +17,11 @@ def _check_finished_like_clean(run, clean_sha) -> dict:
     summary = run.summary()
     assert summary["steps"] == 14
     assert summary["params_sha256"] == clean_sha("fsdp")
-    committed_ever = sorted({e["step"] for e in run.events() if e["event"] == "ckpt_committed"})
+    kept = committed_steps(run.out / "checkpoints")
+    # A rank killed between a commit's marker and its event leaves a commit the events do not name.
+    committed_ever = sorted({e["step"] for e in run.events() if e["event"] == "ckpt_committed"} | set(kept))
     # Retention keeps the newest 3; every one of them is intact (marker present, loadable later).
-    assert committed_steps(run.out / "checkpoints") == committed_ever[-3:]
+    assert kept == committed_ever[-3:]
     return summary
 
 

@@ -5,8 +5,8 @@ import json
 import pytest
 from kfp import dsl
 
-from components.register import RegistrationError, registered_model
-from components.register_op import register_op
+from components.evaluate.register import RegistrationError, registered_model
+from components.evaluate.register_op import register_op
 
 
 @pytest.fixture
@@ -93,8 +93,8 @@ def test_a_registry_from_before_pluggable_models_still_loads(tmp_path):
 
     import torch
 
-    from components.evaluate import params_sha256
-    from components.register import Registry, load_registered_model
+    from components.evaluate.evaluate import params_sha256
+    from components.evaluate.register import Registry, load_registered_model
     from trainer.models.bytegpt import ByteGPT, ByteGPTConfig
 
     # What the trainer's model section held then: ByteGPT's fields alone.

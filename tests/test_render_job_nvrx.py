@@ -13,8 +13,8 @@ import pytest
 import yaml
 from click.testing import CliRunner
 
-from components.pytorchjob import JobSpec, job_manifest
-from components.trainjob import JOB_NAME_ENV, RuntimeSpec, runtime_manifest, trainjob_manifest
+from components.train.pytorchjob import JobSpec, job_manifest
+from components.train.trainjob import JOB_NAME_ENV, RuntimeSpec, runtime_manifest, trainjob_manifest
 from pipelines.cli import main
 from trainer import compat
 from trainer.config import parse_config

@@ -1,5 +1,6 @@
-"""``components.report``: report.html tells a real run's story: a 2-rank ``goodput train`` run with a rank killed
-at step 8 (recovered by an in-job restart), evaluated by ``components.evaluate``. The plots are read back as
+"""``components.evaluate.report``: report.html tells a real run's story: a 2-rank ``goodput train`` run with a rank
+killed
+at step 8 (recovered by an in-job restart), evaluated by ``components.evaluate.evaluate``. The plots are read back as
 SVG and checked against the run's own files (events.jsonl, summary.json, the evaluation)."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from components.report import fmt_s, render_report
+from components.evaluate.report import fmt_s, render_report
 from trainer.events import read_events
 
 SVG = "{http://www.w3.org/2000/svg}"
@@ -29,7 +30,7 @@ def real_run(tmp_path_factory) -> tuple[Path, dict]:
     root = tmp_path_factory.getbasetemp() / "report-run"
     run, saved = root / "runs" / "faulted", root / "evaluation.json"
     if not saved.is_file():
-        from components.evaluate import evaluate_run
+        from components.evaluate.evaluate import evaluate_run
         from trainer.data import ensure_default_dataset
 
         data = ensure_default_dataset(root / "fsx")
@@ -239,7 +240,7 @@ def test_a_long_run_is_drawn_with_a_bounded_number_of_points(tmp_path):
 
 
 def test_tick_labels_say_the_value_they_stand_at():
-    from components.report import _nice_ticks, _tick_label
+    from components.evaluate.report import _nice_ticks, _tick_label
 
     for lo, hi in ((0, 19), (0, 95), (0.3, 1.6), (0, 0.9), (0, 1234)):
         for v in _nice_ticks(lo, hi, 8):

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
-from components.report import BREAKDOWN, COLORS, render_report
+from components.evaluate.report import BREAKDOWN, COLORS, render_report
 
 try:                                  # tests/ is a package when run from the repository root
     from tests.test_report import real_run

@@ -14,7 +14,7 @@ import time
 import pytest
 from click.testing import CliRunner
 
-from components.train_config import build_train_config
+from components.train.settings import build_train_config
 from pipelines.cli import main
 from trainer.config import RunMismatch, check_run_directory, record_settings
 from trainer.layout import settings_path

@@ -283,7 +283,11 @@ def test_an_error_that_would_recur_is_not_retried(tmp_path):
 # ---- Ctrl-C ----------------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(400)
-def test_ctrl_c_commits_a_checkpoint_retries_nothing_registers_nothing_and_exits_130(tmp_path):
+@pytest.mark.parametrize("sig, to_group", [(signal.SIGINT, True), (signal.SIGTERM, False)], ids=["ctrl-c", "sigterm"])
+def test_a_stop_signal_commits_a_checkpoint_retries_nothing_registers_nothing_and_exits_128_plus_it(
+        tmp_path, sig, to_group):
+    """Ctrl-C reaches the whole foreground process group; a SIGTERM (``kill PID``) only goodput, which must pass it
+    on to the train step's process, not just to the shell kfp.local runs it in."""
     fsx, mark = tmp_path / "fsx", uuid.uuid4().hex
     proc = subprocess.Popen([*GOODPUT, "run", "--local", "--fsx-root", str(fsx), "-p", "max_steps=100000"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
@@ -293,10 +297,10 @@ def test_ctrl_c_commits_a_checkpoint_retries_nothing_registers_nothing_and_exits
         while not any('"step": 20,' in p.read_text() for p in fsx.glob("runs/*/events.jsonl")):
             assert time.monotonic() < deadline and proc.poll() is None, proc.communicate()[0][-4000:]
             time.sleep(0.2)
-        os.killpg(proc.pid, signal.SIGINT)        # a terminal's Ctrl-C: the whole foreground process group
+        (os.killpg if to_group else os.kill)(proc.pid, sig)
         out, _ = proc.communicate(timeout=90)
-        assert proc.returncode == 130, out[-4000:]
-        assert "interrupted (SIGINT)" in out and "nothing was registered" in out
+        assert proc.returncode == 128 + sig, out[-4000:]
+        assert f"interrupted ({sig.name})" in out and "nothing was registered" in out
         (events,) = fsx.glob("runs/*/events.jsonl")
         (stop,) = [json.loads(line) for line in events.read_text().splitlines() if '"exit"' in line]
         assert committed_steps(events.parent / "checkpoints") == [stop["step"]]
@@ -315,6 +319,43 @@ def test_ctrl_c_commits_a_checkpoint_retries_nothing_registers_nothing_and_exits
             os.kill(pid, signal.SIGKILL)
         if proc.poll() is None:
             proc.kill()
+
+
+_STEP_BEHIND_A_SHELL = """
+import subprocess, sys
+from pipelines.local import _Stop, _stopped_by_signals
+
+stop = _Stop()
+with _stopped_by_signals(stop):
+    # As kfp.local runs a step: a shell that runs its Python and then more (so it does not exec the Python).
+    step = subprocess.Popen(["sh", "-ec", sys.argv[1] + "; echo shell-went-on"])
+    step.wait(timeout=120)
+print("stopped by", stop.signum)
+"""
+_STEP = ("import pathlib, signal, sys; "
+         "signal.signal(signal.SIGTERM, lambda *_: (pathlib.Path(sys.argv[1]).write_text('SIGTERM'), sys.exit(0))); "
+         "pathlib.Path(sys.argv[2]).touch(); signal.pause()")
+
+
+def test_a_sigterm_reaches_the_steps_python_behind_its_shell(tmp_path):
+    """``kill PID`` of goodput: the running step's Python gets the SIGTERM (the train step then stops its ranks with a
+    checkpoint), not only the shell that kfp.local runs it in, whose death would leave it training."""
+    got, ready = tmp_path / "got", tmp_path / "ready"
+    step = f"{sys.executable} -c \"{_STEP}\" {got} {ready}"
+    driver = subprocess.Popen([sys.executable, "-c", _STEP_BEHIND_A_SHELL, step], stdout=subprocess.PIPE, text=True,
+                              start_new_session=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not ready.exists():
+            assert time.monotonic() < deadline and driver.poll() is None, "the step never started"
+            time.sleep(0.05)
+        driver.send_signal(signal.SIGTERM)     # goodput alone, as `kill PID` does
+        out, _ = driver.communicate(timeout=120)
+    finally:
+        if driver.poll() is None:
+            os.killpg(driver.pid, signal.SIGKILL)
+    assert got.exists() and got.read_text() == "SIGTERM", "the step's Python was not sent SIGTERM"
+    assert f"stopped by {int(signal.SIGTERM)}" in out
 
 
 # ---- the console -----------------------------------------------------------------------------------------
@@ -354,7 +395,7 @@ STEP_OUTPUT = """\
     /x/resource_tracker.py:254: UserWarning: resource_tracker: There appear to be 6 leaked semaphore objects
       warnings.warn('resource_tracker: There appear to be %d '
     Traceback (most recent call last):
-      File "/x/components/train.py", line 120, in _train_local
+      File "/x/components/train/launch.py", line 120, in _train_local
         raise RuntimeError("local training failed")
     RuntimeError: local training failed
 09:30:55.181 - ERROR - Task \x1b[96m'train-op'\x1b[0m finished with status \x1b[91mFAILURE\x1b[0m
@@ -377,7 +418,7 @@ def test_the_console_shows_progress_and_step_lines_and_the_log_keeps_everything(
         "    2026-12-01 09:29:45,876 [trainer] model 0.14M params, fsdp on 2 x cpu, 1024 tokens/step, fresh start\n"
         "    2026-12-01 09:29:46,037 [trainer] step 10/600 loss 5.5472 159 ms 6437 tok/s\n"
         "    Traceback (most recent call last):\n"
-        "      File \"/x/components/train.py\", line 120, in _train_local\n"
+        "      File \"/x/components/train/launch.py\", line 120, in _train_local\n"
         "        raise RuntimeError(\"local training failed\")\n"
         "    RuntimeError: local training failed\n"
         "[train] failure in N s\n"), shown
@@ -385,3 +426,24 @@ def test_the_console_shows_progress_and_step_lines_and_the_log_keeps_everything(
     verbose = io.StringIO()
     _Progress(verbose, io.StringIO(), verbose=True).write(STEP_OUTPUT)
     assert verbose.getvalue() == re.sub(r"\x1b\[[0-9;]*m", "", STEP_OUTPUT)   # colours only on a terminal
+
+
+def test_the_train_step_launches_without_importing_torch(tmp_path):
+    """The check-settings step built the model to check it; the train step's local launch checks the rest of the
+    settings without building it again (importing torch there cost seconds of CPU before the launcher started).
+    A settings problem it does check still stops the launch first."""
+    script = (
+        "import sys\n"
+        "from pathlib import Path\n"
+        "from components.train.launch import _train_local\n"
+        "from trainer.launch import LaunchError\n"
+        "try:\n"
+        f"    _train_local({{'data': {{'data': {str(tmp_path / 'no-dataset')!r}}}}}, 'r', Path({str(tmp_path)!r}),\n"
+        "                 {}, 2, 1, print)\n"
+        "except LaunchError as e:\n"
+        "    print('refused:', e)\n"
+        "print('torch imported:', 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "refused: dataset" in out.stdout and "no-dataset" in out.stdout, out.stdout
+    assert "torch imported: False" in out.stdout, out.stdout

@@ -22,7 +22,8 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from components.train_config import DECIDED_SETTINGS, PIPELINE_SETTINGS
+from components.train.parameters import PIPELINE_SETTINGS
+from components.train.settings import DECIDED_SETTINGS
 from pipelines.cli import main
 from trainer.config import SECTIONS, TrainConfig, parse_config
 
@@ -168,7 +169,7 @@ def test_every_setting_given_to_the_pipeline_is_recorded_by_its_check_settings_s
     import yaml
     from kfp import compiler, local
 
-    from components.train_config_op import train_config_op
+    from components.train.settings_op import train_config_op
     from pipelines.params import _settings_inputs
     from pipelines.pipeline import build_pipeline
 
@@ -205,3 +206,25 @@ def test_the_settings_doc_lists_the_pipeline_parameters_and_the_defining_setting
                 if f.metadata.get("defines")}
     listed = text.split("must be the same to resume it:")[1].split("A run pointed")[0]
     assert set(re.findall(r"`([\w.]+)`", listed)) == defining
+
+
+def test_the_check_settings_component_is_generated_from_the_declaration():
+    """components/train/settings_op.py is what components.train.parameters makes of the run's parameters: a
+    parameter declared there and not regenerated (python -m components.train.parameters) fails here."""
+    from components.train.parameters import OP_PATH, render_op
+
+    assert OP_PATH.read_text() == render_op(), "run python -m components.train.parameters"
+
+
+def test_a_pipeline_parameter_that_is_a_trainer_setting_has_the_trainers_type_and_default():
+    """One default per setting: the Create-run form's is the trainer's."""
+    from components.train.parameters import PARAMETERS
+    from pipelines.pipeline import goodput_pipeline
+
+    form = inspect.signature(goodput_pipeline.pipeline_func).parameters
+    defaults = TrainConfig().to_dict()
+    for param, setting in PIPELINE_SETTINGS.items():
+        section, name = setting.split(".")
+        default = defaults[section][name]
+        assert form[param].default == (",".join(default) if isinstance(default, list) else default), param
+        assert form[param].default == PARAMETERS[param].default

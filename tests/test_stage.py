@@ -1,4 +1,4 @@
-"""``components.stage``: S3 (moto's real HTTP server on loopback) or a directory -> FSx dataset.
+"""``components.stage.dataset``: S3 (moto's real HTTP server on loopback) or a directory -> FSx dataset.
 
 Objects are seeded straight into moto's backend (fast); the stage under test talks to moto only over
 HTTP, mostly through ``FaultProxy`` so that the object GETs it makes can be counted.
@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from components.stage import StageError, StageRefused, stage_dataset
+from components.stage.dataset import StageError, StageRefused, stage_dataset
 from pipelines.cli import main as cli
 from trainer.data import Split, read_manifest
 
@@ -198,7 +198,7 @@ def test_body_cut_off_mid_stream_is_fetched_again_by_s3transfer(s3, bucket, tmp_
 
 def test_object_replaced_after_listing_never_lands(s3, bucket, tmp_path, monkeypatch):
     # Each GET carries the listed ETag as If-Match: a newer version fails (412) and nothing is written.
-    import components.stage as stage
+    import components.stage.dataset as stage
 
     objects = corpus(20)
     seed(bucket, objects)
@@ -375,7 +375,7 @@ def test_fsx_data_repository_association_mode(tmp_path, monkeypatch):
 def test_stage_component_runs_in_kfp_local(s3, bucket, tmp_path):
     import kfp.local
 
-    from components.stage_op import stage_op
+    from components.stage.dataset_op import stage_op
 
     objects = corpus(60)
     seed(bucket, objects)

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from components.stage import check_keys, stage_dataset
+from components.stage.dataset import check_keys, stage_dataset
 
 ROOT = Path(__file__).resolve().parent.parent
 WIDTH = 100
@@ -80,7 +80,7 @@ def test_a_key_listed_many_times_is_refused_once():
 
 
 class Recorder:
-    """A ``components.stage.StageProgress`` that checks, at every call, that no count passes its total."""
+    """A ``components.stage.dataset.StageProgress`` that checks, at every call, that no count passes its total."""
 
     def __init__(self):
         self.lock = threading.Lock()

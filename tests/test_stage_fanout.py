@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from components.stage import StageError, stage_dataset
-from components.stage_fanout import merge_stage, plan_stage, stage_partition
+from components.stage.dataset import StageError, stage_dataset
+from components.stage.fanout import merge_stage, plan_stage, stage_partition
 from trainer.data import read_manifest
 
 try:                                  # tests/ is a package when run from the repository root

@@ -13,8 +13,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from components.stage import StageError, StageRefused, stage_dataset
-from components.stage_splits import document_split, val_threshold
+from components.stage.dataset import StageError, StageRefused, stage_dataset
+from components.stage.splits import document_split, val_threshold
 from trainer.data import Split, check_vocab, read_manifest
 
 WORDS = "the quick brown fox jumps over a lazy dog while café naïve 東京 tokens drift past every shard".split()
@@ -434,7 +434,7 @@ def test_the_workers_preload_the_fast_malloc_and_their_tokens_do_not_change(hf_t
 
     import psutil
 
-    from components.stage_tokenize import MALLOC_ENV, worker_allocator
+    from components.stage.tokens import MALLOC_ENV, worker_allocator
 
     preload = os.environ.get("LD_PRELOAD")
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from components.stage import stage_dataset
-from components.stage_formats import read_documents
+from components.stage.dataset import stage_dataset
+from components.stage.formats import read_documents
 from trainer.data import Split, read_manifest
 
 MB = 1024 * 1024
@@ -53,7 +53,7 @@ def tokenizer_json(tmp_path_factory) -> Path:
 
 PEAK = r"""
 import json, re, sys
-from components.stage import stage_dataset
+from components.stage.dataset import stage_dataset
 def peak_mb():
     # VmHWM, not ru_maxrss: Linux carries ru_maxrss over from the parent (pytest) across fork and exec.
     return int(re.search(r"VmHWM:\s+(\d+) kB", open("/proc/self/status").read()).group(1)) / 1024

@@ -5,7 +5,7 @@ import uuid
 
 import pytest
 
-from components.stage_model import STAGED_FILE, stage_model, staged_model_dir
+from components.stage.model import STAGED_FILE, stage_model, staged_model_dir
 from tests.llama_dirs import save_small_llama
 
 
@@ -47,8 +47,8 @@ def test_staged_once_then_unchanged_then_swapped_in_whole(s3, model_prefix, tmp_
 
 
 def test_a_failed_copy_leaves_no_half_copied_directory(s3, model_prefix, tmp_path, monkeypatch):
-    from components import stage
-    from components.stage import StageError
+    from components.stage import dataset as stage
+    from components.stage.dataset import StageError
 
     _, bucket, local = model_prefix
     source, dest = f"s3://{bucket}/llama", str(tmp_path / "fsx" / "llama")

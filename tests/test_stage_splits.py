@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from components.stage import StageError, stage_dataset
+from components.stage.dataset import StageError, stage_dataset
 from pipelines.cli import main as cli
 from trainer.data import Split, default_source_files, read_manifest
 
@@ -158,7 +158,7 @@ def test_a_dataset_card_names_the_splits(tmp_path):
 
 
 def test_the_fan_out_reads_the_card_first_and_builds_the_single_stage_dataset(tmp_path):
-    from components.stage_fanout import merge_stage, plan_stage, stage_partition
+    from components.stage.fanout import merge_stage, plan_stage, stage_partition
 
     # Not what the file names say: a plan that did not read the card would take the validation shard.
     card = ("---\nconfigs:\n- config_name: default\n  data_files:\n  - split: train\n    path: data/train-0000[01]-*\n"
@@ -254,7 +254,7 @@ def budget_source(root: Path, files: dict[str, int]) -> Path:
 
 
 def test_a_val_tokens_budget_is_met_stable_and_the_same_fanned_out(tmp_path):
-    from components.stage_fanout import merge_stage, plan_stage, stage_partition
+    from components.stage.fanout import merge_stage, plan_stage, stage_partition
 
     files = {"id-a.jsonl": 300, "id-b.jsonl": 300, "pos-c.jsonl": 300, "rows-d.parquet": 300,
              **{f"t{i}.txt": 1 for i in range(20)}}
@@ -317,7 +317,7 @@ def test_a_val_tokens_budget_that_cannot_apply_is_refused(tmp_path):
 
 
 def test_a_val_tokens_estimate_from_part_of_a_large_file(tmp_path, monkeypatch):
-    import components.stage_budget as budget
+    import components.stage.budget as budget
 
     monkeypatch.setattr(budget, "SAMPLE_BYTES", 20_000)    # the sample ends inside the first file
     src = write_dir(tmp_path / "src", {f"{p}.jsonl.gz": compress(".gz", records(p, 700, with_id=False))

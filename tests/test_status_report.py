@@ -1,4 +1,5 @@
-"""Rank 0's progress reports (``trainer.status_report``) and the launcher's progress line (``components.progress``).
+"""Rank 0's progress reports (``trainer.status_report``) and the launcher's progress line
+(``components.train.progress``).
 
 The TrainJob path runs the real kubeflow SDK (``update_trainjob_status``) against a local receiver of its request,
 which records what it got (or fails, or never answers); the annotation path runs against the real API server in
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from components.progress import ProgressLog, follow_file, format_duration, from_file, from_trainjob, progress_line
+from components.train.progress import ProgressLog, follow_file, format_duration, from_file, from_trainjob, progress_line
 from trainer.events import read_events
 from trainer.goodput import account
 from trainer.hooks import StepReport

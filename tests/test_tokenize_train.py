@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from components.evaluate import evaluate_run
-from components.stage import stage_dataset
+from components.evaluate.evaluate import evaluate_run
+from components.stage.dataset import stage_dataset
 from trainer.data import default_source_files, read_manifest
 
 TINY = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8"]

@@ -10,7 +10,7 @@ import pytest
 from kfp import local
 from kfp.dsl import Metrics, Model, TaskConfig
 
-from components.train import TRAINER_IMAGE, flat_metrics, job_settings_from_task_config, train, train_op
+from components.train.launch import TRAINER_IMAGE, flat_metrics, job_settings_from_task_config, train, train_op
 from tests.trainer_flags import settings
 from trainer.config import parse_config
 
@@ -138,7 +138,7 @@ def test_cluster_backend_says_when_fsx_is_not_mounted_in_the_launcher(tmp_path):
     def scenario(k, ns, name):       # the job succeeds, but nothing reaches this "FSx"
         k.set_phase(ns, name, "Succeeded")
 
-    from components.supervise import SuperviseConfig
+    from components.train.supervise import SuperviseConfig
 
     with FakeKube(scenario) as k:
         with pytest.raises(RuntimeError, match="summary.json is missing: is the FSx claim 'fsx-claim' mounted"):

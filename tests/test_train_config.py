@@ -6,7 +6,7 @@ import uuid
 
 import pytest
 
-from components.train_config import build_train_config, check_run_parameters
+from components.train.settings import build_train_config, check_run_parameters
 from tests.llama_dirs import save_small_llama
 
 
@@ -14,8 +14,8 @@ def test_arguments_and_job_settings():
     args, job, run_dir, *_ = build_train_config(
         fsx_root="/fsx/", dataset_name="corpus", dataset_version="v3", run_id="abc-123", max_steps=500,
         ckpt_every=100, inject_fault="kill@40:1, hang@90", max_restarts=5, backoff_limit=2,
-        instance_type="p5.48xlarge", fsx_pvc="fsx", service_account="trainer", image="ecr/trainer:1", nodes=2,
-        gpus_per_node=8, spot=True, trainer_config={"optim": {"lr": 0.001}})
+        instance_type="p5.48xlarge", fsx_pvc="fsx", trainer_service_account="trainer", trainer_image="ecr/trainer:1",
+        nodes=2, gpus_per_node=8, spot=True, trainer_config={"optim": {"lr": 0.001}})
     assert run_dir == "/fsx/runs/abc-123"
     assert args["data"]["data"] == "/fsx/datasets/corpus/v3" and args["run"]["out"] == "/fsx/runs/abc-123"
     assert args["run"]["max_steps"] == 500 and args["checkpoint"]["ckpt_every"] == "100"
@@ -62,7 +62,7 @@ def test_numbers_arrive_as_integers_whatever_kfp_made_of_them():
     ({"require_beat_baseline": True}, "require_beat_baseline needs a baseline"),
     ({"baseline": "init_from"}, "baseline=init_from needs init_from"),
     ({"baseline": "/nonexistent/base"}, "baseline '/nonexistent/base': no config.json"),
-    ({"image": ""}, "an image is required"),
+    ({"trainer_image": ""}, "an image is required"),
     ({"backend": "laptop"}, "backend must be one of pytorchjob, trainjob, local"),
     # A TrainJob's settings that are its runtime's in Trainer v2 (goodput-nvrx: backoff limit 3, Volcano).
     ({"backend": "trainjob", "backoff_limit": 5}, "backoff_limit=5 differs from ClusterTrainingRuntime goodput-nvrx"),
@@ -73,25 +73,25 @@ def test_numbers_arrive_as_integers_whatever_kfp_made_of_them():
     ({"memory": "-1Gi"}, "not a Kubernetes quantity above 0"),
     ({"gpu_resource": "nvidia.com/mig-big"}, "gpu_resource"),
     ({"scheduler": "yunikorn", "queue": "training"}, "not a YuniKorn queue path"),
-    ({"image": "Bad Image"}, "not an image reference"),
+    ({"trainer_image": "Bad Image"}, "not an image reference"),
     ({"run_id": "{{$.pipeline_job_uuid}}"}, "must be set"),
     # faults that could never fire: 1 node x 8 GPUs is ranks 0..7, and max_steps is 200
-    ({"inject_fault": "kill@40:8"}, "rank 8 does not exist in a run of 8 rank"),
+    ({"inject_fault": "kill@40:16"}, "rank 16 does not exist in a run of 16 rank"),       # 2 nodes x 8 GPUs
     ({"inject_fault": "hang@500:0"}, "step 500 comes after the last step"),
 ])
 def test_bad_settings_fail_before_anything_runs(kw, message):
-    settings = {"fsx_root": "/fsx", "dataset_name": "d", "dataset_version": "1", "run_id": "r", "image": "x/y:1",
-                **kw}
+    settings = {"fsx_root": "/fsx", "dataset_name": "d", "dataset_version": "1", "run_id": "r",
+                "trainer_image": "x/y:1", **kw}
     with pytest.raises(ValueError, match=message):
         build_train_config(**settings)
 
 
 def test_an_instance_type_sizes_the_job_to_its_node():
     job = build_train_config(fsx_root="/fsx", dataset_name="d", dataset_version="1", run_id="r",
-                             instance_type="g6e.12xlarge", image="x/y:1").job_options
+                             instance_type="g6e.12xlarge", trainer_image="x/y:1").job_options
     assert job["gpus_per_node"] == 4 and job["instance_type"] == "g6e.12xlarge"
     job = build_train_config(fsx_root="/fsx", dataset_name="d", dataset_version="1", run_id="r",
-                             image="x/y:1").job_options
+                             trainer_image="x/y:1").job_options
     assert job["gpus_per_node"] == 8, "no instance type: a p5-sized default"
 
 
@@ -121,7 +121,7 @@ def test_the_trainer_images_nvrx_release_reaches_the_job_and_gates_what_it_offer
     check_run_parameters({**good, "hot_spares": 1, "nvrx_release": "0.7.0"})
     with pytest.raises(ValueError, match="nvrx_release"):
         check_run_parameters({**good, "nvrx_release": "9.9"})
-    _, job, *_ = build_train_config(**{**SETTINGS, "image": good["trainer_image"]}, nodes=2, hot_spares=1,
+    _, job, *_ = build_train_config(**{**SETTINGS, "trainer_image": good["trainer_image"]}, nodes=2, hot_spares=1,
                                     nvrx_release="0.7.0", instance_type="p5.48xlarge")
     assert (job["nvrx_release"], job["hot_spares"]) == ("0.7.0", 1)
 
@@ -140,7 +140,7 @@ def test_the_pipelines_defaults_pass_for_every_cluster_backend(backend):
     check_run_parameters(params)
 
 
-SETTINGS = {"fsx_root": "/fsx", "dataset_name": "d", "dataset_version": "1", "run_id": "r", "image": "x/y:1"}
+SETTINGS = {"fsx_root": "/fsx", "dataset_name": "d", "dataset_version": "1", "run_id": "r", "trainer_image": "x/y:1"}
 
 
 def test_the_model_reaches_the_trainer():
@@ -179,7 +179,7 @@ def test_init_from_a_directory_is_passed_as_it_is_and_its_architecture_checked(l
 
 
 def _production(registry, model_name: str, model_uri: str, fmt: str = "huggingface") -> None:
-    from components.register import PRODUCTION_FILE
+    from components.evaluate.register import PRODUCTION_FILE
 
     (registry / model_name).mkdir(parents=True)
     (registry / model_name / PRODUCTION_FILE).write_text(json.dumps({"version": "v1", "model_uri": model_uri,
@@ -218,12 +218,12 @@ def test_init_from_s3_is_staged_to_fsx_and_checked_before(s3_llama, tmp_path):
     server, bucket = s3_llama
     fsx = tmp_path / "fsx"
     s = build_train_config(**{**SETTINGS, "fsx_root": str(fsx)}, model="llama", init_from=f"s3://{bucket}/llama",
-                           endpoint_url=server.url, baseline="init_from")
+                           s3_endpoint_url=server.url, baseline="init_from")
     assert s.init_from_source == f"s3://{bucket}/llama"
     assert s.init_from_dir == str(fsx / "pretrained" / bucket / "llama")
     assert s.trainer_config["model"]["init_from"] == s.init_from_dir == s.baseline_dir
     assert not fsx.exists(), "checking writes nothing"
     with pytest.raises(ValueError, match="cannot read .*empty/config.json"):
-        build_train_config(**SETTINGS, model="llama", init_from=f"s3://{bucket}/empty", endpoint_url=server.url)
+        build_train_config(**SETTINGS, model="llama", init_from=f"s3://{bucket}/empty", s3_endpoint_url=server.url)
     with pytest.raises(ValueError, match="not a whole bucket"):
-        build_train_config(**SETTINGS, model="llama", init_from=f"s3://{bucket}", endpoint_url=server.url)
+        build_train_config(**SETTINGS, model="llama", init_from=f"s3://{bucket}", s3_endpoint_url=server.url)

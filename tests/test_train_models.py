@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from components.evaluate import run_spec, training_seq_len
+from components.evaluate.evaluate import run_spec, training_seq_len
 from trainer.config import parse_config
 from trainer.launch import LaunchConfig
 

@@ -14,8 +14,8 @@ import uuid
 
 import pytest
 
-from components.pytorchjob import JobSpec
-from components.trainjob import RuntimeSpec, runtime_manifest, trainjob_manifest
+from components.train.pytorchjob import JobSpec
+from components.train.trainjob import RuntimeSpec, runtime_manifest, trainjob_manifest
 from trainer.launch import LaunchConfig
 
 from tests.deploy_checks import DEPLOY, load_all

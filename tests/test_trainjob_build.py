@@ -21,11 +21,13 @@ import jsonschema
 import pytest
 import yaml
 
-from components.pytorchjob import JobSpec, job_manifest
-from components.trainjob import (FAILURE_RULES, RDZV_PORT, RuntimeSpec, build_runtime,
-                                 build_trainjob, runtime_manifest, trainer_command, trainjob_manifest)
+from components.train.pytorchjob import JobSpec, job_manifest
+from components.train.trainjob import (
+    FAILURE_RULES, RDZV_PORT, RuntimeSpec, build_runtime, build_trainjob, runtime_manifest, trainer_command,
+    trainjob_manifest)
 from trainer.config import parse_config
 from trainer.launch import LaunchConfig, local_launcher_command
+from trainer.warmstart import parser as warmstart_parser
 
 from tests.trainer_flags import settings
 from tests.deploy_checks import (DEPLOY, SHARED_SCHEMAS, crd_validator, load_all, model_roundtrip_problems,
@@ -263,8 +265,12 @@ def test_node_command_is_ft_launcher_with_a_c10d_rendezvous_on_node_0():
         pod = node_pod(effective_jobset(runtime_manifest(), trainjob_manifest(s)))
         c = pod["spec"]["containers"][0]
         argv = expand(c["command"] + c["args"], c["env"], {"jobset.sigs.k8s.io/jobset-name": "exp"})
-        assert argv[:4] == ["python", "-m", "trainer.warmstart", "ft_launcher"]
-        args = get_args_parser().parse_args(argv[4:])
+        wrapper = warmstart_parser().parse_args(argv[3:])
+        assert argv[:3] == ["python", "-m", "trainer.warmstart"] and wrapper.command[0] == "ft_launcher"
+        args = get_args_parser().parse_args(wrapper.command[1:])
+        # The wrapper is told the node's place with the launcher's values (its peer daemon's job and address).
+        assert (wrapper.nnodes, wrapper.rdzv_endpoint, wrapper.rdzv_id) == (args.nnodes, args.rdzv_endpoint,
+                                                                            args.rdzv_id)
         assert (args.nnodes, args.nproc_per_node) == (str(nodes), "8")
         # One node too: its own pod's name resolves through the JobSet's headless Service.
         assert (args.rdzv_backend, args.rdzv_endpoint, args.rdzv_id) == ("c10d", f"exp-node-0-0.exp:{RDZV_PORT}",
@@ -284,7 +290,8 @@ _NODE_FLAGS = {"--nnodes", "--nproc-per-node", "--rdzv-backend", "--rdzv-endpoin
 
 def _without_head_and_node_flags(argv: list[str]) -> list[str]:
     """The launcher's flags and the trainer's command, without who starts the launcher and how nodes meet."""
-    out, it = [], iter(argv[argv.index("--nnodes"):])
+    launcher = warmstart_parser().parse_args(argv[3:]).command
+    out, it = [], iter(launcher[launcher.index("--nnodes"):])
     for a in it:
         if a in _NODE_FLAGS:
             next(it)
@@ -466,7 +473,7 @@ def test_bad_runtime_settings_are_refused(case):
 
 
 def test_runtime_from_dict_takes_kfp_values():
-    rt = RuntimeSpec.from_dict({"name": "goodput-nvrx-big", "backoff_limit": 5.0, "gpus_per_node": "8",
+    rt = RuntimeSpec.from_dict({"name": "goodput-nvrx-big", "backoff_limit": 5.0, "gpus_per_node": 8.0,
                                 "schedule_timeout_s": 90.0, "scheduler": "scheduler-plugins"})
     assert (rt.name, rt.schedule_timeout_s, rt.pods.backoff_limit, rt.pods.scheduler) == \
         ("goodput-nvrx-big", 90, 5, "scheduler-plugins")
@@ -486,7 +493,7 @@ def test_checked_in_runtime_is_the_builders():
 
 
 def test_runtime_default_image_is_the_train_components():
-    from components.train import TRAINER_IMAGE
+    from components.train.launch import TRAINER_IMAGE
 
     assert RuntimeSpec().pods.image == TRAINER_IMAGE
 

@@ -15,9 +15,10 @@ import socket
 import subprocess
 import sys
 
-from components.pytorchjob import JobSpec
-from components.trainjob import JOB_NAME_ENV, trainer_command
+from components.train.pytorchjob import JobSpec
+from components.train.trainjob import JOB_NAME_ENV, trainer_command
 from trainer import compat
+from trainer.warmstart import parser as warmstart_parser
 
 from tests.conftest import TINY
 from tests.test_trainjob_build import IMG, expand
@@ -44,8 +45,10 @@ def test_the_trainjob_command_trains_here_unchanged(fsx_root, dataset):
     env = [{"name": "PET_NNODES", "value": "1"}, {"name": "PET_NPROC_PER_NODE", "value": "2"},
            {"name": "PET_MASTER_ADDR", "value": "127.0.0.1"}, {"name": "PET_MASTER_PORT", "value": str(_free_port())}]
     argv = expand(trainer_command(s), env + [{"name": JOB_NAME_ENV, "value": name}], {})
-    assert argv[:4] == ["python", "-m", "trainer.warmstart", "ft_launcher"] and "$(" not in " ".join(argv)
-    argv = [sys.executable, "-m", "trainer.warmstart", sys.executable, "-m", LAUNCHER_MODULE, *argv[4:]]
+    launcher = len(argv) - len(warmstart_parser().parse_args(argv[3:]).command)   # after the wrapper's options
+    assert argv[:3] == ["python", "-m", "trainer.warmstart"] and argv[launcher] == "ft_launcher"
+    assert "$(" not in " ".join(argv)
+    argv = [sys.executable, *argv[1:launcher], sys.executable, "-m", LAUNCHER_MODULE, *argv[launcher + 1:]]
     assert "--standalone" not in argv and argv[argv.index("--rdzv-id") + 1] == name
     log = fsx_root / f"{name}.log"
     with open(log, "wb") as f:
@@ -66,10 +69,10 @@ def test_the_trainjob_command_trains_here_unchanged(fsx_root, dataset):
 
 
 def test_the_local_backend_runs_a_trainjobs_command_for_one_node(fsx_root, dataset):
-    """What the local backend launches (``components.train.local_launch`` through ``goodput train``'s
+    """What the local backend launches (``components.train.launch.local_launch`` through ``goodput train``'s
     launcher) is the TrainJob's trainer command with the ``PET_*`` values of one node: the same flags, the same
     c10d rendezvous, only the entry points resolved to this interpreter."""
-    from components.train import local_launch
+    from components.train.launch import local_launch
     from trainer.launch import LaunchConfig, local_launcher_command
 
     name = "tj-local"
@@ -83,7 +86,8 @@ def test_the_local_backend_runs_a_trainjobs_command_for_one_node(fsx_root, datas
            {"name": "PET_MASTER_ADDR", "value": host}, {"name": "PET_MASTER_PORT", "value": port},
            {"name": JOB_NAME_ENV, "value": name}]
     pod = expand(trainer_command(s), env, {})
-    assert pod[:4] == ["python", "-m", "trainer.warmstart", "ft_launcher"]
+    launcher = len(pod) - len(warmstart_parser().parse_args(pod[3:]).command)   # after the wrapper's options
+    assert pod[:3] == ["python", "-m", "trainer.warmstart"] and pod[launcher] == "ft_launcher"
     local = local_launcher_command(launch, s.trainer_config().argv())
-    assert local == [sys.executable, "-m", "trainer.warmstart", sys.executable, "-m", LAUNCHER_MODULE, *pod[4:]]
+    assert local == [sys.executable, *pod[1:launcher], sys.executable, "-m", LAUNCHER_MODULE, *pod[launcher + 1:]]
     assert local[local.index("--max-restarts") + 1] == "5" and "--standalone" not in local

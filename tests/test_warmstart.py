@@ -19,7 +19,7 @@ import psutil
 import pytest
 
 from trainer.events import read_events
-from trainer.layout import committed_steps
+from trainer.layout import checkpoints_dir, committed_steps, replica_dir
 from trainer.signals import in_process_group, is_gone
 from trainer.warmstart import ENV
 
@@ -179,3 +179,43 @@ def test_without_a_zygote_the_rank_starts_cold(tmp_path, dataset):
     assert "warm start: no zygote answered; starting cold" in r.stderr
     (start,) = [e for e in read_events(out / "events.jsonl") if e["event"] == "worker_start"]
     assert start["warm"] is False
+
+
+# The node's place in the job: the wrapper's own options, never read from the launcher's command ------------
+
+_SHOW_PEER_ENV = "import os; print(os.environ.get('GOODPUT_PEER_JOB'), os.environ.get('GOODPUT_PEER_STORE'))"
+
+
+def _wrapped(tmp_path: Path, wrapper_options: list[str], launcher_flags: list[str], env: dict):
+    """``python -m trainer.warmstart --cold OPTIONS`` running a stand-in launcher with ``launcher_flags`` (it
+    prints the peer daemon's job and address it was given, and exits), for a trainer with memory snapshots."""
+    command = [sys.executable, "-c", _SHOW_PEER_ENV, *launcher_flags, "-m", "trainer", "--out", str(tmp_path / "run"),
+               "--memory-snapshot-dir", str(tmp_path / "shm")]
+    return subprocess.run([sys.executable, "-m", "trainer.warmstart", "--cold", *wrapper_options, *command],
+                          capture_output=True, text=True, timeout=120, env=env)
+
+
+def test_the_wrapper_takes_the_nodes_place_from_its_options_not_from_the_launchers_flags(tmp_path):
+    """The launcher's flags here say otherwise than the wrapper's options: a scan of the command would run no peer
+    daemon (one node), or one for the wrong job on the wrong interface."""
+    from trainer.peer import JOB_ENV, SECRET_ENV
+
+    env = {k: v for k, v in os.environ.items() if k not in (JOB_ENV, SECRET_ENV)}
+    scanned = ["--nnodes", "1", "--rdzv-endpoint", "10.9.9.9:29500", "--rdzv-id", "scanned"]
+    given = ["--nnodes", "2", "--rdzv-endpoint", "127.0.0.1:29500", "--rdzv-id", "given"]
+    # Two nodes: no peer snapshots without the job's secret (refused before anything starts).
+    refused = _wrapped(tmp_path, given, scanned, env)
+    assert refused.returncode == 2 and "GOODPUT_PEER_SECRET" in refused.stderr, refused.stderr
+    # With it: the peer daemon serves the given job, on loopback (the given rendezvous is).
+    ran = _wrapped(tmp_path, given, scanned, {**env, SECRET_ENV: "ab" * 32})
+    assert ran.returncode == 0, ran.stderr
+    job, store = ran.stdout.split()
+    assert job == "given" and store.startswith("127.0.0.1:")
+    # The defaults are one node: no peer daemon, whatever the launcher's flags say. The node's memory snapshots
+    # go with the run (the zygote is told where they are).
+    snapshots = replica_dir(tmp_path / "shm", checkpoints_dir(tmp_path / "run"))
+    snapshots.mkdir(parents=True)
+    (snapshots / "rank0").write_bytes(b"state")
+    alone = _wrapped(tmp_path, [], given, env)
+    assert alone.returncode == 0 and alone.stdout.split() == ["None", "None"], alone.stderr
+    assert not snapshots.exists()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import os
 import signal
+import threading
 
 import pytest
 import torch
@@ -124,3 +125,38 @@ def test_a_save_held_during_the_boot_is_written_at_exit(tmp_path, process_group,
         for step in committed_steps(mgr.root):
             verify_files(step_dir(mgr.root, step))
         assert mgr.writer.queue.call_idx == (1 if then == "wait" else 2) and mgr.writes_in_flight == 0
+
+
+def test_the_next_save_overwrites_the_staging_copy_only_after_the_held_write(tmp_path, process_group, monkeypatch):
+    """The interleaving of the wrong-values write once seen on 0.4.1 (docs/nvrx.md): a save held while the
+    worker boots, the live state changed in place by the steps after it, and the next save (the final, blocking
+    one) handing the held write over while the worker still boots. That save must wait for the held write
+    before it copies its own state into the staging copy the held write reads: otherwise the held checkpoint
+    is committed with the later state's values (its checksums, taken when the copy was whole, would not match).
+    The worker is let go only once the write was handed over, so the hand-over finds it booting every time."""
+    with _booting_writer(tmp_path, process_group, monkeypatch) as (mgr, resume):
+        live = _save_and_step(mgr, 12)           # held: the worker is stopped in its boot
+        live["model"]["w"].add_(1.0)             # the next step changes the live state in place again
+        handed_over = threading.Event()
+        monkeypatch.setattr(mgr.writer, "_hand_over", _then(
+            mgr.writer._hand_over, lambda: mgr.writer.deferred or handed_over.set()))
+        letting_go = threading.Thread(target=lambda: handed_over.wait(300) and resume(), daemon=True)
+        letting_go.start()
+        mgr.save(14, live, blocking=True)
+        letting_go.join(300)
+        assert handed_over.is_set() and committed_steps(mgr.root) == [12, 14]
+        assert torch.equal(_saved(mgr.root, 12)["model"]["w"], _state(12)["model"]["w"])
+        assert torch.equal(_saved(mgr.root, 14)["model"]["w"], live["model"]["w"])
+        for step in (12, 14):
+            verify_files(step_dir(mgr.root, step))
+    handed = [e for e in read_events(tmp_path / "e") if e["event"] == "ckpt_handed_over"]
+    assert [e["booted"] for e in handed] == [False]   # handed over while the worker still booted
+
+
+def _then(call, after):
+    """``call``, then ``after()``."""
+    def both(*args, **kwargs):
+        result = call(*args, **kwargs)
+        after()
+        return result
+    return both

@@ -236,7 +236,9 @@ class RestartConfig:
 
 @dataclass
 class FaultConfig:
-    inject_fault: list = _f(None, "inject KIND@STEP[:RANK] (exception, kill, hang, sigterm, ckpt-crash); repeatable",
+    inject_fault: list = _f(None, "inject KIND@STEP[:RANK] (exception, kill, hang, hang-after-snapshot, sigterm, "
+                                  "ckpt-crash; corrupt-snapshot, corrupt-ckpt, corrupt-mirror, corrupt-peer "
+                                  "take /SEED); repeatable",
                             metavar="KIND@STEP[:RANK]")
     chaos_seed: int = _f(-1, "seed of random faults (kinds, ranks, moments); -1 = off")
     fault_every: float = _f(0.0, "with --chaos-seed: mean seconds between random faults", flag="--fault-every")
@@ -336,7 +338,8 @@ class TrainConfig:
     spot: SpotConfig = field(default_factory=SpotConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
 
-    def validate(self) -> "TrainConfig":
+    def validate(self, check_model: bool = True) -> "TrainConfig":
+        """``check_model=False``: the model is not built (a caller whose settings were checked with it already)."""
         m, d, o, c, r = self.model, self.data, self.optim, self.checkpoint, self.run
         problems = []
         if m.n_embd % m.n_head:
@@ -353,7 +356,10 @@ class TrainConfig:
                             ("--ckpt-threads", c.write_threads)):
             if value < 1:
                 problems.append(f"{name} must be at least 1, got {value}")
-        if c.ckpt_every != "auto" and (not c.ckpt_every.isdigit()):
+        try:
+            if (c.every_steps or 0) < 0:
+                raise ValueError
+        except ValueError:
             problems.append(f"--ckpt-every must be a number of steps or 'auto', got {c.ckpt_every!r}")
         if not 0 <= c.writer_nice <= 19:
             problems.append(f"--ckpt-writer-nice must be between 0 and 19, got {c.writer_nice}")
@@ -376,7 +382,11 @@ class TrainConfig:
 
         for spec in self.faults.inject_fault:
             try:
-                Fault.parse(spec)
+                kind = Fault.parse(spec).kind
+                if kind == "corrupt-mirror" and not c.mirror:
+                    problems.append(f"--inject-fault {spec} needs --ckpt-mirror")
+                if kind == "corrupt-peer" and not c.peer_snapshots:
+                    problems.append(f"--inject-fault {spec} needs peer snapshots (drop --no-peer-snapshots)")
             except ValueError as e:
                 problems.append(str(e))
         if self.faults.chaos_seed >= 0 and self.faults.fault_every <= 0:
@@ -389,7 +399,7 @@ class TrainConfig:
 
         p = self.parallel
         problems += setting_problems(p.parallel, p.dp_replicate, p.dp_shard, p.tp)
-        if not problems and _torch_available():
+        if not problems and check_model and _torch_available():
             try:
                 problems += self.model.spec(d.data).tp_problems(p.tp, m.seq_len)
             except ValueError as e:   # ModelError, HFError, check_vocab: each says what to fix
@@ -485,29 +495,33 @@ def build_parser(prog: str = "python -m trainer") -> argparse.ArgumentParser:
     return p
 
 
-def _coerce(f: dataclasses.Field, value: Any, where: str) -> Any:
-    """``value`` as the type of ``f``. A KFP object parameter is a protobuf Struct, where every number is a
-    float: 200.0 is the int 200; any other value of another type is refused."""
-    t = str(f.type)
-    ok = True
-    if t == "bool":
-        ok = isinstance(value, bool)
-    elif t == "int":
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer()
-        value = int(value) if ok else value
-    elif t == "float":
-        ok = isinstance(value, (int, float)) and not isinstance(value, bool)
-        value = float(value) if ok else value
-    elif t == "str":
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and float(value).is_integer():
-            value = str(int(value))            # ckpt_every = 250, a number where "N or auto" is asked
-        ok = isinstance(value, str)
-    elif t == "list":
-        ok = isinstance(value, list) and all(isinstance(v, str) for v in value)
+_KINDS = {"str": str, "int": int, "float": float, "bool": bool, "list": list, "dict": dict}
+
+
+def coerce_value(kind: type | str, value: Any, where: str, choices: tuple = ()) -> Any:
+    """``value`` as a ``kind`` (``str``, ``int``, ``float``, ``bool``, ``list`` of strings or ``dict``, or its name),
+    else a one-line ValueError that names ``where``; with ``choices``, one of them.
+
+    The one rule for typed values from a settings file, ``--settings``, the pipeline's parameters and KFP dict
+    parameters. A KFP dict parameter is a protobuf Struct, where every number is a float: 200.0 is the int 200;
+    a whole number given for a str setting is its text (``ckpt_every = 250``, where "N or auto" is asked). No
+    string is taken for a number or a boolean: text is parsed by the command line's own typed options.
+    """
+    t = kind if isinstance(kind, str) else kind.__name__
+    number = isinstance(value, (int, float)) and not isinstance(value, bool)
+    if t == "int" and number and float(value).is_integer():
+        value = int(value)
+    elif t == "float" and number:
+        value = float(value)
+    elif t == "str" and number and float(value).is_integer():
+        value = str(int(value))
+    ok = isinstance(value, _KINDS[t]) and not (t in ("int", "float") and isinstance(value, bool))
+    if t == "list":
+        ok = ok and all(isinstance(v, str) for v in value)
     if not ok:
         raise ValueError(f"{where}: {value!r} is not a{'n' if t == 'int' else ''} {t}")
-    if "choices" in f.metadata and value not in f.metadata["choices"]:
-        raise ValueError(f"{where}: {value!r} is not one of {', '.join(f.metadata['choices'])}")
+    if choices and value not in choices:
+        raise ValueError(f"{where}: {value!r} is not one of {', '.join(choices)}")
     return value
 
 
@@ -528,7 +542,9 @@ def settings_values(doc: dict, where: str = "settings") -> dict[str, dict[str, A
             if field_name not in fields:
                 raise ValueError(f"{where}: unknown setting {section}.{field_name} (the {section} settings are "
                                  f"{', '.join(fields)})")
-            out[section][field_name] = _coerce(fields[field_name], v, f"{where}: {section}.{field_name}")
+            f = fields[field_name]
+            out[section][field_name] = coerce_value(str(f.type), v, f"{where}: {section}.{field_name}",
+                                                    f.metadata.get("choices", ()))
     return out
 
 

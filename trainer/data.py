@@ -1,7 +1,7 @@
 """Token datasets: build byte-level ones from text files, read any of them during training.
 
 A dataset directory holds ``manifest.json`` and token shards of ``token_dtype`` (uint8 for the byte-level
-vocabulary of 256, uint16 or uint32 for a subword tokenizer's; ``components.stage`` builds those):
+vocabulary of 256, uint16 or uint32 for a subword tokenizer's; ``components.stage.dataset`` builds those):
 
     manifest.json          format, source, token_dtype, vocab_size, eos_id, tokenizer, bytes_per_token,
                            files (path, bytes, sha256, split), splits (shards, tokens, bytes)

@@ -47,7 +47,7 @@ class Event(enum.StrEnum):
     EXIT = "exit", ("reason", "step", "ckpt_s")
     FATAL = "fatal", ("reason",)
     # Faults, hangs, slow ranks, spot reclaims
-    FAULT_INJECTED = "fault_injected", ("fault", "kind", "step")
+    FAULT_INJECTED = "fault_injected", ("fault", "kind", "step"), ("target",)
     FT_STEP_TIMEOUT = "ft_step_timeout", ("step", "timeout_s")
     DATA_STARVED = "data_starved", ("step", "ratio", "window_steps")
     STRAGGLER = "straggler", ("step", "ranks", "nodes", "relative", "individual", "scores")

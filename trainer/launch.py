@@ -31,7 +31,7 @@ from .data import default_dataset_dir, ensure_default_dataset
 from .digests import path_digest
 from .peer import SECRET_ENV as PEER_SECRET_ENV
 from .signals import STOP_SIGNALS, STOPPED_S, StoppedFor, handlers, marked, parent_death_preexec, reap
-from .warmstart import wait_unless_stopped
+from .warmstart import NodePlace, wait_unless_stopped
 
 
 LAUNCHER_MODULE = "nvidia_resiliency_ext.fault_tolerance.launcher"
@@ -156,8 +156,13 @@ def launcher_command(launch: LaunchConfig, trainer_args: list[str], *, executabl
     gate = [STANDBY_GATE_FLAG, str(standby_gate)] if standby_gate else []
     head = ([executable or "python", "-m", compat.LAUNCHER_ENTRY, *gate] if keep_alive or gate else
             [executable, "-m", LAUNCHER_MODULE] if executable else ["ft_launcher"])
-    # Cold too, the wrapper's zygote is the node's janitor: it ends what a killed launcher leaves behind.
-    head = [executable or "python", "-m", "trainer.warmstart", *([] if launch.warm_start else ["--cold"]), *head]
+    # Cold too, the wrapper's zygote is the node's janitor: it ends what a killed launcher leaves behind. It is
+    # told the node's place in the job (its peer daemon's) with the values the launcher gets.
+    place = NodePlace(compat.nnodes_arg(launch.nnodes, release, min_nodes=extras.min_nodes,
+                                        spare_nodes=extras.spare_nodes),
+                      launch.rdzv_endpoint, launch.rdzv_id) if launch.rdzv_endpoint else NodePlace()
+    head = [executable or "python", "-m", "trainer.warmstart", *([] if launch.warm_start else ["--cold"]),
+            *place.args(), *head]
     return [
         *head,
         *compat.launcher_args(launch, release, extras),
@@ -224,17 +229,19 @@ def check_faults(specs: list[str], world_size: int, max_steps: int) -> None:
             raise LaunchError(f"--inject-fault {f.id}: step {f.step} comes after the last step ({max_steps})")
 
 
-def validate_launch(cfg: TrainConfig, launch: LaunchConfig, fsx_root: Path) -> TrainConfig:
+def validate_launch(cfg: TrainConfig, launch: LaunchConfig, fsx_root: Path, *,
+                    model_checked: bool = False) -> TrainConfig:
     """Everything about a local run that can be checked before any process starts or anything is written.
 
     Returns the settings, validated, with the default dataset (under ``fsx_root``) where they name none;
-    raises ``LaunchError`` with one line that says what to fix.
+    raises ``LaunchError`` with one line that says what to fix. ``model_checked``: the model is not built again
+    (importing torch for it costs seconds of CPU before the launcher starts; the ranks check it too).
     """
     default_data = not cfg.data.data
     cfg = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, data=str(default_dataset_dir(fsx_root)))
                               ) if default_data else cfg
     try:
-        cfg.validate()
+        cfg.validate(check_model=not model_checked)
         launch.validate()
         check_run_directory(Path(cfg.run.out), cfg)
     except ValueError as e:
@@ -253,20 +260,21 @@ def validate_launch(cfg: TrainConfig, launch: LaunchConfig, fsx_root: Path) -> T
 
 
 def run_local_training(settings: TrainConfig, launch: LaunchConfig, fsx_root: Path, *,
-                       min_nodes: int = 0) -> tuple[int, dict | None]:
+                       min_nodes: int = 0, model_checked: bool = False) -> tuple[int, dict | None]:
     """Validate, build the default dataset if needed, launch, wait; return (exit code, this run's summary or None).
 
     The core of ``goodput train`` without click, used by the local training backend too. ``LaunchError``
     before anything starts. ``launch.nnodes`` > 1 starts that many node process trees (``LocalCluster``);
     ``min_nodes`` (< nnodes) makes the job elastic (``--nnodes MIN:MAX``). SIGINT and SIGTERM stop the run:
     the ranks commit a checkpoint and exit, and the exit code is 130 or 143 (128 + the signal) with no summary.
+    ``model_checked``: the settings' model was built and checked already (the pipeline's check-settings step).
     """
     nodes = compat.count(launch.nnodes, "nnodes") if not compat.is_placeholder(launch.nnodes) else 1
     if min_nodes and not 0 < min_nodes < nodes:
         raise LaunchError(f"--nodes MIN:MAX needs 1 <= MIN < MAX, got {min_nodes}:{nodes}")
     # The nodes of a local run meet on a loopback port chosen when they start.
     checked = dataclasses.replace(launch, rdzv_endpoint=launch.rdzv_endpoint or "127.0.0.1:0") if nodes > 1 else launch
-    cfg = validate_launch(settings, checked, fsx_root)
+    cfg = validate_launch(settings, checked, fsx_root, model_checked=model_checked)
     try:
         compat.nnodes_arg(nodes, compat.target_release(), min_nodes=min_nodes)
         if nodes > 1:

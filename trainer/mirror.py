@@ -30,9 +30,12 @@ commit or at the end of training, and a mirror that cannot be listed fails it at
 Download (``maybe_fetch_from_mirror``, collective, from ``CheckpointManager._load_committed``): if FSx has
 no committed checkpoint, rank 0 downloads the newest marked step into ``.step_<N>.mirror-download``,
 checks every size and CRC32 against the marker (and the SDK checks each whole-object GET against S3's
-checksum: ``ChecksumMode``), renames it to ``step_<N>`` and writes the local ``COMMITTED`` last; then every
-rank loads it as usual. A step that fails any check is refused (``mirror_error``, phase download) and the next
-older one is tried; if none can be downloaded, the run starts afresh with a warning (``--require-mirror``: fails).
+checksum: ``ChecksumMode``), writes the local ``COMMITTED`` into it, verifies every item against the
+checksums taken when it was staged (``verify_files``: bytes corrupted before the upload pass S3's checks),
+and renames it to ``step_<N>``; then every rank loads it as usual. A step that fails any check is refused
+(``mirror_error``, phase download; a failed checksum also a ``checksum_mismatch`` event, source ``mirror``) and
+the next older one is tried; if none can be downloaded, the run starts afresh with a warning
+(``--require-mirror``: fails), unless some failed their checksums: then it stops rather than start over.
 
 Events: ``mirror_start``, ``mirror_committed`` (step, bytes, seconds, lag_s = now - local commit time),
 ``mirror_error``, ``mirror_skipped``, ``mirror_deleted``, ``mirror_drain``, ``resumed_from_mirror``;
@@ -488,6 +491,7 @@ def fetch_newest(root: Path, cfg: CheckpointConfig, events: EventLog) -> int | N
             except Exception as e:  # noqa: BLE001 - try the next older step
                 if isinstance(e, ChecksumMismatch):
                     corrupt.append(step)
+                    events.emit(Event.CHECKSUM_MISMATCH, source="mirror", step=step, rank=0, reason=str(e)[:400])
                 log.warning("WARNING: the S3 mirror %s: step %d refused or not downloadable: %s; trying an older one",
                             lay.url, step, _error_text(e))
                 events.emit(Event.MIRROR_ERROR, step=step, phase="download", error=_error_text(e), retry_in_s=None)
@@ -536,11 +540,17 @@ def _download(client, manager, lay: MirrorLayout, root: Path, step: int) -> int:
         got = file_crc32(tmp / name)
         if got != want:
             raise ChecksumMismatch(f"{name}: CRC32 {got} downloaded, S3 stored {want} when it was mirrored")
-    final = step_dir(root, step)
-    publish_dir(tmp, final)     # over an uncommitted leftover of the same step
-    # The local marker last, as in a local commit.
     local = {k: v for k, v in marker.items() if k not in _REMOTE_KEYS}
-    write_bytes(final / COMMITTED, json.dumps({**local, "fetched_from": lay.url}).encode())
+    write_bytes(tmp / COMMITTED, json.dumps({**local, "fetched_from": lay.url}).encode())
+    # Bytes that were wrong before the upload (on FSx, or as the writer wrote them) pass S3's checksums: the
+    # checksums taken at staging tell, before the step is published where a restore would take it. (A step
+    # that records none is published, and refused by the restore's own verification, like one on FSx.)
+    if "checksums" in local:
+        from .checkpoint.integrity import verify_files
+
+        verify_files(tmp)
+    # Over an uncommitted leftover of the same step; whole, marker included, from the moment it is there.
+    publish_dir(tmp, step_dir(root, step))
     return sum(sizes.values())
 
 

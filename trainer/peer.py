@@ -66,6 +66,7 @@ from pathlib import Path
 from .events import Event, EventLog
 from .digests import path_digest
 from .durable import write_bytes
+from .errors import ChecksumMismatch
 from .layout import peer_file, replica_marker, replica_previous, replica_ranks, replica_slot
 from .signals import parent_death_preexec
 
@@ -80,6 +81,8 @@ JOB_ENV = "GOODPUT_PEER_JOB"
 # A request older or newer than this is refused; the store remembers the nonces it accepted for as long.
 REPLAY_WINDOW_S = 300.0
 CHUNK = 4 << 20
+# Where a node's daemon keeps its ring predecessor's copies: in the node's snapshot directory, lost with it.
+STORE_DIR = "peer-store"
 TIMEOUT_S = 10.0
 # Without a wake-up from a rank, the daemon looks for new snapshots this often. The ranks wake it once per
 # snapshot: polling for the copy's lag instead (0.1 s) made their steps 1.2-1.5x slower on a loaded 2-core machine.
@@ -480,8 +483,9 @@ def restore_from_peer(peer: tuple[str, int], node: int, ranks: list[int], dest: 
                       run: str | None = None, auth: Auth | None = None) -> int | None:
     """Copy node ``node``'s newest snapshot that every rank of ``ranks`` has at the holder ``peer`` into
     ``dest`` as replica files (``NodeReplica`` reads them); return its step, or None when there is none (no
-    holder reachable, no common step, a copy cut short or corrupt): the restart then falls back to the
-    committed checkpoint. Each rank's marker is written last, so a restore cut short leaves nothing usable.
+    holder reachable, no common step, a copy cut short): the restart then falls back to the committed
+    checkpoint. A copy whose bytes are not the ones the holder was sent raises ``ChecksumMismatch``. Each rank's
+    marker is written last, so a restore cut short or corrupt leaves nothing usable.
 
     ``among``: only these steps (the ones the other nodes' ranks hold: a step some rank lacks is no use).
     ``run``: only copies that run made (the replica's tag: run and world size). ``auth``: the job's (default:
@@ -525,7 +529,8 @@ def _fetch(peer: tuple[str, int], node: int, rank: int, step: int, dest: Path, t
         with open(replica_slot(dest, rank, marker["slot"]), "wb") as f:
             digest = _receive(sock, f, int(head["size"]), hashlib.sha256(raw))
     if digest != head["sha256"]:
-        raise ValueError(f"rank {rank} step {step}: checksum mismatch")
+        raise ChecksumMismatch(f"rank {rank} step {step}: the copy fetched from the holder is not the copy it was sent "
+                               f"(sha256 {digest[:16]}, sent {str(head['sha256'])[:16]})")
     write_bytes(replica_marker(dest, rank), raw)
 
 
@@ -573,7 +578,7 @@ def serve_node(listener: socket.socket, replica_dir: Path, auth: Auth, poll_s: f
     it goes with the node's memory), and ship this node's snapshots to the holder its ranks named last, when
     a rank wakes it (``wake``) and every ``poll_s`` (the ranks' ``peer.json`` is read then). Messages are
     authenticated with ``auth``; refused ones go to ``events``."""
-    store = PeerStore(replica_dir / "peer-store", auth, listener=listener, events=events).start()
+    store = PeerStore(replica_dir / STORE_DIR, auth, listener=listener, events=events).start()
     woken = _wake_socket(replica_dir)
     sender: PeerSender | None = None
     try:

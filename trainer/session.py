@@ -46,7 +46,7 @@ class Session:
         self.faults = FaultInjector(cfg.faults.inject_fault, self.rank, self.world_size, self.events,
                                     self.events_path,
                                     chaos_seed=cfg.faults.chaos_seed if cfg.faults.chaos_seed >= 0 else None,
-                                    fault_every_s=cfg.faults.fault_every)
+                                    fault_every_s=cfg.faults.fault_every, ckpt=cfg.checkpoint)
         self.ft = FTManager(cfg.restart.ft_calc_after_steps, cfg.restart.ft_min_step_timeout_s,
                             cfg.restart.ft_ipc_timeout_s)
         # --metrics-port: Prometheus endpoint on port + LOCAL_RANK; the data-starvation warning either way.

@@ -4,7 +4,7 @@ by layer and the last committed step, from global rank 0, every ``--status-every
 Where the figures go (each ``Sink`` on its own; one that fails never stops the others or the run):
 
 * ``progress.json`` in the run directory, always: the local backend prints its progress line from it
-  (``components.progress``).
+  (``components.train.progress``).
 * A TrainJob's ``status.trainerStatus`` (progressPercentage, estimatedRemainingSeconds, metrics) when the pod
   runs under Kubeflow Trainer with the ``TrainJobStatus`` feature gate: the controller injects
   ``KUBEFLOW_TRAINER_SERVER_URL`` (with a CA and a projected token) and the kubeflow SDK's

@@ -162,6 +162,7 @@ class Trainer:
                                              spot=session.spot, max_steps=cfg.run.max_steps, events=self.events,
                                              events_path=session.events_path,
                                              on_blocking=session.metrics.observe_checkpoint)
+            self.optimizer.register_step_pre_hook(self._copy_whole_before_update)
             self.update_hooks: list[StepHook] = [session.faults]
             self.step_hooks: list[StepHook] = [self.recovery, session.metrics,
                                                StepLog(self.events, cfg.run.max_steps, cfg.run.log_every, d.is_main)]
@@ -181,6 +182,10 @@ class Trainer:
                          f"resumed from step {resumed_from} ({source})" if resumed_from is not None else "fresh start")
                 self.events.emit(Event.RESUMED if resumed_from is not None else Event.FRESH_START, step=self.state.step,
                                  source=source)
+
+    def _copy_whole_before_update(self, *_) -> None:
+        """Optimizer step pre-hook: whatever takes the step, a checkpoint's copy of the state is whole first."""
+        self.checkpointer.maybe_wait_for_staging()
 
     def _fresh_start(self) -> None:
         if self.cfg.model.init_from:   # a fresh start only: a committed checkpoint or snapshot wins

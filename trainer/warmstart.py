@@ -5,6 +5,8 @@ rank pays it at once), which is most of what an in-job restart costs. So the lau
 
     python -m trainer.warmstart ft_launcher ... -m trainer ...
 
+(with ``--nnodes``, ``--rdzv-endpoint`` and ``--rdzv-id`` before ``ft_launcher`` where the node joins a c10d
+rendezvous: the wrapper's own options, the same values ``trainer.launch.launcher_command`` gives the launcher),
 which runs the launcher with ``GOODPUT_WARMSTART_SOCKET`` set, next to a *zygote*: a process that imports
 everything once and then waits. Each ``python -m trainer`` the launcher starts sees the variable and,
 instead of importing, hands its arguments, environment, working directory and stdio to the zygote, which
@@ -21,6 +23,7 @@ Anything that goes wrong on the way (no zygote, a zygote that died) also ends in
 
 from __future__ import annotations
 
+import argparse
 import atexit
 import contextlib
 import json
@@ -72,18 +75,50 @@ class ChildRun:
 
 # ---- the launch wrapper ------------------------------------------------------------------------------
 
-def run_with_zygote(command: list[str], warm: bool = True) -> int:
+@dataclass(frozen=True)
+class NodePlace:
+    """The node's place in the job, as its launcher has it (``launcher_command`` gives both the same values):
+    the defaults are one node with a local store (``--standalone``)."""
+
+    nnodes: str = "1"             # the launcher's --nnodes: N, or MIN:MAX (elastic, hot spares)
+    rdzv_endpoint: str = ""       # host:port of the c10d rendezvous
+    rdzv_id: str = ""             # the rendezvous id the job's nodes share
+
+    @property
+    def multinode(self) -> bool:
+        """Whether the job may run with more than one node."""
+        try:
+            return max(int(n) for n in self.nnodes.split(":")) > 1
+        except ValueError:     # not a count: unresolved here, so possibly many nodes
+            return True
+
+    @property
+    def peer_host(self) -> str:
+        """Where the node's peer store listens: loopback when the rendezvous is on loopback (the nodes share this
+        machine), else every interface (pod-to-pod ports are open)."""
+        host = self.rdzv_endpoint.rpartition(":")[0].strip("[]")
+        return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
+
+    def args(self) -> list[str]:
+        """The wrapper's options that give this place (none for one node with a local store)."""
+        if self == NodePlace():
+            return []
+        return ["--nnodes", self.nnodes, "--rdzv-endpoint", self.rdzv_endpoint, "--rdzv-id", self.rdzv_id]
+
+
+def run_with_zygote(command: list[str], warm: bool = True, node: NodePlace = NodePlace()) -> int:
     """Start a zygote, run ``command`` with ``GOODPUT_WARMSTART_SOCKET`` pointing at it, return its exit code.
 
     ``warm=False``: the zygote imports nothing and forks nothing (the ranks start cold); it is only the
     node's janitor: once this process is gone, however it ended, it kills what the run left (the ranks it
     forked, every process that inherited the launcher's environment) and deletes the run's memory snapshots.
-    With more than one node and memory snapshots on, it also runs the node's peer daemon (``trainer.peer``).
+    With more than one node (``node``) and memory snapshots on, it also runs the node's peer daemon
+    (``trainer.peer``).
     A rank's ``fatal`` event (an error no restart changes) stops the launcher: exit status 2.
     """
     cfg = _trainer_config(command)
     wants_peer = (cfg is not None and cfg.checkpoint.peer_snapshots and cfg.checkpoint.memory_every_s > 0
-                  and _multinode(command))
+                  and node.multinode)
     if wants_peer:
         try:   # before anything starts: peer snapshots never run unauthenticated
             secret_from_env()
@@ -99,9 +134,9 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
     peer = peer_env = None
     if wants_peer:
         # The job's identity in every peer message: the rendezvous id its nodes share.
-        job = {PEER_JOB_ENV: os.environ.get(PEER_JOB_ENV) or _flag(_split(command)[0], "--rdzv-id") or "none"}
+        job = {PEER_JOB_ENV: os.environ.get(PEER_JOB_ENV) or node.rdzv_id or "none"}
         try:
-            peer, address = peer_daemon(Path(replicas[0]), _peer_host(command), env={**os.environ, **job},
+            peer, address = peer_daemon(Path(replicas[0]), node.peer_host, env={**os.environ, **job},
                                         events=events_path(cfg.run.out))
             peer_env = {PEER_ENV: address, **job}
         except OSError as e:     # no address to listen on or to give: a node loss then resumes from FSx
@@ -113,9 +148,10 @@ def run_with_zygote(command: list[str], warm: bool = True) -> int:
     listener.listen(256)
     # The zygote exits when this pipe closes, i.e. when this process is gone, however it ended.
     alive_r, alive_w = os.pipe()
+    from .zygote import command as zygote_command    # here: trainer.zygote imports this module
+
     zygote = subprocess.Popen(
-        [sys.executable, "-m", "trainer.zygote", str(listener.fileno()), str(alive_r), "1" if warm else "0",
-         *replicas],
+        [sys.executable, "-m", "trainer.zygote", *zygote_command(listener.fileno(), alive_r, warm, replicas)],
         pass_fds=(listener.fileno(), alive_r), start_new_session=True,
         env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
     listener.close()
@@ -170,53 +206,26 @@ def wait_unless_stopped(proc: subprocess.Popen, what: str, poll=None) -> int:
                 proc.kill()
 
 
-def _split(command: list[str]) -> tuple[list[str], list[str] | None]:
-    """(the launcher's arguments, the trainer's) of ``command`` (``LAUNCHER... -m trainer ARGS``); the
-    trainer's are None where ``command`` runs no trainer."""
+def _trainer_args(command: list[str]) -> list[str] | None:
+    """The arguments of the trainer that ``command`` runs (``LAUNCHER... -m trainer ARGS``), None if it runs none.
+    Found in the command: a TrainJob's pods append them to the runtime's command, which all its jobs share."""
     for i in range(1, len(command)):
         if command[i - 1:i + 1] == ["-m", "trainer"]:
-            return command[:i - 1], command[i + 1:]
-    return command, None
-
-
-def _flag(args: list[str], name: str) -> str | None:
-    for i, a in enumerate(args):
-        if a in (name, "--" + name[2:].replace("-", "_")) and i + 1 < len(args):
-            return args[i + 1]
-        if a.startswith(name + "="):
-            return a.split("=", 1)[1]
+            return command[i + 1:]
     return None
-
-
-def _multinode(command: list[str]) -> bool:
-    """Whether the launcher in ``command`` may run with more than one node (``--nnodes N`` or ``MIN:MAX``)."""
-    args = _split(command)[0]
-    nnodes = _flag(args, "--nnodes")
-    if "--standalone" in args or nnodes is None:
-        return False
-    try:
-        return max(int(n) for n in nnodes.split(":")) > 1
-    except ValueError:     # not a count: unresolved here, so possibly many nodes
-        return True
-
-
-def _peer_host(command: list[str]) -> str:
-    """Where the node's peer store listens: loopback when the rendezvous is on loopback (the nodes share this
-    machine), else every interface (pod-to-pod ports are open)."""
-    endpoint = _flag(_split(command)[0], "--rdzv-endpoint") or ""
-    host = endpoint.rpartition(":")[0].strip("[]")
-    return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
 
 
 def _trainer_config(command: list[str]):
     """The config of the trainer that ``command`` runs (``-m trainer ARGS``), or None."""
-    args = _split(command)[1]
+    args = _trainer_args(command)
     if args is None:
         return None
     from .config import parse_config
 
     try:
-        return parse_config(args)
+        # Not validated here: checking the model imports torch (seconds of CPU before the zygote and the launcher
+        # start), and the ranks validate the same settings before they train.
+        return parse_config(args, validate=False)
     except (ValueError, SystemExit, OSError):
         return None
 
@@ -520,13 +529,26 @@ def _recv(conn: socket.socket) -> dict | None:
     return json.loads(msg) if msg else None
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m trainer.warmstart",
+                                description="Run COMMAND (ft_launcher ... -m trainer ...) next to a warm-start zygote.")
+    p.add_argument("--cold", action="store_true",
+                   help="fork nothing (the ranks start cold): the zygote only cleans up after the run")
+    p.add_argument("--nnodes", default=NodePlace.nnodes, help="the launcher's --nnodes: N or MIN:MAX")
+    p.add_argument("--rdzv-endpoint", default=NodePlace.rdzv_endpoint,
+                   help="the launcher's c10d rendezvous, host:port (none: --standalone)")
+    p.add_argument("--rdzv-id", default=NodePlace.rdzv_id, help="the launcher's rendezvous id")
+    p.add_argument("command", nargs=argparse.REMAINDER, help="the launcher's command line")
+    return p
+
+
 def main(argv: list[str]) -> None:
-    if argv[:1] == ["--cold"] and argv[1:]:
-        exit_like(run_with_zygote(argv[1:], warm=False))
-    elif argv:
-        exit_like(run_with_zygote(argv))
-    else:
-        sys.exit("usage: python -m trainer.warmstart [--cold] COMMAND [ARGS...]")
+    p = parser()
+    a = p.parse_args(argv)
+    if not a.command:
+        p.error("give the COMMAND to run (ft_launcher ... -m trainer ...)")
+    exit_like(run_with_zygote(a.command, warm=not a.cold,
+                              node=NodePlace(a.nnodes, a.rdzv_endpoint, a.rdzv_id)))
 
 
 if __name__ == "__main__":

@@ -2,12 +2,13 @@
 
 Started by ``trainer.warmstart.run_with_zygote``, never by hand:
 
-    python -m trainer.zygote LISTEN_FD ALIVE_FD WARM [SNAPSHOT_DIR ...]
+    python -m trainer.zygote --listen-fd FD --alive-fd FD [--cold] [--replica-dir DIR ...]
 
-``WARM`` 0: a janitor only, which imports nothing and forks nothing. The mechanism (fork safety, stdio and
+``--cold``: a janitor only, which imports nothing and forks nothing. The mechanism (fork safety, stdio and
 signal hand-over, clean-up) is ``trainer.warmstart``; this module is what it runs: ``python -m trainer``.
 """
 
+import argparse
 import gc
 import os
 import sys
@@ -50,11 +51,24 @@ def run_rank(argv: list[str]) -> int:
     return main(argv)
 
 
+def command(listen_fd: int, alive_fd: int, warm: bool, replicas: list[str]) -> list[str]:
+    """The arguments of ``python -m trainer.zygote`` (``main``)."""
+    return ["--listen-fd", str(listen_fd), "--alive-fd", str(alive_fd), *([] if warm else ["--cold"]),
+            *(a for r in replicas for a in ("--replica-dir", r))]
+
+
 def main(argv: list[str]) -> None:
-    listen_fd, alive_fd, warm, replicas = int(argv[0]), int(argv[1]), argv[2] == "1", tuple(argv[3:])
-    if warm:
+    p = argparse.ArgumentParser(prog="python -m trainer.zygote", description="The warm-start zygote (started by "
+                                "trainer.warmstart, never by hand).")
+    p.add_argument("--listen-fd", type=int, required=True, help="the listening socket ranks' proxies connect to")
+    p.add_argument("--alive-fd", type=int, required=True, help="a pipe whose end means the launch wrapper is gone")
+    p.add_argument("--cold", action="store_true", help="a janitor only: import nothing, fork nothing")
+    p.add_argument("--replica-dir", action="append", default=[], help="memory snapshots to remove at the end")
+    a = p.parse_args(argv)
+    if not a.cold:
         preload()
-    warmstart.serve(listen_fd, alive_fd, warmstart.ChildRun(before_threads, run_rank) if warm else None, replicas)
+    warmstart.serve(a.listen_fd, a.alive_fd, None if a.cold else warmstart.ChildRun(before_threads, run_rank),
+                    tuple(a.replica_dir))
     # The run is over and cleaned up: skip the interpreter's teardown of torch and NVRx (most of a second),
     # which would keep the run's last process alive that much longer.
     sys.stdout.flush()

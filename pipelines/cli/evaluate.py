@@ -71,8 +71,8 @@ def evaluate(run_dir: Path, data_dir: Path | None, out_dir: Path | None, last_n:
     from rich.console import Console
     from rich.table import Table
 
-    from components.evaluate import evaluate_run
-    from components.report import task_metrics
+    from components.evaluate.evaluate import evaluate_run
+    from components.evaluate.report import task_metrics
 
     # A bad argument (exit 2) and an EvaluationError (exit 1) are reported by the `goodput` group, as one line.
     result = evaluate_run(run_dir, data_dir, out_dir, last_n=last_n or None, threshold=threshold,

@@ -7,7 +7,7 @@ import dataclasses
 
 import click
 
-from components.pytorchjob import JobSpec
+from components.train.pytorchjob import JobSpec
 from trainer import compat
 
 _HELP = {f.name: f.metadata.get("help", "") for f in dataclasses.fields(JobSpec)}
@@ -15,7 +15,7 @@ _DEFAULTS = {f.name: f.default if f.default is not dataclasses.MISSING else f.de
              for f in dataclasses.fields(JobSpec)}
 KINDS = ("pytorchjob", "trainjob", "runtime")
 RUNTIME_NAME = "goodput-nvrx"
-# JobSpec settings a ClusterTrainingRuntime takes (components.trainjob.RuntimeSpec.pods).
+# JobSpec settings a ClusterTrainingRuntime takes (components.train.trainjob.RuntimeSpec.pods).
 RUNTIME_POD_SETTINGS = {"image", "image_pull_policy", "gpus_per_node", "gpu_resource", "efa_per_node", "cpu",
                         "memory", "shm_size", "pvc", "fsx_mount", "priority_class", "service_account", "scheduler",
                         "scheduler_name", "backoff_limit", "ttl_after_finished_s", "termination_grace_s",
@@ -133,8 +133,8 @@ def render_job(ctx: click.Context, kind, runtime_name, node_selector, env, label
     """
     import yaml
 
-    from components.pytorchjob import job_manifest
-    from components.trainjob import RuntimeSpec, runtime_manifest, trainjob_manifest
+    from components.train.pytorchjob import job_manifest
+    from components.train.trainjob import RuntimeSpec, runtime_manifest, trainjob_manifest
     from trainer.config import parse_config
     from trainer.launch import LaunchConfig
 

@@ -9,7 +9,7 @@ import click
 
 
 class _RichProgress:
-    """``components.stage.StageProgress`` drawn with rich: files and bytes, with the transfer rate.
+    """``components.stage.dataset.StageProgress`` drawn with rich: files and bytes, with the transfer rate.
 
     The bars appear on the first ``start``: an error found before the stage begins is the only output."""
 
@@ -115,7 +115,7 @@ def stage(source: str, fsx_root: Path, name: str, version: str, endpoint_url: st
     from rich.progress import (BarColumn, DownloadColumn, MofNCompleteColumn, Progress, TextColumn,
                                TimeRemainingColumn, TransferSpeedColumn)
 
-    from components.stage import StageError, refused_counts, stage_dataset
+    from components.stage.dataset import StageError, refused_counts, stage_dataset
 
     if val_tokens is not None and click.get_current_context().get_parameter_source("val_percent").name != "DEFAULT":
         raise click.UsageError("--val-percent and --val-tokens both size the validation split; give one")
@@ -174,7 +174,7 @@ def splits_line(result) -> str:
 
 
 def _report_refused(refused: list[dict], width: int) -> None:
-    from components.stage import refusal_lines
+    from components.stage.dataset import refusal_lines
 
     for line in refusal_lines(refused, width):
         click.echo(line, err=True)

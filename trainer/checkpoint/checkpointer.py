@@ -33,7 +33,7 @@ from ..layout import COMMITTED, step_dir
 from ..parallel import Dist
 from ..spot import SpotWatcher
 from .manager import CheckpointManager
-from .policy import AUTO, IntervalPolicy
+from .policy import IntervalPolicy
 
 log = logging.getLogger(__name__)
 
@@ -133,13 +133,13 @@ class Checkpointer:
         step, source, loaded = self.manager.restore(self.app.state_dict())
         if step is not None:
             self.app.load_state_dict(loaded)
+        # The writer boots while the first steps run, and the first save's plan is made now: that save waits
+        # for neither (after the load: the boot's CPU is not taken from it).
+        self.manager.start_writer()
         start = step or 0
         self.first_step = start + 1
-        cfg = self.cfg
-        self.policy = IntervalPolicy(AUTO if cfg.every_steps is None else cfg.every_steps,
-                                     self.events_path, every_s=cfg.ckpt_every_s, memory_every_s=cfg.memory_every_s,
-                                     mtbf_s=cfg.mtbf_s, start_step=start,
-                                     events=self.events if self.d.is_main else None)
+        self.policy = IntervalPolicy.for_config(self.cfg, self.events_path, start_step=start,
+                                                events=self.events if self.d.is_main else None)
         self.manager.on_snapshot = self._observe_blocking
         self.manager.maybe_finalize()   # the first step's: earlier attempts' finished writes committed
         return step, source
@@ -194,13 +194,17 @@ class Checkpointer:
 
     def _maybe_save(self, step: int, agreed: StepSignals) -> Saved | None:
         m, app, saved = self.manager, self.app.state_dict, None
-        if agreed.ckpt_due and agreed.writing and agreed.writer_cold and len(self.owed) < 2:
+        if agreed.ckpt_due and agreed.writing and agreed.writer_cold:
             # The save would wait for the previous write, which runs on a writer that has not finished one
             # yet: it may still be booting (seconds, after every start and in-job restart). The state is
             # copied to node memory now (one of its two slots) and that copy written once the writer is
             # warm: the checkpoint is this step's, and the loop waits for no boot. Memory snapshots go on in
-            # the other slot.
+            # the other slot; with both slots owed, the older owed checkpoint gives way to this one.
             with self.guard.atomic():
+                if len(self.owed) == 2:
+                    log.info("checkpoint of step %d, owed to a cold writer, superseded by step %d",
+                             self.owed[0][0], step)
+                    self._release_owed(1)
                 self.owed.append((step, m.snapshot_to_memory(step, app, keep=True)))
             saved = Saved.OWED
         elif agreed.ckpt_due:
@@ -217,7 +221,8 @@ class Checkpointer:
                     m.snapshot_to_memory(step, app)
                 m.save(step, app)
             saved = Saved.CHECKPOINT
-        elif self.owed and not (agreed.writing and agreed.writer_cold):
+        elif self.owed and not agreed.writing:
+            # Once no write runs (on any rank): behind another one, it would wait for it.
             owed_step, copy = self.owed[0]
             with self.guard.saving():
                 m.save_owed(owed_step, copy)
@@ -227,8 +232,6 @@ class Checkpointer:
             with self.guard.atomic():
                 m.snapshot_to_memory(step, app)
             saved = Saved.MEMORY
-        if step == self.first_step:
-            m.start_writer()   # not before: see Writer.start
         return saved
 
     def _release_owed(self, count: int | None = None) -> None:

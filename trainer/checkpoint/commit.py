@@ -65,6 +65,11 @@ class Commits:
         self.root.mkdir(parents=True, exist_ok=True)
         self.pending: deque[Pending] = deque()
         self._purger: threading.Thread | None = None
+        # Rank 0 commits on a thread of its own (maybe_commit_behind), the loop at its end (maybe_commit): one
+        # at a time, in step order. What the thread failed with is raised on the loop at its next commit.
+        self._lock = threading.RLock()
+        self._committer: threading.Thread | None = None
+        self._failed: BaseException | None = None
 
     def add(self, p: Pending) -> None:
         self.pending.append(p)
@@ -79,8 +84,35 @@ class Commits:
         """This rank's checksums of the items it wrote for ``step`` (``integrity.planned_digests``)."""
         write_bytes(step_dir(self.root, step) / f".rank{self.d.rank}.sums", json.dumps(checksums).encode())
 
+    def maybe_commit_behind(self) -> None:
+        """``maybe_commit``, on rank 0 on a thread: the loop does not wait for ``.metadata``, the marker and
+        their fsyncs (tens of milliseconds, most of what a save blocked for when it committed the step before)."""
+        self._raise_failed()
+        if not self.d.is_main:
+            self.maybe_commit()
+        elif self._committer is None or not self._committer.is_alive():
+            self._committer = threading.Thread(target=self._commit_behind, name="ckpt-commit", daemon=True)
+            self._committer.start()
+
+    def _commit_behind(self) -> None:
+        with self._lock:
+            try:
+                self._maybe_commit()
+            except Exception as e:   # raised on the loop, at its next commit
+                self._failed = e
+
+    def _raise_failed(self) -> None:
+        failed, self._failed = self._failed, None
+        if failed is not None:
+            raise failed
+
     def maybe_commit(self) -> None:
         """Rank 0: commit every pending step whose parts are all done; other ranks forget their done steps."""
+        with self._lock:
+            self._maybe_commit()
+        self._raise_failed()
+
+    def _maybe_commit(self) -> None:
         if not self.d.is_main:
             # Non-zero ranks are done with a step once their own results are on disk.
             while self.pending and (step_dir(self.root, self.pending[0].step)
@@ -94,10 +126,14 @@ class Commits:
             if not all(f.exists() for f in done):
                 return
             self.pending.popleft()
-            self.commit(p, results=[pickle.loads(f.read_bytes()) for f in done])
+            self._commit(p, results=[pickle.loads(f.read_bytes()) for f in done])
 
     def commit(self, p: Pending, results: list | None) -> None:
         """Rank 0: ``.metadata`` (unless a synchronous ``dcp.save`` wrote it: ``results`` None), then the marker."""
+        with self._lock:
+            self._commit(p, results)
+
+    def _commit(self, p: Pending, results: list | None) -> None:
         path = step_dir(self.root, p.step)
         if results is not None:
             p.writer.finish(p.metadata, results)   # writes .metadata (tmp + rename, fsynced)
@@ -120,7 +156,8 @@ class Commits:
                                f"a rank's write results are missing")
 
     def newest(self) -> int | None:
-        steps = committed_steps(self.root)
+        with self._lock:   # not while the commit thread commits
+            steps = committed_steps(self.root)
         return steps[-1] if steps else None
 
     # ------------------------------------------------------------------------------------ retention

@@ -23,8 +23,11 @@ separately, ``trainer.peer``).
 
 from __future__ import annotations
 
+import functools
 import io
 import json
+import logging
+import os
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -35,6 +38,13 @@ from .. import compat
 from ..errors import ChecksumMismatch
 
 ALGORITHM = "xxh3_64"
+
+BENCH_NO_CHECKSUMS_ENV = "GOODPUT_BENCH_NO_CHECKSUMS"
+"""Internal hook, not a setting: ``bench/checkpoint_stall.py`` sets it to ``1`` in the environment of its
+"without checksums" run, to measure what the checksums cost. Saves then record none, so every checkpoint such a
+run commits is refused by every restore, evaluate and export ("records no checksums")."""
+
+log = logging.getLogger(__name__)
 
 
 def digest(data) -> str:
@@ -64,6 +74,20 @@ def planned_digests(planner) -> dict[str, str]:
         out[item_key(item.index.fqn, item.index.offset)] = (
             tensor_digest(data) if isinstance(data, torch.Tensor) else digest(data.getbuffer()))
     return out
+
+
+def staged_digests(planner) -> dict[str, str]:
+    """What a save records of the items it planned: their ``planned_digests``; none under ``BENCH_NO_CHECKSUMS_ENV``."""
+    return {} if _bench_no_checksums() else planned_digests(planner)
+
+
+@functools.cache
+def _bench_no_checksums() -> bool:
+    off = os.environ.get(BENCH_NO_CHECKSUMS_ENV) == "1"
+    if off:
+        log.warning("%s=1: checkpoints are saved without checksums, and no restore will load them (a benchmark's "
+                    "hook)", BENCH_NO_CHECKSUMS_ENV)
+    return off
 
 
 def marker_fields(checksums: dict[str, str]) -> dict:
@@ -132,7 +156,8 @@ def verify_files(path: Path, share: tuple[int, int] = (0, 1)) -> None:
         raise ChecksumMismatch(f"{path}: unreadable COMMITTED marker ({e})") from e
     want = marker.get("checksums")
     if not want or marker.get("checksum") != ALGORITHM:
-        raise ChecksumMismatch(f"{path} records no {ALGORITHM} checksums (written before they were recorded)")
+        raise ChecksumMismatch(f"{path} records no {ALGORITHM} checksums (written before they were recorded, or "
+                               f"with {BENCH_NO_CHECKSUMS_ENV}=1): not loaded")
     try:
         meta = FileSystemReader(str(path)).read_metadata()
     except Exception as e:

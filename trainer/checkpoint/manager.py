@@ -45,7 +45,7 @@ from ..peer import ENV as PEER_ENV
 from ..peer import PeerRefused, holder_of, parse_address, peer_steps, restore_from_peer
 from ..peer import wake as wake_peer_daemon
 from .commit import Commits, Pending, delete_checkpoint
-from .integrity import ChecksumMismatch, planned_digests, state_digests, verify_files, verify_planned
+from .integrity import ChecksumMismatch, staged_digests, state_digests, verify_files, verify_planned
 from .replica import MemorySnapshots
 from .staging import Copier, Staging
 from .writer import Writer
@@ -133,7 +133,10 @@ class CheckpointManager:
         return self.replica.copy_s
 
     def start_writer(self) -> None:
+        """Start the writer (it boots in the background) and plan the staging copy's first save now, so that
+        the first save neither waits for the boot nor gathers every rank's plan. Collective."""
         self.writer.start()
+        self.staging.plan_ahead()
 
     @property
     def _replica_run(self) -> str | None:
@@ -258,6 +261,9 @@ class CheckpointManager:
             except PeerRefused as e:
                 self.peer_refused(holder, str(e))
                 got = None
+            except ChecksumMismatch as e:
+                self.checksum_mismatch("peer", step, str(e))
+                got = None
             self.replica = MemorySnapshots(self.replica.node.dir, self.d.rank, pin=self.replica.node.pin)
             self.replica.read_back(state)
             self._report_rejected(source="peer")
@@ -313,7 +319,7 @@ class CheckpointManager:
         rejected = []
         while True:
             step = self._newest_committed()
-            if step is None or step in rejected:   # the S3 mirror's copy of a step refused here: as corrupt
+            if step is None:
                 if rejected:
                     raise RuntimeError(f"no committed checkpoint holds the bytes that were staged (steps {rejected} "
                                        f"failed their checksums; see the checksum_mismatch events): refusing to "
@@ -322,6 +328,9 @@ class CheckpointManager:
             path = step_dir(self.root, step)
             if self._verified(path, step):
                 break
+            if step in rejected:   # its FSx copy, then the S3 mirror's (verified at download): not trusted
+                raise RuntimeError(f"step {step} failed its checksums twice (see the checksum_mismatch events): "
+                                   f"refusing to load or start over")
             rejected.append(step)
             if self.d.is_main:
                 # Un-committed, then deleted: the next round takes the next older one (or the S3 mirror's copy,
@@ -399,7 +408,7 @@ class CheckpointManager:
             dcp.save(state, checkpoint_id=str(path), planner=planner)
             # The state has not changed since: the checksums are of the bytes written (before the barrier, for
             # the commit).
-            self.commits.record_checksums(step, planned_digests(planner))
+            self.commits.record_checksums(step, staged_digests(planner))
             if self.on_write_started:
                 self.on_write_started(step)
             # Sync point: every rank's shards are on disk before rank 0 commits.
@@ -444,7 +453,6 @@ class CheckpointManager:
         """Plan the write and start the copy; ``self.copying`` records where the blocking time went (wait,
         commit, stage, plan, start)."""
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
-        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
 
         self.writer.start()
         # The staging copy is reused, so the previous snapshot must be whole and its write finished before
@@ -458,7 +466,7 @@ class CheckpointManager:
             # be the same on every rank: ``pending`` is not (a non-zero rank drops a step once its own part is
             # written, rank 0 only once every part is), and a barrier on rank 0 alone deadlocks the loop.
             dist.barrier()
-            self.commits.maybe_commit()
+            self.commits.maybe_commit_behind()
         t_commit = time.monotonic()
         snapshot, pairs = self.staging.stage(state)
         # The staging copy is about to be overwritten: it no longer holds the previous snapshot.
@@ -473,11 +481,7 @@ class CheckpointManager:
             copy.result()
         t_copy = time.monotonic()
         writer = FileSystemWriterAsync(str(path), thread_count=self.cfg.write_threads)
-        writer, metadata, _ = save_state_dict_async_plan(snapshot, writer, planner=self.staging.planner,
-                                                         enable_cache=True, metadata_cache=self.staging.plan_cache)
-        # NVRx trusts a plan once a second full planning (with a gather) produced the same one. That it
-        # stays valid is what Staging.stage checks at every save, so it is trusted from the first.
-        compat.trust_save_plan(self.staging.plan_cache, metadata)
+        metadata = self.staging.plan(snapshot, writer)
         t_plan = time.monotonic()
 
         planner = self.staging.planner
@@ -490,7 +494,7 @@ class CheckpointManager:
 
         request = compat.save_request(writer, [finalize], rel)
         copy = copy or self.copier.start(pairs)
-        sums = self.copier.checksum(copy, lambda: planned_digests(planner))
+        sums = self.copier.checksum(copy, lambda: staged_digests(planner))
         now = time.monotonic()
         phases = {"wait_s": t_wait - t0, "commit_s": t_commit - t_wait, "stage_s": t_stage - t_commit,
                   "plan_s": t_plan - t_copy, "start_s": now - t_plan}
@@ -572,7 +576,7 @@ class CheckpointManager:
         if not self.writer.started:
             return
         self.writer.maybe_finalize()
-        self.commits.maybe_commit()
+        self.commits.maybe_commit_behind()
 
     def wait(self) -> None:
         """Block until every scheduled checkpoint is committed (call on all ranks)."""

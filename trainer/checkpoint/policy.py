@@ -10,6 +10,7 @@ from collections import deque
 from pathlib import Path
 from typing import Literal
 
+from ..config import CheckpointConfig
 from ..events import Event, EventLog, read_events
 from ..goodput import DEFAULT_MTBF_S, young_daly_interval_s
 
@@ -66,6 +67,13 @@ class IntervalPolicy:
         self.writing_step_s: deque[float] = deque(maxlen=self.window)
         self.quiet_step_s: deque[float] = deque(maxlen=self.window)
         self.writing_steps = 0
+
+    @classmethod
+    def for_config(cls, cfg: CheckpointConfig, events_path: Path, *, start_step: int = 0,
+                   events: EventLog | None = None) -> "IntervalPolicy":
+        """The policy of the run's checkpoint settings: the interval as ``cfg.every_steps`` parsed it."""
+        return cls(AUTO if cfg.every_steps is None else cfg.every_steps, events_path, every_s=cfg.ckpt_every_s,
+                   memory_every_s=cfg.memory_every_s, mtbf_s=cfg.mtbf_s, start_step=start_step, events=events)
 
     def observe_step(self, step_s: float, writing: bool = False) -> None:
         """A step's duration; ``writing``: a checkpoint write was running when it started."""

@@ -153,6 +153,22 @@ def _strip(state: Any, counter: list[int]) -> Any:
     return state
 
 
+def _offsets(specs: list[tuple[torch.dtype, torch.Size]]) -> tuple[list[int], int]:
+    """Where each tensor of ``specs`` starts in a slot, and the slot's size."""
+    offsets, size = [], 0
+    for dtype, shape in specs:
+        offsets.append(size)
+        size += -(-shape.numel() * dtype.itemsize // _ALIGN) * _ALIGN    # aligned for every dtype's view
+    return offsets, size
+
+
+def tensor_spans(marker: dict) -> list[tuple[int, int]]:
+    """(offset, bytes) of each tensor in the slot of a replica ``marker`` (what its checksums cover)."""
+    specs = [(getattr(torch, dtype.removeprefix("torch.")), torch.Size(shape)) for dtype, shape in marker["layout"]]
+    offsets, _ = _offsets(specs)
+    return [(o, shape.numel() * dtype.itemsize) for o, (dtype, shape) in zip(offsets, specs)]
+
+
 class NodeReplica:
     """This rank's two replica slots and their marker, in ``directory``."""
 
@@ -198,10 +214,7 @@ class NodeReplica:
         """Slot ``slot`` mapped and sized for ``state``'s tensors: one view per tensor, in traversal order."""
         layout = _specs(state)
         self.layouts[slot] = _layout(state)
-        offsets, size = [], 0
-        for dtype, shape in layout:
-            offsets.append(size)
-            size += -(-shape.numel() * dtype.itemsize // _ALIGN) * _ALIGN    # aligned for every dtype's view
+        offsets, size = _offsets(layout)
         flat = self._map(slot, max(size, _ALIGN), pin)
         return [flat[o:].view(dtype)[:shape.numel()].view(shape) for o, (dtype, shape) in zip(offsets, layout)]
 

@@ -10,6 +10,7 @@ runs the next forward and backward passes, which only read the state.
 from __future__ import annotations
 
 import pickle
+import tempfile
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable
@@ -115,6 +116,7 @@ class Staging:
         self.buffer: dict | None = None
         # Planning state of the current staging copy (see StagingPlanner), replaced with it.
         self.plan_cache = self.planner = None
+        self.planned = False   # the current staging copy's first, full planning is done
 
     def allocate(self, state: dict) -> dict:
         """New staging copy shaped like ``state``, with a new planner: its first saves plan from scratch
@@ -126,7 +128,33 @@ class Staging:
         self.buffer = create_cpu_state_dict(state, share_memory=True, pin_memory=self.pin)
         # NVRx reuses the global save plan once it is stable: later saves plan without collectives.
         self.plan_cache, self.planner = CheckpointMetadataCache(), StagingPlanner()
+        self.planned = False
         return self.buffer
+
+    def plan(self, snapshot: dict, writer) -> Any:
+        """Plan the write of ``snapshot`` (laid onto this staging copy) by ``writer`` (a
+        ``FileSystemWriterAsync``); return DCP's global metadata (rank 0). The first planning of a staging
+        copy is collective (every rank's plan gathered); later ones reuse it and are local."""
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import save_state_dict_async_plan
+
+        writer, metadata, _ = save_state_dict_async_plan(snapshot, writer, planner=self.planner, enable_cache=True,
+                                                         metadata_cache=self.plan_cache)
+        # NVRx trusts a plan once a second full planning (with a gather) produced the same one. That it
+        # stays valid is what ``stage`` checks at every save, so it is trusted from the first.
+        compat.trust_save_plan(self.plan_cache, metadata)
+        self.planned = True
+        return metadata
+
+    def plan_ahead(self) -> None:
+        """The staging copy's first, full planning, now (collective: call on every rank) rather than in the
+        loop at its first save, where the gather of every rank's plan made that save the slowest by far.
+        Plans into a directory of its own, removed at once: only the plan is kept."""
+        from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
+
+        if self.buffer is None or self.planned:
+            return
+        with tempfile.TemporaryDirectory(prefix="goodput-plan-ahead-") as path:
+            self.plan(self.buffer, FileSystemWriterAsync(path))
 
     def stage(self, state: dict) -> tuple[dict, list]:
         """The snapshot of ``state`` (staging tensors, and the state's other values) and the (live, staging)

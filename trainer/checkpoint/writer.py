@@ -122,11 +122,12 @@ class Writer:
     def start(self) -> None:
         """Start NVRx's persistent worker process and its results-queue manager, if not running yet.
 
-        Called by the loop once the first step after a (re)start is done, not when the manager is built:
-        the worker is a spawned process that imports torch and the writer's module (seconds of CPU), and
-        on a restart that CPU would be taken from the ranks while they restore. No checkpoint needs the
-        writer before then (a blocking save before it writes synchronously). The warm-up request imports
-        the writer's module; saves never wait for it (``schedule`` holds writes back until it finished).
+        Called once the state is restored (``Checkpointer.load``), before the first step: the worker is a
+        spawned process that imports torch and the writer's module (seconds of CPU, niced), which then
+        boots while the first steps run rather than while the ranks restore, and is warm as early as it can
+        be for the first save. The warm-up request imports the writer's module; saves never wait for it
+        (``schedule`` holds writes back until it finished, a checkpoint due behind a write on a writer still
+        cold is owed, and a blocking save before it writes synchronously).
         """
         if self.cfg.sync or self.queue is not None:
             return

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from .registry import apply_overrides, pick_flavor
 from .spec import ModelSpec, TensorParallelPlan, Vocabulary
@@ -210,7 +211,11 @@ class Llama(nn.Module):
         for layer in self.layers:
             h = layer(h, self.rope)
         h = self.norm(h)
-        return self.output(h) if self.output is not None else F.linear(h, self.tok_embeddings.weight)
+        if self.output is not None:
+            return self.output(h)
+        logits = F.linear(h, self.tok_embeddings.weight)
+        # Tensor-parallel: the tied weight is split over the vocabulary, so are these logits; gathered whole.
+        return logits.full_tensor() if isinstance(logits, DTensor) else logits
 
     @torch.no_grad()
     def init_weights(self) -> None:
@@ -264,7 +269,9 @@ def tensor_parallel(model: Llama, tp_mesh) -> None:
     parallelize_module(model, tp_mesh, {
         "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
         "norm": SequenceParallel(),
-        "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate()),
+        # Tied embeddings: the output is the embedding's weight, already split over the vocabulary.
+        **({} if model.output is None else
+           {"output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Replicate())}),
     })
     for block in model.layers:
         parallelize_module(block, tp_mesh, {
@@ -288,9 +295,6 @@ def tensor_parallel_problems(args: LlamaArgs, tp: int, seq_len: int) -> list[str
         ("ffn_dim", args.ffn_dim, "the MLP splits its hidden width"),
         ("vocab_size", args.vocab_size, "the embedding and output split the vocabulary"),
         ("--seq-len", seq_len, "the norms split the sequence")) if n % tp]
-    if args.tie_embeddings:
-        out.append("llama with tie_embeddings (llama3-1b, llama3-3b) has no tensor-parallel plan: use --tp 1 "
-                   "(these sizes fit a GPU with FSDP alone)")
     return out
 
 
