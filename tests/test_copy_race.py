@@ -21,16 +21,14 @@ from pathlib import Path
 from tests.conftest import STEPS
 
 SITE = '''
-import importlib.abc, importlib.util, json, os, sys, threading, zlib
+import json, os, threading
+
+from drill_hooks import crc32s, hold_while_booting, live_storages, patch_on_import, tensors
 
 OUT, STEP = os.environ["COPY_RACE_OUT"], int(os.environ["COPY_RACE_STEP"])
 gate = threading.Event()     # the held copy may run
 held = {}                    # id(pairs) -> crc32 of each live tensor when the save was taken
-
-
-def crcs(tensors):
-    import torch
-    return [zlib.crc32(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy()) for t in tensors]
+optimizers = []
 
 
 def record(name, line):
@@ -60,7 +58,7 @@ def patch_staging(m):
         snapshot, pairs = stage(staging, state)
         if getattr(staging, "gated", False):
             gate.clear()     # armed from here: only a wait for this copy or a later optimizer step opens it
-            held[id(pairs)] = crcs([live for live, _ in pairs])
+            held[id(pairs)] = crc32s([live for live, _ in pairs])
         return snapshot, pairs
     m.Staging.stage = staged
     copy = m.Copier.copy
@@ -69,7 +67,7 @@ def patch_staging(m):
             if not gate.wait(300):
                 record("errors", {"error": "the held copy was never let go"})
             seconds = copy(copier, pairs, *args, **kwargs)
-            got = crcs([staged for _, staged in pairs])
+            got = crc32s([staged for _, staged in pairs])
             record("copies", {"step": STEP, "tensors": len(got),
                               "later": sum(a != b for a, b in zip(held.pop(id(pairs)), got))})
             return seconds
@@ -77,16 +75,7 @@ def patch_staging(m):
     m.Copier.copy = gated_copy
 
 
-def patch_writer(m):
-    init = m.Writer.__init__
-    def holding(writer, *args, **kwargs):
-        init(writer, *args, **kwargs)
-        writer.holds_while_booting = True
-    m.Writer.__init__ = holding
-
-
 def patch_train(m):
-    optimizers = []
     build = m.build_optimizer
     def built(*args, **kwargs):
         optimizers.append(build(*args, **kwargs))
@@ -99,66 +88,24 @@ def patch_train(m):
         finally:
             gate.set()       # the optimizer step ran first: the copy now reads the later state
     m.torch.optim.AdamW.step = stepped
-    patch_train.live = lambda: {getattr(t, "_local_tensor", t).untyped_storage().data_ptr()
-                                for o in optimizers for t in tensors([g["params"] for g in o.param_groups]
-                                                                     + list(o.state.values()), [])}
-
-
-def tensors(obj, out):
-    import torch
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            tensors(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            tensors(x, out)
-    return out
 
 
 def patch_queue(m):
     schedule = m.AsyncCallsQueue.schedule_async_request
     def handed(queue, request):
         args = list(request.async_fn_args or ())
-        written = tensors(args[1] if len(args) > 1 else [], [])
-        preload = getattr(request.preload_fn, "args", ())
-        written += tensors(list(preload), [])
+        written = tensors(args[1] if len(args) > 1 else []) + tensors(list(getattr(request.preload_fn, "args", ())))
         if written:
-            live = patch_train.live()
+            live = live_storages(optimizers)
             record("handed", {"tensors": len(written),
                               "live": sum(t.untyped_storage().data_ptr() in live for t in written)})
         return schedule(queue, request)
     m.AsyncCallsQueue.schedule_async_request = handed
 
 
-PATCHES = {"trainer.checkpoint.manager": patch_manager, "trainer.checkpoint.staging": patch_staging,
-           "trainer.checkpoint.writer": patch_writer, "trainer.train": patch_train,
-           "nvidia_resiliency_ext.checkpointing.async_ckpt.core": patch_queue}
-
-
-class Patcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    def find_spec(self, name, path, target=None):
-        if name not in PATCHES:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
-        spec.loader_state = spec.loader
-        spec.loader = self
-        return spec
-
-    def create_module(self, spec):
-        return spec.loader_state.create_module(spec)
-
-    def exec_module(self, module):
-        module.__spec__.loader_state.exec_module(module)
-        PATCHES[module.__name__](module)
-
-
-sys.meta_path.insert(0, Patcher())
+patch_on_import({"trainer.checkpoint.manager": patch_manager, "trainer.checkpoint.staging": patch_staging,
+                 "trainer.checkpoint.writer": hold_while_booting, "trainer.train": patch_train,
+                 "nvidia_resiliency_ext.checkpointing.async_ckpt.core": patch_queue})
 '''
 
 
@@ -171,7 +118,10 @@ def test_the_optimizer_step_waits_for_the_copy_and_nvrx_gets_the_staging_copy(tm
     site.mkdir()
     out.mkdir()
     (site / "sitecustomize.py").write_text(SITE)
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [str(site), os.environ.get("PYTHONPATH")])))
+    # Its own sitecustomize first, then the hooks it shares with the hold drill's.
+    hooks = Path(__file__).resolve().parents[1] / "bench" / "_drill_site"
+    path = [str(site), str(hooks), os.environ.get("PYTHONPATH")]
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, path)))
     monkeypatch.setenv("COPY_RACE_OUT", str(out))
     monkeypatch.setenv("COPY_RACE_STEP", "4")
     run = start_run(tmp_path / "run", *STEPS)

@@ -27,9 +27,8 @@ from trainer.launch import LaunchConfig, LocalCluster
 from trainer.layout import COMMITTED, checkpoints_dir, replica_dir, replica_marker, step_dir
 
 from tests.conftest import until
-from tests.multinode import events, logs, summary, wait_for
+from tests.multinode import committed, events, held, logs, newest_snapshot, summary, wait_for
 from tests.test_parallel_runs import LLAMA, _run
-from tests.test_peer_restore import committed, held, newest_snapshot
 
 # Synchronous checkpoints every 8 steps, committed at their step (none in flight commits after the hang). Memory
 # snapshots as often as their own spacing allows (20x a copy's duration): several between two checkpoints at

@@ -16,12 +16,10 @@ import time
 import psutil
 import pytest
 
-from trainer.checkpoint.replica import NodeReplica
 from trainer.launch import LaunchConfig, LocalCluster
-from trainer.peer import holder_of
 
 from tests.conftest import FT, TINY, until
-from tests.multinode import events, logs, summary, wait_for
+from tests.multinode import committed, events, held, logs, newest_snapshot, summary, wait_for
 
 # A memory snapshot every 0.3 s is every few steps. Synchronous checkpoints: committed at their step, not
 # whenever a writer that boots after every start gets to it, so that the loss is between two checkpoints
@@ -43,21 +41,6 @@ def fault_free_sha(tmp_path_factory, dataset) -> str:
     return s["params_sha256"]
 
 
-def held(c, node: int, rank: int) -> list[int]:
-    """Steps of ``rank``'s snapshots that node ``node``'s holder keeps (its store's index)."""
-    keeper = c.nodes[holder_of(node, len(c.nodes))]
-    steps: list[int] = []
-    for index in keeper.memory_dir.glob(f"goodput-*/peer-store/node{node}/rank{rank}.index"):
-        with contextlib.suppress(OSError, ValueError):
-            steps += [e["step"] for e in json.loads(index.read_text()).values()]
-    return sorted(steps)
-
-
-def committed(c, before: float = float("inf")) -> int:
-    """The newest step committed (before time ``before``), 0 if none."""
-    return max((e["step"] for e in events(c) if e["event"] == "ckpt_committed" and e["t"] < before), default=0)
-
-
 def peer_daemons(c, i: int) -> list[int]:
     """Node ``i``'s peer daemons (``python -m trainer.peer``)."""
     found = []
@@ -66,12 +49,6 @@ def peer_daemons(c, i: int) -> list[int]:
             if psutil.Process(pid).cmdline()[1:3] == ["-m", "trainer.peer"]:
                 found.append(pid)
     return found
-
-
-def newest_snapshot(c, i: int, rank: int) -> int | None:
-    """The step of ``rank``'s newest memory snapshot on node ``i``."""
-    markers = [NodeReplica(d, rank).marked() for d in c.nodes[i].memory_dir.glob("goodput-*")]
-    return next((m["step"] for m in markers if m), None)
 
 
 def lose_node_1(c) -> tuple[float, list[int], int]:

@@ -14,24 +14,12 @@ written: what the worker read is not what was staged).
 """
 
 import functools
-import importlib.abc
-import importlib.util
 import json
 import os
-import sys
 import threading
 import weakref
-import zlib
 
-
-def _hold(module):
-    init = module.Writer.__init__
-
-    def __init__(writer, *args, **kwargs):
-        init(writer, *args, **kwargs)
-        writer.holds_while_booting = True
-
-    module.Writer.__init__ = __init__
+from drill_hooks import crc32s, hold_while_booting, live_storages, patch_on_import, tensors
 
 
 def _own_staging(module):
@@ -133,20 +121,6 @@ def _guard_copy_back(module):
     module._copy_state_dict = checked
 
 
-def _tensors(obj, out: list) -> list:
-    import torch
-
-    if isinstance(obj, torch.Tensor):
-        out.append(obj)
-    elif isinstance(obj, (list, tuple)):
-        for x in obj:
-            _tensors(x, out)
-    elif isinstance(obj, dict):
-        for x in obj.values():
-            _tensors(x, out)
-    return out
-
-
 def _buckets(request):
     """What a request's worker writes from: the write buckets in its arguments (up to 0.5), else the
     (checkpoint directory, data) its preload function builds them from (0.6+)."""
@@ -166,19 +140,7 @@ def _checkpoint(buckets) -> str:
 
 
 def _digest(buckets) -> tuple[str, list[int]]:
-    import torch
-
-    return _checkpoint(buckets), [zlib.crc32(t.detach().reshape(-1).contiguous().view(torch.uint8).numpy())
-                                  for t in _tensors(buckets, [])]
-
-
-def _live_storages() -> set[int]:
-    ptrs = set()
-    for optimizer in list(_optimizers):
-        live = [p for group in optimizer.param_groups for p in group["params"]]
-        for t in _tensors(live, []) + _tensors(list(optimizer.state.values()), []):
-            ptrs.add(getattr(t, "_local_tensor", t).untyped_storage().data_ptr())
-    return ptrs
+    return _checkpoint(buckets), crc32s(tensors(buckets))
 
 
 def _watch_writes(module):
@@ -214,13 +176,13 @@ def _watch_queue(module):
     def handed(queue, request):
         buckets = _buckets(request)
         if buckets:
-            live = _live_storages()
-            tensors = _tensors(buckets, [])
-            shared = sum(t.untyped_storage().data_ptr() in live for t in tensors)
+            live = live_storages(list(_optimizers))
+            written = tensors(buckets)
+            shared = sum(t.untyped_storage().data_ptr() in live for t in written)
             where = _checkpoint(buckets)
-            _record("race_checks", {"kind": "live_tensor", "checkpoint": where, "tensors": len(tensors)})
+            _record("race_checks", {"kind": "live_tensor", "checkpoint": where, "tensors": len(written)})
             if shared:
-                _record("races", {"kind": "live_tensor", "checkpoint": where, "tensors": len(tensors),
+                _record("races", {"kind": "live_tensor", "checkpoint": where, "tensors": len(written),
                                   "live": shared})
             _compare(buckets, "handed over")
         return schedule(queue, request)
@@ -239,7 +201,7 @@ def _watch_queue(module):
 
 _PATCHES = {}
 if os.environ.get("GOODPUT_DRILL_HOLD") == "1":
-    _PATCHES["trainer.checkpoint.writer"] = _hold
+    _PATCHES["trainer.checkpoint.writer"] = hold_while_booting
 if os.environ.get("GOODPUT_DRILL_WATCH"):
     _PATCHES["trainer.checkpoint.manager"] = _own_staging
     _PATCHES["trainer.checkpoint.staging"] = lambda m: (_watch_staging(m), _count_copies(m))
@@ -250,29 +212,4 @@ if os.environ.get("GOODPUT_DRILL_WATCH"):
     _PATCHES["nvidia_resiliency_ext.checkpointing.async_ckpt.core"] = _watch_queue
 
 
-class _Patcher(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """Runs a patch on a module right after it is imported."""
-
-    def find_spec(self, name, path, target=None):
-        if name not in _PATCHES:
-            return None
-        sys.meta_path.remove(self)
-        try:
-            spec = importlib.util.find_spec(name)
-        finally:
-            sys.meta_path.insert(0, self)
-        spec.loader_state = (spec.loader, _PATCHES[name])
-        spec.loader = self
-        return spec
-
-    def create_module(self, spec):
-        return spec.loader_state[0].create_module(spec)
-
-    def exec_module(self, module):
-        loader, patch = module.__spec__.loader_state
-        loader.exec_module(module)
-        patch(module)
-
-
-if _PATCHES:
-    sys.meta_path.insert(0, _Patcher())
+patch_on_import(_PATCHES)
