@@ -79,6 +79,15 @@ def _manager(tmp_path, process_group, **cfg) -> CheckpointManager:
                              run_id="run-1")
 
 
+def _restore_fresh(tmp_path, cfg, process_group):
+    """A restore by a new manager of the run (a restarted job): (step, source, restored state)."""
+    mgr = CheckpointManager(tmp_path / "ckpt", cfg, process_group, EventLog(tmp_path / "events.jsonl", 0))
+    try:
+        return mgr.restore(_zeros())
+    finally:
+        mgr.close()
+
+
 def _committed_step_2(tmp_path, process_group) -> None:
     """A run directory whose one checkpoint, step 2, is committed."""
     mgr = _manager(tmp_path, process_group)
@@ -406,12 +415,8 @@ def test_a_checkpoint_corrupted_in_the_s3_mirror_is_refused_after_its_download(t
     data[start + random.Random(3).randrange(W_BYTES)] ^= 0xFF
     s3.client().put_object(Bucket="ckpt", Key=key, Body=bytes(data))
     shutil.rmtree(tmp_path / "ckpt")
-    mgr = CheckpointManager(tmp_path / "ckpt", cfg, process_group, EventLog(tmp_path / "events.jsonl", 0))
-    try:
-        with pytest.raises(RuntimeError, match=r"steps \[2\] failed their checksums"):
-            mgr.restore(_zeros())
-    finally:
-        mgr.close()
+    with pytest.raises(RuntimeError, match=r"steps \[2\] failed their checksums"):
+        _restore_fresh(tmp_path, cfg, process_group)
     # S3's own checksum of the object, checked by the download, refuses it before the restore reads it.
     events = read_events(tmp_path / "events.jsonl")
     assert not [e for e in events if e["event"] == "resumed_from_mirror"]
@@ -453,11 +458,7 @@ def test_a_mirrored_step_corrupted_before_its_upload_is_refused_and_the_next_old
                  random.Random(4))
     _mirror(tmp_path, cfg, 2, 4)
     shutil.rmtree(tmp_path / "ckpt")        # FSx lost
-    mgr = CheckpointManager(tmp_path / "ckpt", cfg, process_group, EventLog(tmp_path / "events.jsonl", 0))
-    try:
-        step, source, restored = mgr.restore(_zeros())
-    finally:
-        mgr.close()
+    step, source, restored = _restore_fresh(tmp_path, cfg, process_group)
     assert (step, source) == (2, "checkpoint") and _equal(restored, _state(2))
     events = read_events(tmp_path / "events.jsonl")
     assert [(e["source"], e["step"]) for e in _mismatches(tmp_path)] == [("mirror", 4)]
@@ -472,11 +473,7 @@ def test_a_corrupt_fsx_copy_of_the_only_checkpoint_is_replaced_by_the_mirrors_ve
     _mirror(tmp_path, cfg, 2)
     _flip_tensor(sorted(step_dir(tmp_path / "ckpt", 2).glob("*.distcp"))[0], _state(2)["optim"]["m"],
                  random.Random(5))
-    mgr = CheckpointManager(tmp_path / "ckpt", cfg, process_group, EventLog(tmp_path / "events.jsonl", 0))
-    try:
-        step, source, restored = mgr.restore(_zeros())
-    finally:
-        mgr.close()
+    step, source, restored = _restore_fresh(tmp_path, cfg, process_group)
     assert (step, source) == (2, "checkpoint") and _equal(restored, _state(2))
     assert [(e["source"], e["step"]) for e in _mismatches(tmp_path)] == [("checkpoint", 2)]
     assert [e["step"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "resumed_from_mirror"] == [2]
