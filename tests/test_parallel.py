@@ -84,11 +84,15 @@ def test_tp2_computes_and_trains_like_one_process(tmp_path, process_group, convl
     assert abs(got["loss"] - loss) <= 1e-5
     weights = dict(whole.named_parameters())
     assert set(got["weights"]) == set(weights)
-    moved = 0
+    init = build_local(spec, seed=3)
     for fqn, w in weights.items():
-        torch.testing.assert_close(got["weights"][fqn], w.detach(), rtol=0, atol=1e-4, msg=lambda m: f"{fqn}: {m}")
-        moved += not torch.equal(w.detach(), build_local(spec, seed=3).get_parameter(fqn))
-    assert moved == len(weights)    # every weight trained: the comparison is of updates, not of the init
+        update = w.detach() - init.get_parameter(fqn).detach()
+        assert update.norm() > 0, fqn   # every weight trained: the comparison is of updates, not of the init
+        # Compared as a whole: AdamW turns a rounding-sized difference in a near-zero gradient into a visible
+        # difference of that one element (up to 1.8e-4 seen, where the whole updates differ by 6e-5 of their
+        # norm); a wrong split or reduction changes the update itself.
+        error = (got["weights"][fqn] - init.get_parameter(fqn).detach() - update).norm() / update.norm()
+        assert error <= 1e-3, (fqn, error.item())
 
 
 def test_a_model_without_a_tensor_parallel_plan_refuses_tp_above_1():
