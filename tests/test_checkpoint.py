@@ -292,6 +292,24 @@ def test_save_returns_while_the_copy_runs_and_the_write_waits_for_it(tmp_path, p
     assert torch.equal(target["model"]["w"], _state(7)["model"]["w"]) and target["train"]["step"] == 7
 
 
+def test_every_staging_tensor_is_shared_from_the_start_so_handing_it_to_the_worker_moves_nothing():
+    """A 0-d tensor (the test's scalar; AdamW's per-parameter step) is staged in shared memory like the others:
+    one in private memory would be moved there when the write is pickled to NVRx's worker, on the queue's
+    feeder thread, its storage swapped under the checksum thread reading it (a checkpoint refused at its restore
+    for a checksum of freed memory)."""
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing  # noqa: F401  (torch's reductions: a tensor pickles as shared memory)
+    from trainer.checkpoint.staging import Staging
+
+    buffer = Staging(pin=False).allocate(_state(3))
+    tensors = [buffer["model"]["w"], buffer["model"]["b"], buffer["scalar"]]
+    assert [t.is_shared() for t in tensors] == [True] * 3
+    where = [t.data_ptr() for t in tensors]
+    ForkingPickler.dumps(buffer)   # what the feeder thread does with a write handed to the worker
+    assert [t.data_ptr() for t in tensors] == where
+
+
 def test_a_save_whose_state_changed_structure_is_planned_afresh(tmp_path, process_group):
     """Saves reuse the staging copy and its plan; new keys or shapes must not be written with the old plan."""
     mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))

@@ -114,15 +114,21 @@ def test_a_restart_resumes_from_the_newest_memory_snapshot(tmp_path, start_run, 
     # which its peers' ckpt_loaded follow): the steps the restart redid are copied again.
     restored_at = next(i for i, e in enumerate(events) if e["event"] == "ckpt_loaded")
     before = events[:restored_at]
-    # A checkpoint's snapshot is a copy in memory too (the step-4 one, when the spacing skipped steps 5 and 6).
-    copies = [e["step"] for e in before if e["event"] in ("memory_snapshot", "ckpt_snapshot")]
+    # What the fault left: the copies in node memory; in-process also the staging copy of a checkpoint (the
+    # step-4 one, when the spacing skipped steps 5 and 6), which a killed process takes with it; the checkpoints
+    # committed before it.
+    memory = [e["step"] for e in before if e["event"] == "memory_snapshot"
+              or (e["event"] == "ckpt_snapshot" and layer == "inprocess")]
+    committed = [e["step"] for e in before if e["event"] == "ckpt_committed"]
     loaded = [(e["source"], e["step"]) for e in events if e["event"] == "ckpt_loaded"]
-    # Both loaded the newest copy; 6 if the fault interrupted rank 0 between marking its step-6 copy and recording it.
+    # Both loaded the newest of them; 6 if the fault interrupted rank 0 between marking its step-6 copy and
+    # recording it.
     step = loaded[0][1]
-    assert copies and loaded == [("memory", step)] * 2 and step in (copies[-1], 6)
+    assert memory and step in (max(memory + committed), 6), (memory, committed, loaded)
+    assert loaded == [("checkpoint" if step in committed and step not in memory else "memory", step)] * 2, loaded
     assert summary[f"restarts_{layer}"] == 1 and summary["lost_steps"] == 6 - step
     # A copy at step 5 or 6 follows the step-4 checkpoint, unless the copies' spacing skipped both.
-    assert step >= 5 or not copy_due_after_checkpoint(before, 4), copies
+    assert step >= 5 or not copy_due_after_checkpoint(before, 4), memory
     assert [(f["kind"], f["layer"]) for f in summary["faults"]] == [(fault.split("@")[0], layer)]
     if layer == "injob":
         _assert_restarted_warm(run)

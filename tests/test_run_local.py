@@ -23,6 +23,7 @@ from click.testing import CliRunner
 
 from pipelines.cli import main
 from tests.conftest import marked as _marked
+from tests.conftest import until
 from trainer.events import read_events
 from trainer.layout import committed_steps
 
@@ -222,7 +223,8 @@ def test_orphaned_workers_of_a_killed_process_do_not_outlive_the_run():
     with _RunProcesses(interval_s=0.1) as run:
         proc = subprocess.Popen([sys.executable, "-c", rank], stdout=subprocess.PIPE, text=True)
         worker = int(proc.stdout.readline())
-        assert {proc.pid, worker} <= set(run.processes())
+        # Found by the marker in its environment (/proc): the scan may run before the new worker shows it.
+        assert until(lambda: {proc.pid, worker} <= set(run.processes()), 30), run.processes()
         time.sleep(0.5)
         assert worker not in run.killed                  # its rank is alive: left alone
         proc.kill()                                      # the fault: the rank dies, its worker is orphaned

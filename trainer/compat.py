@@ -645,6 +645,37 @@ def cpu_state_dict_helpers() -> tuple[Callable, Callable]:
     return _attr(sdu, "_copy_state_dict"), _attr(sdu, "_create_cpu_state_dict")
 
 
+def shared_cpu_state_dict(state: dict, pin: bool) -> dict:
+    """``state``'s structure with new CPU tensors, every one in shared memory (and pinned, with ``pin``).
+
+    torch's ``_create_cpu_state_dict`` (seen on 2.13) gives a 0-d tensor in private memory, and a 0-d DTensor
+    back as itself, the live one. Both get a shared tensor of their own here: a private tensor pickled to NVRx's
+    worker is moved into shared memory by the queue's feeder thread, its storage swapped under whatever reads it
+    then (the checksum thread), and a live one would be written as it is at write time.
+    """
+    import torch
+    from torch.distributed.tensor import DTensor
+
+    def own(t: torch.Tensor) -> torch.Tensor:
+        if isinstance(t, DTensor) and t.dim() == 0:
+            local = t.to_local().detach().to("cpu").clone().share_memory_()
+            return DTensor.from_local(local, t.device_mesh, t.placements, run_check=False)
+        local_tensor(t).share_memory_()   # a no-op on a tensor already shared
+        return t
+
+    def walk(obj):
+        if isinstance(obj, torch.Tensor):
+            return own(obj)
+        if isinstance(obj, dict):
+            return {k: walk(v) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(walk(v) for v in obj)
+        return obj
+
+    _, create = cpu_state_dict_helpers()
+    return walk(create(state, share_memory=True, pin_memory=pin))
+
+
 def local_tensor(t):
     """A DTensor's local shard itself (``to_local()`` may return an autograd view), else ``t``."""
     from torch.distributed.tensor import DTensor

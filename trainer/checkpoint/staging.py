@@ -124,8 +124,7 @@ class Staging:
         from nvidia_resiliency_ext.checkpointing.async_ckpt.state_dict_saver import CheckpointMetadataCache
 
         # Shared memory: NVRx's persistent worker receives the tensors without another copy.
-        _, create_cpu_state_dict = compat.cpu_state_dict_helpers()
-        self.buffer = create_cpu_state_dict(state, share_memory=True, pin_memory=self.pin)
+        self.buffer = compat.shared_cpu_state_dict(state, pin=self.pin)
         # NVRx reuses the global save plan once it is stable: later saves plan without collectives.
         self.plan_cache, self.planner = CheckpointMetadataCache(), StagingPlanner()
         self.planned = False
