@@ -654,6 +654,7 @@ def shared_cpu_state_dict(state: dict, pin: bool) -> dict:
     then (the checksum thread), and a live one would be written as it is at write time.
     """
     import torch
+    import torch.utils._pytree as pytree   # checked on torch 2.13
     from torch.distributed.tensor import DTensor
 
     def own(t: torch.Tensor) -> torch.Tensor:
@@ -663,17 +664,8 @@ def shared_cpu_state_dict(state: dict, pin: bool) -> dict:
         local_tensor(t).share_memory_()   # a no-op on a tensor already shared
         return t
 
-    def walk(obj):
-        if isinstance(obj, torch.Tensor):
-            return own(obj)
-        if isinstance(obj, dict):
-            return {k: walk(v) for k, v in obj.items()}
-        if isinstance(obj, (list, tuple)):
-            return type(obj)(walk(v) for v in obj)
-        return obj
-
     _, create = cpu_state_dict_helpers()
-    return walk(create(state, share_memory=True, pin_memory=pin))
+    return pytree.tree_map_only(torch.Tensor, own, create(state, share_memory=True, pin_memory=pin))
 
 
 def local_tensor(t):
