@@ -271,11 +271,14 @@ def test_a_replica_is_used_only_by_the_run_that_made_it(tmp_path, process_group)
 
 
 def test_save_returns_while_the_copy_runs_and_the_write_waits_for_it(tmp_path, process_group):
-    """The loop's forward and backward passes overlap the copy; the writer only ever sees a whole snapshot."""
+    """The loop's forward and backward passes overlap the copy and the planning behind it; the writer only ever
+    sees a whole snapshot."""
     mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
     release, copy = threading.Event(), mgr.copier.copy
     mgr.copier.copy = lambda *a: (release.wait(60), copy(*a))[1]
     try:
+        mgr.restore(_zeros())
+        mgr.start_writer()                                    # as the loop does: the staging copy planned ahead
         live = _state(7)
         mgr.save(7, live)                                     # returns with the copy held back
         assert mgr.copying is not None and not mgr.copying.copy.done()
@@ -337,38 +340,36 @@ def test_a_save_whose_state_changed_structure_is_planned_afresh(tmp_path, proces
     assert torch.equal(target["model"]["w"], _state(5)["model"]["w"]) and target["train"]["step"] == 5
 
 
-@pytest.mark.parametrize("clones", [False, True])
-def test_planning_sees_the_state_being_saved_where_it_clones_it(tmp_path, process_group, monkeypatch, clones):
+def test_planning_follows_the_copy_on_the_copy_thread_once_the_plan_is_reused(tmp_path, process_group, monkeypatch):
     """NVRx 0.7 clones every CPU tensor while planning: the staging copy must already hold this save's state
-    (else the checkpoint is the previous save's). Where planning reads metadata only, it runs before the
-    copy, which then overlaps the loop's next forward and backward."""
-    import dataclasses
+    (else the checkpoint is the previous save's). A staging copy's first planning gathers every rank's plan, on
+    the loop's thread; later ones reuse it, with no collective, on the copy thread behind the copy, so the loop
+    does not wait for them."""
+    import threading
 
     from nvidia_resiliency_ext.checkpointing.async_ckpt import state_dict_saver
 
-    from trainer import compat
-
-    rel = dataclasses.replace(compat.installed_release(), plan_copies_cpu_tensors=clones)
-    monkeypatch.setattr(compat, "installed_release", lambda: rel)
     plan, seen = state_dict_saver.save_state_dict_async_plan, []
 
     def planning(snapshot, *args, **kwargs):
-        seen.append(snapshot["model"]["w"].clone())
+        seen.append((threading.current_thread().name.split("_")[0], snapshot["model"]["w"].clone()))
         return plan(snapshot, *args, **kwargs)
 
     monkeypatch.setattr(state_dict_saver, "save_state_dict_async_plan", planning)
     mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
     try:
-        for step in (1, 2):
+        for step in (1, 2, 3):
             mgr.save(step, _state(step))
             mgr.finish_snapshot()
         mgr.wait()
     finally:
         mgr.close()
-    assert torch.equal(seen[1], _state(2 if clones else 1)["model"]["w"])
-    target = _zeros()
-    dcp.load(target, checkpoint_id=str(step_dir(tmp_path / "ckpt", 2)))
-    assert torch.equal(target["model"]["w"], _state(2)["model"]["w"])
+    assert [thread for thread, _ in seen] == ["MainThread", "ckpt-copy", "ckpt-copy"]
+    assert all(torch.equal(w, _state(step)["model"]["w"]) for step, (_, w) in zip((1, 2, 3), seen))
+    for step in (2, 3):
+        target = _zeros()
+        dcp.load(target, checkpoint_id=str(step_dir(tmp_path / "ckpt", step)))
+        assert torch.equal(target["model"]["w"], _state(step)["model"]["w"])
 
 
 def test_delete_uncommits_before_removing(tmp_path):

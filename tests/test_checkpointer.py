@@ -1,8 +1,8 @@
 """The Checkpointer's interface and per-step decisions, over a manager that records what it is asked to do.
 
 The decision ``step`` returns for each interval (fixed steps, ``auto``, seconds) and a stop signal; which save a
-step makes once the ranks agreed (interval checkpoint, memory snapshot, a checkpoint owed while the writers are
-cold, spot notice); the final saves. The saving itself is tested against real DCP, NVRx and shared memory in
+step makes once the ranks agreed (interval checkpoint, memory snapshot, a checkpoint owed while a write runs,
+spot notice); the final saves. The saving itself is tested against real DCP, NVRx and shared memory in
 test_checkpoint.py; the whole loop in test_resume.py and test_recovery.py.
 """
 
@@ -27,8 +27,8 @@ class RecordingManager:
 
     def __init__(self, root):
         self.root, self.calls = root, []
-        self.writing = self.cold = False
-        self.writes_in_flight, self.replica_copy_s, self.on_snapshot = 0, 0.0, None
+        self.writing = False
+        self.replica_copy_s, self.on_snapshot = 0.0, None
         self.block_s = 0.01
 
     def restore(self, state):
@@ -41,15 +41,14 @@ class RecordingManager:
     def release(self, copy):
         self.calls.append(("release", copy["copy of step"]))
 
-    def save(self, step, state, blocking=False):
+    def save(self, step, state, blocking=False, writers_idle=False):
         source = state if isinstance(state, dict) else "live"
-        self.calls.append(("save", step, source, blocking))
+        self.calls.append(("save", step, source, blocking) + (("idle",) if writers_idle else ()))
         if not blocking:
             self.on_snapshot(self.block_s)
 
-    def save_owed(self, step, copy):
-        self.save(step, copy)   # its copy verified (tests/test_corruption.py checks the refusal)
-        return True
+    def save_owed(self, step, copy, writers_idle=False):
+        self.save(step, copy, writers_idle=writers_idle)   # its copy verified (test_corruption.py: the refusal)
 
     def finish_snapshot(self, report=True):
         return 0.0
@@ -117,9 +116,9 @@ def _report(step, step_s=0.1):
                       mfu=None)
 
 
-def _step(ckpt, step, *, due=False, busy=False, memory=False, cold=False):
+def _step(ckpt, step, *, due=False, busy=False, memory=False):
     """What the ranks agreed on at ``step``, then its save."""
-    return ckpt.step(_report(step), StepSignals(ckpt_due=due, memory_due=memory, writing=busy, writer_cold=cold))
+    return ckpt.step(_report(step), StepSignals(ckpt_due=due, memory_due=memory, writing=busy))
 
 
 def _run(ckpt, steps, stop_at=None):
@@ -138,8 +137,8 @@ def _run(ckpt, steps, stop_at=None):
 def test_a_fixed_interval_saves_every_n_steps_and_the_last_step_is_final(tmp_path):
     ckpt, m = _checkpointer(tmp_path, max_steps=12, ckpt_every="5", memory_every_s=0.0)
     assert _run(ckpt, range(1, 13)) == {5: Saved.CHECKPOINT, 10: Saved.CHECKPOINT, 12: Saved.FINAL}
-    assert [c for c in m.calls if c[0] == "save"] == [("save", 5, "live", False), ("save", 10, "live", False),
-                                                      ("save", 12, "live", True)]
+    assert [c for c in m.calls if c[0] == "save"] == [("save", 5, "live", False, "idle"),
+                                                      ("save", 10, "live", False, "idle"), ("save", 12, "live", True)]
     assert ckpt.guard.sections == ["checkpoint"]   # the final save is timed as a checkpoint by the rank monitor
 
 
@@ -168,7 +167,7 @@ def test_a_time_interval_saves_every_s_seconds_and_waits_for_busy_writers(tmp_pa
 
 def test_a_stop_signal_commits_what_is_owed_and_a_final_checkpoint_then_stops(tmp_path):
     ckpt, m = _checkpointer(tmp_path)
-    _step(ckpt, 2, due=True, busy=True, cold=True)          # owed: copied to memory while the writer is cold
+    _step(ckpt, 2, due=True, busy=True)                     # owed: copied to memory while a write runs
     m.calls.clear()
     assert ckpt.step(_report(3), ckpt.signals(3, stop=True)) == Decision(Saved.FINAL, stop=True)
     assert m.calls == [("save", 2, {"copy of step": 2}, False), ("release", 2), ("save", 3, "live", True),
@@ -184,74 +183,62 @@ def test_any_ranks_signal_is_every_ranks_after_the_all_reduce():
 
 
 # ------------------------------------------------------------------------------ which save, once agreed
-def test_a_checkpoint_due_while_the_writers_are_cold_is_copied_now_and_written_when_they_are_warm(tmp_path):
+def test_a_checkpoint_due_while_a_write_runs_is_copied_now_and_written_once_none_does(tmp_path):
     ckpt, m = _checkpointer(tmp_path)
     assert _step(ckpt, 1) == Decision(None)
-    assert _step(ckpt, 4, due=True, busy=True, cold=True) == Decision(Saved.OWED)   # first write on a booting writer
-    assert m.calls == [("memory", 4, "kept")]   # the loop waits for no boot
-    _step(ckpt, 5, busy=True, cold=True)                   # still cold: nothing is written yet
+    assert _step(ckpt, 4, due=True, busy=True) == Decision(Saved.OWED)   # a booting writer, or a slow disk
+    assert m.calls == [("memory", 4, "kept")]   # the loop waits for no write
+    _step(ckpt, 5, busy=True)                   # still writing: nothing is written yet
+    _step(ckpt, 6, busy=True)
     assert m.calls[1:] == []
-    _step(ckpt, 6, busy=True)                              # warm, still writing: it would wait for the write
-    assert m.calls[1:] == []
-    assert _step(ckpt, 7) == Decision(Saved.OWED_WRITTEN)   # warm and idle: step 4's copy, written as step 4
-    assert m.calls[1:] == [("save", 4, {"copy of step": 4}, False), ("release", 4)]
+    assert _step(ckpt, 7) == Decision(Saved.OWED_WRITTEN)   # idle: step 4's copy, written as step 4
+    assert m.calls[1:] == [("save", 4, {"copy of step": 4}, False, "idle"), ("release", 4)]
+
+
+def test_a_checkpoint_due_while_no_write_runs_is_saved_without_another_sync_point(tmp_path):
+    ckpt, m = _checkpointer(tmp_path)
+    assert _step(ckpt, 3, due=True) == Decision(Saved.CHECKPOINT)
+    _step(ckpt, 4, memory=True)
+    assert m.calls == [("save", 3, "live", False, "idle"), ("memory", 4)]
+    assert ckpt.guard.saving_depth == 0
 
 
 def test_memory_snapshots_go_on_while_one_checkpoint_is_owed_and_stop_while_two_are(tmp_path):
     ckpt, m = _checkpointer(tmp_path, ckpt_every="5", memory_every_s=0.0)
-    _step(ckpt, 2, due=True, busy=True, cold=True)
+    _step(ckpt, 2, due=True, busy=True)
     ckpt.policy.memory_every_s, ckpt.policy.last_memory_time = 1.0, 0.0    # a memory snapshot is overdue
     assert ckpt.signals(3, stop=False).memory_due, "one owed checkpoint keeps one slot: the other takes snapshots"
-    assert _step(ckpt, 3, busy=True, cold=True, memory=True) == Decision(Saved.MEMORY)
-    _step(ckpt, 4, due=True, busy=True, cold=True)
+    assert _step(ckpt, 3, busy=True, memory=True) == Decision(Saved.MEMORY)
+    _step(ckpt, 4, due=True, busy=True)
     ckpt.policy.last_memory_time = 0.0
     assert not ckpt.signals(5, stop=False).memory_due, "two owed checkpoints keep both slots"
     assert m.calls == [("memory", 2, "kept"), ("memory", 3), ("memory", 4, "kept")]
     m.calls.clear()
-    _step(ckpt, 5, due=True, busy=True)                    # warm and busy: supersedes both, frees their slots
-    assert m.calls == [("release", 2), ("release", 4), ("memory", 5), ("save", 5, "live", False)]
+    _step(ckpt, 5, due=True)                               # idle: supersedes both, frees their slots
+    assert m.calls == [("release", 2), ("release", 4), ("save", 5, "live", False, "idle")]
 
 
-def test_a_third_checkpoint_due_while_the_writers_are_cold_is_owed_in_place_of_the_oldest(tmp_path):
+def test_a_third_checkpoint_due_while_a_write_runs_is_owed_in_place_of_the_oldest(tmp_path):
     ckpt, m = _checkpointer(tmp_path, max_steps=7)
     for step in (2, 3):
-        _step(ckpt, step, due=True, busy=True, cold=True)
+        _step(ckpt, step, due=True, busy=True)
     m.calls.clear()
-    # The third does not wait for the boot either: step 2's copy gives way (released before step 4 is copied
+    # The third does not wait for the write either: step 2's copy gives way (released before step 4 is copied
     # into its slot, never written later from a slot now holding step 4's state).
-    assert _step(ckpt, 4, due=True, busy=True, cold=True) == Decision(Saved.OWED)
+    assert _step(ckpt, 4, due=True, busy=True) == Decision(Saved.OWED)
     assert m.calls == [("release", 2), ("memory", 4, "kept")]
-    assert _step(ckpt, 5) == Decision(Saved.OWED_WRITTEN)   # warm: the owed ones, oldest first
+    assert _step(ckpt, 5) == Decision(Saved.OWED_WRITTEN)   # idle: the owed ones, oldest first
     assert _step(ckpt, 6) == Decision(Saved.OWED_WRITTEN)
     assert _step(ckpt, 7) == Decision(Saved.FINAL)
     assert [c[1] for c in m.calls if c[0] == "save"] == [3, 4, 7]
 
 
-def test_an_owed_checkpoint_is_superseded_by_a_due_save_behind_a_warm_busy_writer(tmp_path):
-    ckpt, m = _checkpointer(tmp_path)
-    _step(ckpt, 2, due=True, busy=True, cold=True)          # owed: its copy is the replica's newest slot
-    _step(ckpt, 4, due=True, busy=True)                     # warm and busy: copied to the other slot, saved
-    _step(ckpt, 6, due=True, busy=True)                     # the next copy reuses step 2's slot
-    _step(ckpt, 7)
-    assert m.calls == [("memory", 2, "kept"), ("release", 2), ("memory", 4), ("save", 4, "live", False),
-                       ("memory", 6), ("save", 6, "live", False)]
-
-
-def test_a_due_save_behind_a_busy_warm_writer_copies_to_memory_first(tmp_path):
-    ckpt, m = _checkpointer(tmp_path)
-    _step(ckpt, 3, due=True)
-    _step(ckpt, 6, due=True, busy=True)
-    _step(ckpt, 7, memory=True)
-    assert m.calls == [("save", 3, "live", False), ("memory", 6), ("save", 6, "live", False), ("memory", 7)]
-    assert ckpt.guard.saving_depth == 0
-
-
 def test_signals_rank_0_decides_the_interval_and_reports_its_writers(tmp_path):
     ckpt, m = _checkpointer(tmp_path, ckpt_every="5", memory_every_s=0.0)
     assert ckpt.signals(4, stop=False) == StepSignals()
-    m.writing, m.cold, m.writes_in_flight = True, True, 1
-    assert ckpt.signals(5, stop=True) == StepSignals(stop=True, ckpt_due=True, writing=True, writer_cold=True)
-    m.writing, m.cold, m.writes_in_flight = False, False, 0
+    m.writing = True
+    assert ckpt.signals(5, stop=True) == StepSignals(stop=True, ckpt_due=True, writing=True)
+    m.writing = False
     ckpt.policy.memory_every_s, ckpt.policy.last_memory_time = 1.0, 0.0    # a memory snapshot is overdue
     assert ckpt.signals(6, stop=False) == StepSignals(memory_due=True)
 

@@ -479,22 +479,28 @@ def test_a_corrupt_fsx_copy_of_the_only_checkpoint_is_replaced_by_the_mirrors_ve
     assert [e["step"] for e in read_events(tmp_path / "events.jsonl") if e["event"] == "resumed_from_mirror"] == [2]
 
 
-def test_a_checkpoint_owed_to_a_cold_writer_is_not_written_from_a_copy_that_changed(tmp_path, process_group):
-    """The copy a checkpoint owed to a booting writer is written from must still be the one taken at its step:
+@pytest.mark.parametrize("sync", [False, True])
+def test_a_checkpoint_owed_to_a_busy_writer_is_not_written_from_a_copy_that_changed(tmp_path, process_group, sync):
+    """The copy a checkpoint owed to a busy writer is written from must still be the one taken at its step:
     had anything copied into its slot since, the checkpoint would hold another step's state under this one's
-    name, with checksums that match (they are taken of the staging copy)."""
-    mgr = _manager(tmp_path, process_group, sync=True)
+    name, with checksums that match (they are taken of the staging copy). Checked beside the staging copy, and
+    agreed by every rank before the write is handed to the writer."""
+    mgr = _manager(tmp_path, process_group, sync=sync)
     try:
         whole = mgr.snapshot_to_memory(4, _state(4), keep=True)
         mgr.finish_snapshot()
-        assert mgr.save_owed(4, whole)
+        mgr.save_owed(4, whole)
+        mgr.finish_snapshot()
+        mgr.wait()
         verify_files(step_dir(tmp_path / "ckpt", 4))
         mgr.release(whole)
         changed = mgr.snapshot_to_memory(6, _state(6), keep=True)
         mgr.finish_snapshot()
         changed["model"]["w"].add_(1.0)        # what a copy of a later step into its slot would do
-        assert not mgr.save_owed(6, changed)
-        assert not step_dir(tmp_path / "ckpt", 6).exists()
+        mgr.save_owed(6, changed)
+        mgr.finish_snapshot()
+        mgr.wait()
+        assert not list(step_dir(tmp_path / "ckpt", 6).glob("*")), "nothing of step 6 is written"
     finally:
         mgr.close()
     assert [(e["source"], e["step"]) for e in _mismatches(tmp_path)] == [("owed copy", 6)]

@@ -68,7 +68,6 @@ class StepSignals:
     ckpt_due: bool = False      # rank 0's interval policy, or a spot notice for this rank's node
     memory_due: bool = False    # rank 0: a memory snapshot is due (and no checkpoint)
     writing: bool = False       # a checkpoint write of this rank was running at the start of the step
-    writer_cold: bool = False   # and its writer had not finished a write since it started
 
     def as_tensor(self, device: torch.device) -> torch.Tensor:
         return torch.tensor([float(getattr(self, f.name)) for f in fields(self)], dtype=torch.float32,
@@ -84,8 +83,8 @@ class Saved(enum.Enum):
     """What ``Checkpointer.step`` saved at a step."""
 
     CHECKPOINT = "checkpoint"       # this step's checkpoint: copied now, written in the background
-    OWED = "owed"                   # due while the writers are cold: copied to node memory, written once warm
-    OWED_WRITTEN = "owed_written"   # the writers are warm: an earlier step's owed checkpoint is written
+    OWED = "owed"                   # due while a write runs: copied to node memory, written once none does
+    OWED_WRITTEN = "owed_written"   # no write runs: an earlier step's owed checkpoint is written
     MEMORY = "memory"               # a copy of this step's state in node memory (no checkpoint)
     FINAL = "final"                 # this step's checkpoint, committed: the last step's, or a stop's
 
@@ -120,7 +119,7 @@ class Checkpointer:
         self.max_steps, self.events, self.events_path, self.on_blocking = max_steps, events, events_path, on_blocking
         self.policy: IntervalPolicy | None = None
         self.first_step = 1
-        self.owed: list = []        # (step, copy in node memory) of checkpoints due while the writers were cold
+        self.owed: list = []        # (step, copy in node memory) of checkpoints due while a write ran
         self.agreed = StepSignals()   # the last step's signals, as every rank agreed on them
 
     # ----------------------------------------------------------------------------------------- load
@@ -169,8 +168,7 @@ class Checkpointer:
         # of the replica's two slots, two keep both.
         memory_due = self.d.is_main and not due and len(self.owed) < 2 and self.policy.memory_due(
             step, self.max_steps, m.replica_copy_s)
-        return StepSignals(stop=stop, ckpt_due=due, memory_due=memory_due, writing=m.writing,
-                           writer_cold=m.cold and m.writes_in_flight > 0)
+        return StepSignals(stop=stop, ckpt_due=due, memory_due=memory_due, writing=m.writing)
 
     def step(self, report: StepReport, agreed: StepSignals) -> Decision:
         """Act on the step every rank agreed on (call on every rank, with the all-reduced ``agreed``).
@@ -194,15 +192,15 @@ class Checkpointer:
 
     def _maybe_save(self, step: int, agreed: StepSignals) -> Saved | None:
         m, app, saved = self.manager, self.app.state_dict, None
-        if agreed.ckpt_due and agreed.writing and agreed.writer_cold:
-            # The save would wait for the previous write, which runs on a writer that has not finished one
-            # yet: it may still be booting (seconds, after every start and in-job restart). The state is
-            # copied to node memory now (one of its two slots) and that copy written once the writer is
-            # warm: the checkpoint is this step's, and the loop waits for no boot. Memory snapshots go on in
-            # the other slot; with both slots owed, the older owed checkpoint gives way to this one.
+        if agreed.ckpt_due and agreed.writing:
+            # The save would wait for the previous write: its writer may still be booting (seconds, after every
+            # start and in-job restart), or the disk be slower than the interval. The state is copied to node
+            # memory now (one of its two slots) and that copy written once no write runs: the checkpoint is this
+            # step's, and the loop waits for no write. Memory snapshots go on in the other slot; with both slots
+            # owed, the older owed checkpoint gives way to this one.
             with self.guard.atomic():
                 if len(self.owed) == 2:
-                    log.info("checkpoint of step %d, owed to a cold writer, superseded by step %d",
+                    log.info("checkpoint of step %d, owed to a busy writer, superseded by step %d",
                              self.owed[0][0], step)
                     self._release_owed(1)
                 self.owed.append((step, m.snapshot_to_memory(step, app, keep=True)))
@@ -212,20 +210,16 @@ class Checkpointer:
                 if self.owed:
                     # This checkpoint supersedes the owed ones, which would only be written after it. Their
                     # copies hold the replica's two slots: the copy below must not overwrite one still owed.
-                    log.info("checkpoints of steps %s, owed to a cold writer, superseded by step %d",
+                    log.info("checkpoints of steps %s, owed to a busy writer, superseded by step %d",
                              [s for s, _ in self.owed], step)
                     self._release_owed()
-                if agreed.writing:
-                    # The save will wait for the previous write (on every rank: the flag was all-reduced).
-                    # Copied to node memory first, this step is what a restart meanwhile resumes from.
-                    m.snapshot_to_memory(step, app)
-                m.save(step, app)
+                m.save(step, app, writers_idle=True)
             saved = Saved.CHECKPOINT
         elif self.owed and not agreed.writing:
             # Once no write runs (on any rank): behind another one, it would wait for it.
             owed_step, copy = self.owed[0]
             with self.guard.saving():
-                m.save_owed(owed_step, copy)
+                m.save_owed(owed_step, copy, writers_idle=True)
             self._release_owed(1)
             saved = Saved.OWED_WRITTEN
         elif agreed.memory_due:
@@ -245,8 +239,8 @@ class Checkpointer:
     def _save_owed(self, guard: Callable[[], contextlib.AbstractContextManager]) -> None:
         for step, copy in self.owed:   # due before the end: taken from their copies in memory
             with guard():
-                if self.manager.save_owed(step, copy):
-                    self.manager.finish_snapshot()
+                self.manager.save_owed(step, copy)
+                self.manager.finish_snapshot()
         self._release_owed()
 
     def _save_on_stop(self, step: int) -> None:

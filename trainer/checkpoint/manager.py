@@ -45,7 +45,7 @@ from ..peer import ENV as PEER_ENV
 from ..peer import PeerRefused, holder_of, parse_address, peer_steps, restore_from_peer
 from ..peer import wake as wake_peer_daemon
 from .commit import Commits, Pending, delete_checkpoint
-from .integrity import ChecksumMismatch, staged_digests, state_digests, verify_files, verify_planned
+from .integrity import ChecksumMismatch, staged_digests, state_digests, verify_files, verify_planned, verify_state
 from .replica import MemorySnapshots
 from .staging import Copier, Staging
 from .writer import Writer
@@ -63,6 +63,17 @@ StateSource = dict | Callable[[], dict]   # a state dict, or a function that bui
 
 
 @dataclass
+class _Write:
+    """The write of a snapshot to its checkpoint, planned behind the copy."""
+
+    writer: Any             # NVRx's FileSystemWriterAsync for the step's directory
+    plan: Future            # its planning; the result is DCP's global metadata (rank 0)
+    finalize: Callable[[], None]   # run on this rank once the worker wrote its part
+    started: float          # when the save was called (monotonic)
+    verified: Future | None = None   # an owed copy's check: the write is handed over only if every rank passed
+
+
+@dataclass
 class _Snapshot:
     """A copy of the state that is running: between ``save`` (or ``snapshot_to_memory``) and
     ``finish_snapshot``."""
@@ -70,12 +81,18 @@ class _Snapshot:
     step: int
     state: dict | None      # the snapshot: the copy's tensors and the state's other values
     copy: Future            # the background copy; its result is the seconds it took
-    request: Any            # the NVRx AsyncRequest that writes the snapshot (None: kept in memory only)
-    pending: Pending | None
+    write: _Write | None    # None: kept in memory only
     blocked_s: float        # how long the call that started it held the caller
     phases: dict
     slot: int = 0           # a memory snapshot's replica slot
     sums: Future | None = None   # the checksums of the copy, taken once it is whole (integrity)
+
+
+def _done(value: Any) -> Future:
+    """A future that already holds ``value``."""
+    f: Future = Future()
+    f.set_result(value)
+    return f
 
 
 class CheckpointManager:
@@ -118,11 +135,6 @@ class CheckpointManager:
     def writing(self) -> bool:
         """A snapshot is being copied or written (as of the last finalize)."""
         return self.copying is not None or self.writer.writes_in_flight > 0
-
-    @property
-    def cold(self) -> bool:
-        """This rank's writer has not finished a write yet (see ``Writer.cold``)."""
-        return self.writer.cold
 
     @property
     def writes_in_flight(self) -> int:
@@ -389,21 +401,30 @@ class CheckpointManager:
             self.events.emit(Event.RESHARDED, from_world_size=written_by, to_world_size=self.d.world_size, step=step)
 
     # ----------------------------------------------------------------------------------------- save
-    def save(self, step: int, state: StateSource, *, blocking: bool = False) -> None:
+    def save(self, step: int, state: StateSource, *, blocking: bool = False, writers_idle: bool = False) -> None:
         """Checkpoint ``state`` as step ``step``. Must be called on every rank with the same step.
 
         ``state``: the state dict, or a function that builds it (then building it counts as blocking time).
+        ``writers_idle``: every rank had finalized its previous write when the step's signals were all-reduced
+        (``StepSignals.writing`` false), so rank 0 commits it without another sync point.
 
         Async (the default), it returns once the copy of ``state`` has started: the caller may run forward
         and backward passes, but must call ``finish_snapshot`` before it changes the state. With ``blocking``
         (SIGTERM, end of training), and with ``--ckpt-sync``, it returns once the checkpoint is committed.
         """
+        self._save(step, state, blocking=blocking, writers_idle=writers_idle, verified=None)
+
+    def _save(self, step: int, state: StateSource, *, blocking: bool, writers_idle: bool,
+              verified: Future | None) -> None:
+        """``save``; ``verified``: the check of an owed copy, which every rank must pass for it to be written."""
         t0 = time.monotonic()
         state = state() if callable(state) else state
         path = step_dir(self.root, step)
         if self.d.is_main:
             self.events.emit(Event.CKPT_START, step=step)
         if self.cfg.sync or (blocking and self._writer_cold()):
+            if verified is not None and not self._verified_everywhere(verified, step):
+                return
             planner = DefaultSavePlanner()
             dcp.save(state, checkpoint_id=str(path), planner=planner)
             # The state has not changed since: the checksums are of the bytes written (before the barrier, for
@@ -417,26 +438,32 @@ class CheckpointManager:
                 self.commits.commit(Pending(step, t0), results=None)
             self._snapshot_taken(step, time.monotonic() - t0, sync=True, interval=not blocking)
             return
-        self._save_async(step, state, path, t0)
+        self._save_async(step, state, path, t0, writers_idle, verified)
         if blocking:
             self.finish_snapshot(report=False)
             self.wait()
             self._snapshot_taken(step, time.monotonic() - t0, sync=True, interval=False)
 
-    def save_owed(self, step: int, copy: dict) -> bool:
+    def save_owed(self, step: int, copy: dict, *, writers_idle: bool = False) -> None:
         """Checkpoint ``copy`` (a memory copy kept for it by ``snapshot_to_memory(keep=True)``) as step ``step``,
         if every rank's copy still holds the bytes it was copied with; else write nothing (a ``checksum_mismatch``
-        event on the rank whose copy changed) and return False. Collective."""
+        event on the rank whose copy changed). The copy is verified on the checksum thread while it is staged,
+        and the ranks agree before the write is handed over (in ``finish_snapshot``). Collective."""
+        kept_step, checksums = self.replica.kept_checksums(copy)
+        verified = self.copier.verify(
+            lambda: verify_state(copy, checksums, f"the memory copy of step {kept_step} owed to the writer"))
+        self._save(step, copy, blocking=False, writers_idle=writers_idle, verified=verified)
+
+    def _verified_everywhere(self, verified: Future, step: int) -> bool:
+        """Whether every rank's owed copy held its bytes (``verified`` raised nothing). Collective."""
         try:
-            self.replica.verify_kept(copy)
+            verified.result()
             ok = 1.0
         except ChecksumMismatch as e:
             self.checksum_mismatch("owed copy", step, str(e))
             ok = 0.0
         flag = torch.tensor([ok], device=self.d.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MIN)   # sync point: every rank writes it, or none
-        if flag.item() > 0:
-            self.save(step, copy)
         return flag.item() > 0
 
     def _writer_cold(self) -> bool:
@@ -449,9 +476,11 @@ class CheckpointManager:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX)   # sync point: every rank takes the same path
         return flag.item() > 0
 
-    def _save_async(self, step: int, state: dict, path: Path, t0: float) -> None:
-        """Plan the write and start the copy; ``self.copying`` records where the blocking time went (wait,
-        commit, stage, plan, start)."""
+    def _save_async(self, step: int, state: dict, path: Path, t0: float, writers_idle: bool,
+                    verified: Future | None) -> None:
+        """Start the copy and the planning of the write behind it; ``self.copying`` records where the blocking
+        time went (wait, commit, stage, start; plan, where the staging copy's first planning gathers every
+        rank's plan)."""
         from nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async import FileSystemWriterAsync
 
         self.writer.start()
@@ -461,48 +490,43 @@ class CheckpointManager:
         self.writer.finalize(writes_only=True)
         t_wait = time.monotonic()
         if self.snapshot_step is not None:
-            # Sync point: every rank has recorded the previous write, so rank 0 commits it now; otherwise a
-            # crash during this save would lose a checkpoint that was already whole on disk. The condition must
-            # be the same on every rank: ``pending`` is not (a non-zero rank drops a step once its own part is
-            # written, rank 0 only once every part is), and a barrier on rank 0 alone deadlocks the loop.
-            dist.barrier()
+            if not writers_idle:
+                # Sync point: every rank has recorded the previous write, so rank 0 commits it now; otherwise a
+                # crash during this save would lose a checkpoint that was already whole on disk. (With
+                # ``writers_idle`` the step's all-reduce said so already.) The condition must be the same on
+                # every rank: ``pending`` is not, and a barrier on rank 0 alone deadlocks the loop.
+                dist.barrier()
             self.commits.maybe_commit_behind()
         t_commit = time.monotonic()
         snapshot, pairs = self.staging.stage(state)
         # The staging copy is about to be overwritten: it no longer holds the previous snapshot.
         self.snapshot = self.snapshot_step = self.snapshot_sums = None
         t_stage = time.monotonic()
-        rel = compat.installed_release()
-        # Up to 0.6 planning reads the staging tensors' metadata only, so it runs before the copy, which runs on
-        # behind the loop's next forward and backward. From 0.7 planning clones every CPU tensor: planned before
-        # the copy is complete, the checkpoint would hold what the staging copy held, the previous save's state.
-        copy = self.copier.start(pairs) if rel.plan_copies_cpu_tensors else None
-        if copy is not None:
-            copy.result()
-        t_copy = time.monotonic()
         writer = FileSystemWriterAsync(str(path), thread_count=self.cfg.write_threads)
-        metadata = self.staging.plan(snapshot, writer)
-        t_plan = time.monotonic()
-
+        copy = self.copier.start(pairs)
+        # Planning follows the copy: from NVRx 0.7 it clones every CPU tensor, so planned earlier the checkpoint
+        # would hold the staging copy's previous state. A staging copy planned before reuses its plan, which
+        # needs no collective: it runs on the copy thread, behind the loop's next forward and backward.
+        phases = {"wait_s": t_wait - t0, "commit_s": t_commit - t_wait, "stage_s": t_stage - t_commit}
+        if self.staging.planned:
+            plan = self.copier.then(lambda: self.staging.plan(snapshot, writer))
+        else:
+            copy.result()
+            t_copy = time.monotonic()
+            plan = _done(self.staging.plan(snapshot, writer))   # collective: on this thread, on every rank
+            phases.update(copy_before_plan_s=t_copy - t_stage, plan_s=time.monotonic() - t_copy)
         planner = self.staging.planner
-        sums: Future | None = None
+        sums = self.copier.checksum(plan, lambda: staged_digests(planner))
 
         def finalize() -> None:
             # Runs on this rank once its worker finished: record the checksums and write results durably.
             self.commits.record_done(step, writer.retrieve_write_results(), sums.result())
             self.writer.written()
 
-        request = compat.save_request(writer, [finalize], rel)
-        copy = copy or self.copier.start(pairs)
-        sums = self.copier.checksum(copy, lambda: staged_digests(planner))
         now = time.monotonic()
-        phases = {"wait_s": t_wait - t0, "commit_s": t_commit - t_wait, "stage_s": t_stage - t_commit,
-                  "plan_s": t_plan - t_copy, "start_s": now - t_plan}
-        if rel.plan_copies_cpu_tensors:
-            phases["copy_before_plan_s"] = t_copy - t_stage
-        self.copying = _Snapshot(step, snapshot, copy, request,
-                                 Pending(step, t0, writer if self.d.is_main else None, metadata), now - t0, phases,
-                                 sums=sums)
+        phases["start_s"] = now - t_stage - phases.get("copy_before_plan_s", 0.0) - phases.get("plan_s", 0.0)
+        self.copying = _Snapshot(step, snapshot, copy, _Write(writer, plan, finalize, t0, verified), now - t0,
+                                 phases, sums=sums)
 
     def finish_snapshot(self, *, report: bool = True) -> float:
         """Wait for the copy ``save`` started and hand the write to NVRx's worker; return the seconds waited.
@@ -515,7 +539,7 @@ class CheckpointManager:
             return 0.0
         t0 = time.monotonic()
         copy_s = s.copy.result()
-        if s.request is None:   # kept in memory only
+        if s.write is None:   # kept in memory only
             # Marked with its checksums (taken on the checksum thread once the copy was whole).
             self.replica.completed(s.step, s.slot, s.state, self._replica_run, copy_s, s.sums.result())
             waited = time.monotonic() - t0
@@ -523,11 +547,15 @@ class CheckpointManager:
                 wake_peer_daemon(self.replica.node.dir)
             if self.d.is_main:
                 self.events.emit(Event.MEMORY_SNAPSHOT, step=s.step, block_s=round(s.blocked_s + waited, 4),
-                                 copy_s=round(copy_s, 4))
+                                 copy_s=round(copy_s, 4), **({"owed": True} if s.slot in self.replica.kept else {}))
             return waited
+        w = s.write
+        metadata = w.plan.result()
+        if w.verified is not None and not self._verified_everywhere(w.verified, s.step):
+            return time.monotonic() - t0   # nothing written: the staging copy holds no snapshot either
         self.snapshot, self.snapshot_step, self.snapshot_sums = s.state, s.step, s.sums
-        self.writer.schedule(s.request)
-        self.commits.add(s.pending)
+        self.writer.schedule(compat.save_request(w.writer, [w.finalize], compat.installed_release()))
+        self.commits.add(Pending(s.step, w.started, w.writer if self.d.is_main else None, metadata))
         waited = time.monotonic() - t0
         if report:
             self._snapshot_taken(s.step, s.blocked_s + waited, sync=False,
@@ -543,7 +571,7 @@ class CheckpointManager:
         the state changes. It costs no disk, no writer and no collective, so it can be taken far more often
         than checkpoints: a restart in the same process or on the same node then redoes only the steps
         since the last one. Returns the copy (``save`` can write it later, as this step's checkpoint).
-        ``keep``: it will be (a checkpoint owed to a cold writer): no copy overwrites it until ``release``.
+        ``keep``: it will be (a checkpoint owed to a busy writer): no copy overwrites it until ``release``.
         """
         t0 = time.monotonic()
         self.finish_snapshot()
@@ -551,7 +579,7 @@ class CheckpointManager:
         slot, snapshot, pairs = self.replica.stage(state, keep=keep)   # never a slot a restart may read
         copy = self.copier.start(pairs)
         sums = self.copier.checksum(copy, lambda: state_digests(snapshot))
-        self.copying = _Snapshot(step, snapshot, copy, None, None, time.monotonic() - t0, {}, slot, sums)
+        self.copying = _Snapshot(step, snapshot, copy, None, time.monotonic() - t0, {}, slot, sums)
         return snapshot   # whole once finish_snapshot returned; kept until the next copy but one, or released
 
     def release(self, copy: dict) -> None:

@@ -139,9 +139,9 @@ class IntervalPolicy:
     def due(self, step: int, max_steps: int, writers_busy: bool = False) -> bool:
         """Whether to checkpoint after ``step``. ``writers_busy``: a rank's previous write is still running.
 
-        A fixed step interval is kept exactly (that save waits for the writers). An ``auto`` or time-based
-        save is postponed while the writers are busy, so it never blocks on them: Young-Daly with a tiny
-        blocking cost can ask for saves more often than the writers can write them.
+        A fixed step interval is kept exactly (a save due while a write runs is owed: ``Checkpointer``). An
+        ``auto`` or time-based save is postponed while the writers are busy: Young-Daly with a tiny blocking
+        cost can ask for saves more often than the writers can write them.
         """
         if step >= max_steps:
             return False  # the final checkpoint is the last step's, whatever the interval

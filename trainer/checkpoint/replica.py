@@ -316,7 +316,7 @@ class MemorySnapshots:
         self.run: str | None = marker.get("run") if marker else None
         self.copy_s = 0.0   # how long the last copy took (the interval policy spaces them)
         self.checksums: list[str] | None = None   # of this process's newest snapshot (``completed``)
-        # Slots whose copy is a checkpoint owed to a cold writer (``stage(keep=True)``), until ``release``:
+        # Slots whose copy is a checkpoint owed to a busy writer (``stage(keep=True)``), until ``release``:
         # slot -> (step, snapshot, run), the step and run once the copy is complete.
         # slot -> (step, snapshot, run, checksums), the step, run and checksums once the copy is complete.
         self.kept: dict[int, tuple[int | None, dict, str | None, list[str] | None]] = {}
@@ -343,11 +343,11 @@ class MemorySnapshots:
             self.kept[slot] = (None, snapshot, None, None)
         return slot, snapshot, pairs
 
-    def verify_kept(self, snapshot: dict) -> None:
-        """A kept copy (a checkpoint owed to a cold writer) still holds the bytes it was copied with: nothing wrote
-        into its slot since. Raises ``ChecksumMismatch``."""
+    def kept_checksums(self, snapshot: dict) -> tuple[int, list[str]]:
+        """(step, checksums) of a kept copy (a checkpoint owed to a busy writer), as it was copied: it must still
+        hold those bytes when it is written (nothing may have copied into its slot since)."""
         step, _, _, checksums = next(k for k in self.kept.values() if k[1] is snapshot)
-        verify_state(snapshot, checksums, f"the memory copy of step {step} owed to the writer")
+        return step, checksums
 
     def release(self, snapshot: dict) -> None:
         """``snapshot``'s slot is no longer kept (its checkpoint was written or superseded)."""

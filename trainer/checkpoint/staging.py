@@ -3,8 +3,9 @@ save, the DCP planner kept with them, and the background copy into them.
 
 The staging tensors are the same objects at every save, so the plan made at the first saves is reused for
 as long as the state's structure (keys, shapes, dtypes) is unchanged; a changed structure gets new staging
-and is planned afresh. The copy runs on a thread (on GPU: device-to-host on a side stream) while the loop
-runs the next forward and backward passes, which only read the state.
+and is planned afresh. The copy runs on a thread (on GPU: device-to-host on a side stream), and the planning
+of a reused plan after it (it needs no collective), while the loop runs the next forward and backward passes,
+which only read the state.
 """
 
 from __future__ import annotations
@@ -183,6 +184,10 @@ class Copier:
             ready.record()   # on the loop's stream: the state as the last optimizer step left it
         return self.pool.submit(self.copy, pairs, ready)
 
+    def then(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the copy thread once the copies started so far are done (one thread: in order)."""
+        return self.pool.submit(fn)
+
     def copy(self, pairs: list, ready: torch.cuda.Event | None) -> float:
         """Background thread: copy the live tensors into the staging copy; return the seconds it took.
 
@@ -203,13 +208,17 @@ class Copier:
         return time.monotonic() - t0
 
     def checksum(self, copy: Future, of: Callable[[], Any]) -> Future:
-        """``of()`` (the copy's checksums) once ``copy`` is whole, on the checksum thread: nothing can change the
-        copy before then, and the copy thread is free for the next one meanwhile."""
+        """``of()`` (the copy's checksums) once ``copy`` (or what ran on the copy thread after it) is done, on the
+        checksum thread: nothing can change the copy before then, and the copy thread is free meanwhile."""
         def run() -> Any:
             copy.result()
             return of()
 
         return self.hasher.submit(run)
+
+    def verify(self, fn: Callable[[], None]) -> Future:
+        """Run ``fn`` (a check of what is about to be copied) on the checksum thread, beside the copy."""
+        return self.hasher.submit(fn)
 
     def close(self) -> None:
         self.pool.shutdown()
