@@ -133,17 +133,10 @@ def _events(out: Path) -> list[dict]:
 
 
 def _owed_written(events: list[dict]) -> list[int]:
-    """Steps checkpointed from a memory copy taken at an earlier step (owed to a cold writer, then written:
-    save_owed); not a due save's own memory copy, taken just before it at the same step."""
-    copied, owed, last = set(), [], 0
-    for e in events:
-        if e["event"] == Event.STEP and e["rank"] == 0:
-            last = e["step"]
-        elif e["event"] == Event.MEMORY_SNAPSHOT:
-            copied.add(e["step"])
-        elif e["event"] == Event.CKPT_START and e["step"] in copied and e["step"] < last:
-            owed.append(e["step"])
-    return owed
+    """Steps checkpointed from a memory copy owed to a busy writer (an ``owed`` memory snapshot), then written
+    (save_owed)."""
+    owed = {e["step"] for e in events if e["event"] == Event.MEMORY_SNAPSHOT and e.get("owed")}
+    return [e["step"] for e in events if e["event"] == Event.CKPT_START and e["step"] in owed]
 
 
 def _lines(path: Path) -> list[dict]:

@@ -541,13 +541,17 @@ class CheckpointManager:
         copy_s = s.copy.result()
         if s.write is None:   # kept in memory only
             # Marked with its checksums (taken on the checksum thread once the copy was whole).
-            self.replica.completed(s.step, s.slot, s.state, self._replica_run, copy_s, s.sums.result())
+            checksums = s.sums.result()
+            t_copied = time.monotonic()
+            self.replica.completed(s.step, s.slot, s.state, self._replica_run, copy_s, checksums)
             waited = time.monotonic() - t0
             if self.peer_ring:
                 wake_peer_daemon(self.replica.node.dir)
             if self.d.is_main:
                 self.events.emit(Event.MEMORY_SNAPSHOT, step=s.step, block_s=round(s.blocked_s + waited, 4),
-                                 copy_s=round(copy_s, 4), **({"owed": True} if s.slot in self.replica.kept else {}))
+                                 copy_s=round(copy_s, 4), start_s=round(s.blocked_s, 4),
+                                 copy_wait_s=round(t_copied - t0, 4), mark_s=round(time.monotonic() - t_copied, 4),
+                                 **({"owed": True} if s.slot in self.replica.kept else {}))
             return waited
         w = s.write
         metadata = w.plan.result()
