@@ -489,13 +489,13 @@ class CheckpointManager:
         self.finish_snapshot()
         self.writer.finalize(writes_only=True)
         t_wait = time.monotonic()
-        if self.snapshot_step is not None:
-            if not writers_idle:
-                # Sync point: every rank has recorded the previous write, so rank 0 commits it now; otherwise a
-                # crash during this save would lose a checkpoint that was already whole on disk. (With
-                # ``writers_idle`` the step's all-reduce said so already.) The condition must be the same on
-                # every rank: ``pending`` is not, and a barrier on rank 0 alone deadlocks the loop.
-                dist.barrier()
+        if self.snapshot_step is not None and not writers_idle:
+            # Sync point: every rank has recorded the previous write, so rank 0 commits it now; otherwise a
+            # crash during this save would lose a checkpoint that was already whole on disk. The condition must
+            # be the same on every rank: ``pending`` is not, and a barrier on rank 0 alone deadlocks the loop.
+            # (With ``writers_idle`` the step's all-reduce said so already, and the ``maybe_finalize`` that
+            # ends the step commits it, outside the loop's hold: the committer thread's Python takes the GIL.)
+            dist.barrier()
             self.commits.maybe_commit_behind()
         t_commit = time.monotonic()
         snapshot, pairs = self.staging.stage(state)
