@@ -210,7 +210,7 @@ def test_an_in_job_restart_resumes_from_the_replica_left_in_node_memory(tmp_path
 
 
 def test_an_owed_checkpoints_copy_is_kept_while_memory_snapshots_go_on_in_the_other_slot(tmp_path, process_group):
-    """A checkpoint owed to a cold writer keeps its slot: snapshots take turns in the other, each over the newest,
+    """A checkpoint owed to a busy writer keeps its slot: snapshots take turns in the other, each over the newest,
     so a rank killed while one is copied resumes from the owed copy; the owed checkpoint has its own step's
     values when it is written."""
     root, events = tmp_path / "ckpt", EventLog(tmp_path / "e", 0)

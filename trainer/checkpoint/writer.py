@@ -126,8 +126,8 @@ class Writer:
         spawned process that imports torch and the writer's module (seconds of CPU, niced), which then
         boots while the first steps run rather than while the ranks restore, and is warm as early as it can
         be for the first save. The warm-up request imports the writer's module; saves never wait for it
-        (``schedule`` holds writes back until it finished, a checkpoint due behind a write on a writer still
-        cold is owed, and a blocking save before it writes synchronously).
+        (``schedule`` holds writes back until it finished, a checkpoint due behind any write is owed, and a
+        blocking save before it writes synchronously).
         """
         if self.cfg.sync or self.queue is not None:
             return
@@ -205,12 +205,6 @@ class Writer:
         self.writes_in_flight -= 1
         self.writes_done += 1
         self.write_started = time.monotonic()   # the next one in flight, if any, has been running since
-
-    @property
-    def cold(self) -> bool:
-        """No write has finished since this process started its writer: one in flight may still wait for the
-        writer's boot (a spawned interpreter importing torch), and a save after it would wait for that too."""
-        return not self.cfg.sync and self.writes_done == 0
 
     @property
     def booting(self) -> bool:
