@@ -379,16 +379,22 @@ def test_cli_reports_bad_records_and_fails_under_the_fail_policy(tmp_path):
     assert res.exit_code == 2 and "expected bpe:VOCAB" in res.output
 
 
-def test_a_tokenizer_process_that_dies_fails_the_stage_instead_of_hanging(hf_tokenizer, tmp_path):
+def test_a_tokenizer_process_that_dies_fails_the_stage_instead_of_hanging(hf_tokenizer, tmp_path, monkeypatch):
     import os
     import signal
     import threading
-    import time
 
-    import psutil
+    from tests.conftest import until
 
-    files = {f"big-{i:02d}.jsonl": jsonl_bytes([{"text": doc(i * 1000 + j, 200)} for j in range(400)])
-             for i in range(16)}
+    # The spawned tokenizer workers load tests/_stage_worker_site first: each announces itself in ``held`` once
+    # it has a file to tokenize, and waits there (mid-file) until the test kills one.
+    held = tmp_path / "held"
+    held.mkdir()
+    site = str(Path(__file__).parent / "_stage_worker_site")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(filter(None, [site, os.environ.get("PYTHONPATH")])))
+    monkeypatch.setenv("GOODPUT_TEST_HOLD_TOKENIZER", str(held))
+    files = {f"big-{i:02d}.jsonl": jsonl_bytes([{"text": doc(i * 1000 + j, 200)} for j in range(40)])
+             for i in range(4)}
     src = write_dir(tmp_path / "src", files)
     outcome: list = []
 
@@ -400,27 +406,12 @@ def test_a_tokenizer_process_that_dies_fails_the_stage_instead_of_hanging(hf_tok
         except StageError as e:
             outcome.append(e)
 
-    started = time.time()
     t = threading.Thread(target=stage)
     t.start()
-    deadline = time.monotonic() + 60
-    victim = None
-    tok_dir = tmp_path / "fsx" / "datasets" / "die" / "1" / ".stage" / "tok"
-
-    def spawned(p: psutil.Process) -> bool:
-        """A tokenizer process of this stage: other tests of this process may have left children of their own."""
-        try:
-            return p.create_time() >= started - 1 and "spawn_main" in " ".join(p.cmdline())
-        except psutil.Error:                 # a zombie, or a process gone meanwhile
-            return False
-
-    while victim is None and time.monotonic() < deadline and t.is_alive():
-        kids = [p for p in psutil.Process().children() if spawned(p)]
-        busy = tok_dir.is_dir() and any(tok_dir.iterdir())           # the workers are tokenizing files
-        victim = kids[0] if len(kids) == 2 and busy else None
-        time.sleep(0.01)
-    assert victim is not None, "the tokenizer processes never started"
-    os.kill(victim.pid, signal.SIGKILL)                   # mid-file, as the kernel's OOM killer would
+    assert until(lambda: any(held.iterdir()) or not t.is_alive(), timeout=120), "no tokenizer process started"
+    assert t.is_alive(), f"the stage ended before a tokenizer process held its file: {outcome}"
+    victim = int(next(held.iterdir()).name)
+    os.kill(victim, signal.SIGKILL)                       # mid-file, as the kernel's OOM killer would
     t.join(60)
     assert not t.is_alive(), "the stage hung after a tokenizer process died"
     assert isinstance(outcome[0], StageError) and "tokenizing the staged files failed" in str(outcome[0])
