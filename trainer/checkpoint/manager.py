@@ -406,7 +406,8 @@ class CheckpointManager:
 
         ``state``: the state dict, or a function that builds it (then building it counts as blocking time).
         ``writers_idle``: every rank had finalized its previous write when the step's signals were all-reduced
-        (``StepSignals.writing`` false), so rank 0 commits it without another sync point.
+        (``StepSignals.writing`` false): the save needs no sync point first, and the ``maybe_finalize`` that
+        ends the step commits that write.
 
         Async (the default), it returns once the copy of ``state`` has started: the caller may run forward
         and backward passes, but must call ``finish_snapshot`` before it changes the state. With ``blocking``

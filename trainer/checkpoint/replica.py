@@ -317,7 +317,6 @@ class MemorySnapshots:
         self.copy_s = 0.0   # how long the last copy took (the interval policy spaces them)
         self.checksums: list[str] | None = None   # of this process's newest snapshot (``completed``)
         # Slots whose copy is a checkpoint owed to a busy writer (``stage(keep=True)``), until ``release``:
-        # slot -> (step, snapshot, run), the step and run once the copy is complete.
         # slot -> (step, snapshot, run, checksums), the step, run and checksums once the copy is complete.
         self.kept: dict[int, tuple[int | None, dict, str | None, list[str] | None]] = {}
         # (step, why) of snapshots on the node whose bytes failed their checksums: not offered (the manager
