@@ -38,6 +38,7 @@ from trainer.events import Event, read_events
 HERE = Path(__file__).resolve().parent
 MODEL = ["--n-layer", "2", "--n-embd", "64", "--n-head", "2", "--seq-len", "64", "--batch-size", "8",
          "--eval-windows", "16", "--ckpt-keep", "100"]
+INTERRUPTS = ((4, 1), (8, 0), (11, 1), (15, 0), (19, 1), (23, 0), (26, 1))   # (step, rank) of each exception
 # (its steps, the round's checkpointing and faults)
 SCENARIOS = {
     # the run of docs/nvrx.md in which the fault was seen: each start's first save held (steps 4 and 12)
@@ -45,6 +46,10 @@ SCENARIOS = {
     # checkpoints due while the first write waits for the boot: owed memory copies, written once it is warm
     # (CheckpointManager.save_owed) or superseded
     "owed": (40, ["--ckpt-every", "6", "--inject-fault", "kill@33:0"]),
+    # in-process restarts one after another: each lands the Wrapper's asynchronous exception on the other rank
+    # wherever its main thread is, the writer's bookkeeping (hand-over, finalize) included
+    "interrupts": (30, ["--ckpt-every", "3", *(arg for step, rank in INTERRUPTS
+                                               for arg in ("--inject-fault", f"exception@{step}:{rank}"))]),
 }
 REFERENCE = ["--ckpt-every", "1", "--ckpt-sync"]
 

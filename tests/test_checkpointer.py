@@ -31,6 +31,9 @@ class RecordingManager:
         self.replica_copy_s, self.on_snapshot = 0.0, None
         self.block_s = 0.01
 
+    def guard_writer(self, atomic):
+        self.atomic = atomic   # the attempt's, for the writer's bookkeeping
+
     def restore(self, state):
         return None, "checkpoint", state
 
@@ -105,6 +108,8 @@ def _checkpointer(tmp_path, max_steps=100, **cfg):
     ckpt = Checkpointer(manager, CheckpointConfig(**cfg), Dist(0, 1, 0, torch.device("cpu")), App(), Guard(),
                         SpotWatcher(SpotConfig(), events, enabled=False), max_steps, events,
                         tmp_path / "events.jsonl", on_blocking=lambda s: None)
+    # The writer's bookkeeping runs inside this attempt's atomic(): a restart never lands in it.
+    assert manager.atomic == ckpt.guard.atomic
     assert ckpt.load() == (None, "checkpoint")
     assert manager.calls == [("start_writer",)], "the writer boots from the load on, ready for the first save"
     manager.calls.clear()

@@ -121,6 +121,7 @@ class Checkpointer:
         self.first_step = 1
         self.owed: list = []        # (step, copy in node memory) of checkpoints due while a write ran
         self.agreed = StepSignals()   # the last step's signals, as every rank agreed on them
+        manager.guard_writer(guard.atomic)
 
     # ----------------------------------------------------------------------------------------- load
     def load(self) -> tuple[int | None, str]:

@@ -20,6 +20,7 @@ nodes, the copies of a lost node's snapshots that another node keeps (``trainer/
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -143,6 +144,11 @@ class CheckpointManager:
     @property
     def replica_copy_s(self) -> float:
         return self.replica.copy_s
+
+    def guard_writer(self, atomic: Callable[[], contextlib.AbstractContextManager]) -> None:
+        """Run the writer's bookkeeping inside ``atomic()``, the current attempt's (the in-process Wrapper's):
+        a restart never lands in the middle of it (``Writer.atomic``)."""
+        self.writer.atomic = atomic
 
     def start_writer(self) -> None:
         """Start the writer (it boots in the background) and plan the staging copy's first save now, so that

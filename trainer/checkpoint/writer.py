@@ -15,7 +15,7 @@ import os
 import signal
 import threading
 import time
-from typing import Any
+from typing import Any, Callable, ContextManager
 
 import psutil
 
@@ -114,6 +114,11 @@ class Writer:
         self.writers: list[int] = []    # the worker's pid, once started
         self.helpers: list[int] = []    # the worker's and the write-results manager's
         self.write_started = 0.0        # when the oldest write in flight was scheduled
+        # The attempt's atomic() (the in-process Wrapper's): every change to what is in flight, here and in
+        # NVRx's queue, runs inside it. A restart's asynchronous exception landing between two of its steps
+        # (a completion taken, its call not finalized) would leave a write that never finishes: the rank would
+        # wait for it until the write timeout ended it, its checkpoints owed meanwhile.
+        self.atomic: Callable[[], ContextManager] = contextlib.nullcontext
 
     @property
     def started(self) -> bool:
@@ -145,11 +150,12 @@ class Writer:
                 compat.set_write_results_queue(_results_queue("spawn"))
             compat.start_write_results_queue(rel)
             manager = _children() - started
-            self.queue = AsyncCallsQueue(**compat.async_calls_queue_kwargs(rel, self.cfg.writer_nice))
-            self.warm = False
-            self.queue.schedule_async_request(
-                AsyncRequest(_prepare_writer, (FileSystemWriterAsync.__module__, os.getpid(), sorted(manager)),
-                             [self._warmed]))
+            queue = AsyncCallsQueue(**compat.async_calls_queue_kwargs(rel, self.cfg.writer_nice))
+            with self.atomic():
+                self.queue, self.warm = queue, False
+                queue.schedule_async_request(
+                    AsyncRequest(_prepare_writer, (FileSystemWriterAsync.__module__, os.getpid(), sorted(manager)),
+                                 [self._warmed]))
         # The worker's niceness is set as it is born, not once it runs: its boot (importing torch, seconds
         # of CPU) would otherwise slow the steps after every restart wherever it shares cores with training.
         # Its write processes inherit it. Never lowered: that needs a privilege pods do not have.
@@ -173,14 +179,15 @@ class Writer:
         in flight from now: the staging copy it reads stays held (the next save finalizes it first) and the
         watch times it.
         """
-        if not self.writes_in_flight:
-            self.write_started = time.monotonic()
-        self.writes_in_flight += 1
-        self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
-        if (self.warm or not self.holds_while_booting) and not self.deferred:
-            self.queue.schedule_async_request(request)
-        else:
-            self.deferred.append((request, time.monotonic()))
+        with self.atomic():
+            if not self.writes_in_flight:
+                self.write_started = time.monotonic()
+            self.writes_in_flight += 1
+            self._finalize_finished()
+            if (self.warm or not self.holds_while_booting) and not self.deferred:
+                self.queue.schedule_async_request(request)
+            else:
+                self.deferred.append((request, time.monotonic()))
 
     def _warmed(self) -> None:
         """The warm-up request's finalize function (run on this rank): the worker has booted."""
@@ -188,13 +195,15 @@ class Writer:
 
     def _hand_over(self, wait_for_boot: bool) -> None:
         """Give the deferred writes to the worker, oldest first: once it is warm, or at once with
-        ``wait_for_boot`` (for a caller that waits for them anyway: NVRx then blocks until the worker booted)."""
+        ``wait_for_boot`` (for a caller that waits for them anyway: NVRx then blocks until the worker booted,
+        and a restart waits for that too)."""
         if not (self.deferred and (self.warm or wait_for_boot)):
             return
         while self.deferred:
-            request, since = self.deferred.pop(0)
-            t0 = time.monotonic()
-            self.queue.schedule_async_request(request)
+            with self.atomic():
+                request, since = self.deferred.pop(0)
+                t0 = time.monotonic()
+                self.queue.schedule_async_request(request)
             if self.rank == 0:   # how long it was held back, and what the hand-over blocked (from 0.6 the
                 # worker runs the preload function meanwhile): blocking time of the step whose top it was
                 self.events.emit(Event.CKPT_HANDED_OVER, deferred_s=round(t0 - since, 4),
@@ -211,14 +220,14 @@ class Writer:
         """Not started, or still booting with no write scheduled (its warm-up request is unfinished)."""
         if self.queue is None:
             return True
-        self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
+        self._finalize_finished()
         return self.writes_in_flight == 0 and not self.warm
 
     def maybe_finalize(self) -> None:
         """Top of a step: finalize finished writes, without blocking and without collectives, and hand the
         deferred ones to the worker once it is warm."""
         if self.queue is not None:
-            self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)   # the warm-up's too
+            self._finalize_finished()   # the warm-up's too
             self._hand_over(wait_for_boot=False)
 
     def finalize(self, writes_only: bool = False) -> None:
@@ -231,10 +240,15 @@ class Writer:
             return
         self._hand_over(wait_for_boot=True)
         while True:
-            self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
+            self._finalize_finished()
             if not (self.writes_in_flight if writes_only else self.queue.get_num_unfinalized_calls()):
                 return
             time.sleep(0.005)
+
+    def _finalize_finished(self) -> None:
+        """Run the finalize functions of the requests NVRx's worker finished, oldest first; no collectives."""
+        with self.atomic():
+            self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
 
     def close(self) -> None:
         # Rank-local finalize first (deferred writes too, still watched): NVRx's own close() would
