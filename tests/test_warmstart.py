@@ -8,8 +8,10 @@ One rank, no launcher (the launcher-driven paths run in test_recovery.py and tes
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -18,6 +20,7 @@ from pathlib import Path
 import psutil
 import pytest
 
+from trainer import warmstart
 from trainer.events import read_events
 from trainer.layout import checkpoints_dir, committed_steps, replica_dir
 from trainer.signals import in_process_group, is_gone
@@ -169,6 +172,33 @@ def test_the_write_results_manager_is_forked_with_the_rank_and_ignores_sigterm(t
     ignored = int(next(line for line in Path(f"/proc/{manager}/status").read_text().splitlines()
                        if line.startswith("SigIgn:")).split()[1], 16)
     assert ignored & (1 << (signal.SIGTERM - 1))
+
+
+def test_a_forked_rank_is_in_its_own_process_group_before_the_zygote_goes_on(monkeypatch):
+    """The zygote ends a run by ending its ranks' process groups. A child that the scheduler had not yet run
+    to its own ``setpgid`` was still in the zygote's group: not found, it lived on, and so did the manager it
+    forked, re-parented to init. Here the child is held before that call while the zygote looks."""
+    real_setpgid, zygote = os.setpgid, os.getpid()
+    held_r, held_w = os.pipe()
+
+    def held_in_the_child(pid: int, pgrp: int) -> None:
+        if os.getpid() != zygote:
+            os.read(held_r, 1)
+            os._exit(0)
+        real_setpgid(pid, pgrp)
+
+    monkeypatch.setattr(os, "setpgid", held_in_the_child)
+    monkeypatch.setattr(warmstart, "_fork_unsafe", lambda: None)   # pytest's own threads
+    proxy, conn = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    socket.send_fds(proxy, [json.dumps({"proxy": os.getpid()}).encode()], [0, 1, 2])
+    pid = warmstart._fork_child(conn, warmstart.ChildRun(lambda: None, lambda argv: 0), close_in_child=())
+    try:
+        assert pid is not None and os.getpgid(pid) == pid
+    finally:
+        os.write(held_w, b"x")
+        os.waitpid(pid, 0)
+        for s in (proxy, conn):
+            s.close()
 
 
 def test_without_a_zygote_the_rank_starts_cold(tmp_path, dataset):

@@ -365,6 +365,9 @@ def _fork_child(conn: socket.socket, child: ChildRun, close_in_child: tuple[int,
         for fd in close_in_child:
             os.close(fd)
         os._exit(_run_child(conn, request, fds, child))
+    # Here too, as shells do: the zygote may end the run's process groups before the child has run at all.
+    with contextlib.suppress(ProcessLookupError):
+        os.setpgid(pid, pid)
     for fd in fds:
         os.close(fd)
     _send(conn, {"pid": pid})
