@@ -153,9 +153,63 @@ def test_the_next_save_overwrites_the_staging_copy_only_after_the_held_write(tmp
     assert [e["booted"] for e in handed] == [False]   # handed over while the worker still booted
 
 
-def _then(call, after):
-    """``call``, then ``after()``."""
+def test_a_write_nvrx_has_and_the_writer_did_not_count_keeps_the_staging_copy(tmp_path, process_group, monkeypatch):
+    """The wrong-values write's two symptoms (docs/nvrx.md) are what one write too many in NVRx's queue gives,
+    which the writer's own count does not know of: the next save overwrites the staging copy that write reads
+    (the held checkpoint gets the later step's values), and the save's wait, one finalize behind, returns before
+    its own results exist (its commit fails). Played here with the step-12 write given to NVRx a second time
+    behind the writer's back, the worker stopped until the final save either overwrote the staging copy (and
+    handed its write over) or waits for NVRx's write."""
+    monkeypatch.setattr(writer_module, "STOPPED_S", 600.0)   # the test stops the worker itself
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(writer_nice=0), process_group,
+                            EventLog(tmp_path / "e", 0))
+    worker = None
+    try:
+        mgr.start_writer()
+        (worker,) = mgr.writer.writers
+        assert until(lambda: (mgr.maybe_finalize(), mgr.writer.warm)[1], timeout=180)
+        scheduled = []
+        monkeypatch.setattr(mgr.writer, "schedule", _then(mgr.writer.schedule, lambda: None, record=scheduled))
+        live = _save_and_step(mgr, 12)
+        assert until(lambda: (mgr.maybe_finalize(), mgr.writes_in_flight == 0)[1], timeout=120)
+        os.kill(worker, signal.SIGSTOP)
+        mgr.writer.queue.schedule_async_request(scheduled[0])   # uncounted: the writer's count says 0
+        resume = _once(lambda: os.kill(worker, signal.SIGCONT))
+        # Let the worker go once the save handed its own write over (the staging copy overwritten) or said the
+        # counts disagree (it waits for NVRx's write first).
+        monkeypatch.setattr(mgr.writer, "schedule", _then(mgr.writer.schedule, resume))
+        monkeypatch.setattr(mgr.writer, "_out_of_step", _then(mgr.writer._out_of_step, resume))
+        mgr.save(14, live, blocking=True)
+        assert committed_steps(mgr.root) == [12, 14]
+        assert torch.equal(_saved(mgr.root, 12)["model"]["w"], _state(12)["model"]["w"])
+        assert torch.equal(_saved(mgr.root, 14)["model"]["w"], live["model"]["w"])
+        for step in (12, 14):
+            verify_files(step_dir(mgr.root, step))
+        assert mgr.writes_in_flight == 0 and mgr.writer.queue.get_num_unfinalized_calls() == 0
+    finally:
+        if worker is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(worker, signal.SIGCONT)
+        mgr.close()
+    said = [e["what"] for e in read_events(tmp_path / "e") if e["event"] == "writes_miscounted"]
+    assert said == ["NVRx's queue has a write that was not counted", "a write finished that was not counted"]
+
+
+def _once(call):
+    """``call`` the first time only."""
+    done = []
+
+    def first(*args):
+        if not done:
+            done.append(call())
+    return first
+
+
+def _then(call, after, record: list | None = None):
+    """``call``, then ``after()``; ``record`` gets each call's first argument."""
     def both(*args, **kwargs):
+        if record is not None:
+            record.append(args[0])
         result = call(*args, **kwargs)
         after()
         return result

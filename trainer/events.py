@@ -62,6 +62,7 @@ class Event(enum.StrEnum):
     MEMORY_SNAPSHOT = "memory_snapshot", ("step", "block_s", "copy_s"), ("start_s", "copy_wait_s", "mark_s", "owed")
     CKPT_HANDED_OVER = "ckpt_handed_over", ("deferred_s", "block_s", "booted")
     HELPER_HUNG = "helper_hung", ("reason",)
+    WRITES_MISCOUNTED = "writes_miscounted", ("rank", "what", "counted", "in_nvrx")
     CKPT_COMMITTED = "ckpt_committed", ("step", "commit_s")
     CKPT_TORN_DELETED = "ckpt_torn_deleted", ("step",)
     CKPT_LOADED = "ckpt_loaded", ("step", "source"), ("load_s", "fetched")

@@ -211,9 +211,22 @@ class Writer:
 
     def written(self) -> None:
         """Called on this rank (in its finalize) once the worker finished the oldest write in flight."""
-        self.writes_in_flight -= 1
+        if self.writes_in_flight == 0:
+            self._out_of_step("a write finished that was not counted")
+        self.writes_in_flight = max(0, self.writes_in_flight - 1)
         self.writes_done += 1
         self.write_started = time.monotonic()   # the next one in flight, if any, has been running since
+
+    def _in_nvrx(self) -> int:
+        """The writes NVRx's queue has not finalized: its unfinalized calls, less the warm-up while unfinished."""
+        return self.queue.get_num_unfinalized_calls() - (0 if self.warm else 1) if self.queue is not None else 0
+
+    def _out_of_step(self, what: str) -> None:
+        """The writes counted here and those NVRx has disagree: said, once each time (the count follows NVRx's)."""
+        log.error("checkpoint writer of rank %d: %s (%d counted, %d in NVRx's queue)", self.rank, what,
+                  self.writes_in_flight, self._in_nvrx())
+        self.events.emit(Event.WRITES_MISCOUNTED, rank=self.rank, what=what, counted=self.writes_in_flight,
+                         in_nvrx=self._in_nvrx())
 
     @property
     def booting(self) -> bool:
@@ -233,16 +246,26 @@ class Writer:
     def finalize(self, writes_only: bool = False) -> None:
         """Finalize NVRx requests until none is left (with ``writes_only``: until no write is left).
 
-        Polls every 5 ms: NVRx's own blocking finalize sleeps 100 ms between checks, which the loop
-        would pay whenever a save waits for the previous write.
+        A write is left while it is counted here or NVRx's queue has it: the staging copy it reads is free
+        only once both say so, so a count out of step with NVRx's can delay the next save but never let it
+        overwrite the copy under a write. Polls every 5 ms: NVRx's own blocking finalize sleeps 100 ms
+        between checks, which the loop would pay whenever a save waits for the previous write.
         """
         if self.queue is None:
             return
         self._hand_over(wait_for_boot=True)
+        said = False
         while True:
             self._finalize_finished()
-            if not (self.writes_in_flight if writes_only else self.queue.get_num_unfinalized_calls()):
-                return
+            if not writes_only:
+                if not self.queue.get_num_unfinalized_calls():
+                    return
+            elif not self._in_nvrx():
+                if not self.writes_in_flight:
+                    return
+            elif not (self.writes_in_flight or said):
+                said = True
+                self._out_of_step("NVRx's queue has a write that was not counted")
             time.sleep(0.005)
 
     def _finalize_finished(self) -> None:
