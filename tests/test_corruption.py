@@ -506,6 +506,34 @@ def test_a_checkpoint_owed_to_a_busy_writer_is_not_written_from_a_copy_that_chan
     assert [(e["source"], e["step"]) for e in _mismatches(tmp_path)] == [("owed copy", 6)]
 
 
+@pytest.mark.parametrize("then", ["restore", "close"])
+def test_after_a_fault_an_owed_checkpoints_copy_completes_and_its_write_is_dropped(
+        tmp_path, process_group, monkeypatch, then):
+    """A fault while an owed checkpoint's copy runs leaves that save unfinished on some ranks only, so the
+    agreement its write needs (a collective) cannot be made after it: in the restore of an in-process restart
+    the other ranks are in the restore's own collectives, and in the teardown after an in-job failure the
+    process group is gone (torch's ValueError, which the trainer takes for a settings error: the run stopped
+    instead of restarting). The copy completes and the write is dropped: nothing of the owed step is written."""
+    mgr = _manager(tmp_path, process_group)
+    try:
+        whole = mgr.snapshot_to_memory(4, _state(4), keep=True)
+        mgr.finish_snapshot()
+        mgr.save_owed(4, whole)        # the fault comes before the step's finish_snapshot
+
+        def gone(*args, **kwargs):
+            raise ValueError("Default process group has not been initialized")
+
+        with monkeypatch.context() as m:
+            m.setattr(torch.distributed, "all_reduce", gone)
+            if then == "restore":
+                mgr.restore(_state(0))
+            else:
+                mgr.close()
+        assert mgr.copying is None and not list(step_dir(tmp_path / "ckpt", 4).glob("*"))
+    finally:
+        mgr.close()
+
+
 def test_refused_copies_and_peer_messages_are_counted_in_the_run_metrics(tmp_path):
     from trainer.metrics import RunCollector
 

@@ -178,7 +178,7 @@ class CheckpointManager:
         loaded (``checkpoint``), fetched from the S3 mirror first when FSx has none. Collective: call on
         every rank.
         """
-        self.finish_snapshot()   # a fault can come while a snapshot is copied: the copy still completes
+        self.finish_snapshot(after_fault=True)   # a fault can come while a snapshot is copied: it still completes
         self._verify_staging_snapshot()
         self.replica.read_back(state)
         newest = self.commits.newest() if self.d.is_main else None
@@ -535,11 +535,14 @@ class CheckpointManager:
         self.copying = _Snapshot(step, snapshot, copy, _Write(writer, plan, finalize, t0, verified), now - t0,
                                  phases, sums=sums)
 
-    def finish_snapshot(self, *, report: bool = True) -> float:
+    def finish_snapshot(self, *, report: bool = True, after_fault: bool = False) -> float:
         """Wait for the copy ``save`` started and hand the write to NVRx's worker; return the seconds waited.
 
         Call before the state changes (the optimizer step). Returns at once when no copy is running.
         ``report``: record the save's blocking time (an interval save's; a blocking save records its own).
+        ``after_fault``: the restore after a restart, or the teardown. A fault may have come on some ranks
+        before this save's finish and on others after it, so the ranks cannot agree on an owed copy (a
+        collective); its copy completes and its write is dropped (it was owed, never committed).
         """
         s, self.copying = self.copying, None
         if s is None:
@@ -562,7 +565,7 @@ class CheckpointManager:
             return waited
         w = s.write
         metadata = w.plan.result()
-        if w.verified is not None and not self._verified_everywhere(w.verified, s.step):
+        if w.verified is not None and (after_fault or not self._verified_everywhere(w.verified, s.step)):
             return time.monotonic() - t0   # nothing written: the staging copy holds no snapshot either
         self.snapshot, self.snapshot_step, self.snapshot_sums = s.state, s.step, s.sums
         self.writer.schedule(compat.save_request(w.writer, [w.finalize], compat.installed_release()))
@@ -637,7 +640,7 @@ class CheckpointManager:
                 self.commits.purge(newest)
 
     def close(self) -> None:
-        self.finish_snapshot()
+        self.finish_snapshot(after_fault=True)   # at the end nothing is left; after a failure, no collective
         self.copier.close()
         self.writer.close()
         self.commits.join_purge()
