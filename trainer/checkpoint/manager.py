@@ -219,6 +219,8 @@ class CheckpointManager:
         self.replica.unmap()
         if not self.cfg.sync:
             self.staging.allocate(restored)
+        if self.cfg.memory_every_s > 0:   # and the node memory of both memory snapshot slots
+            self.replica.reserve(restored)
         return step, source, restored
 
     def _choose(self, own: list[set[int]], committed: int | None, holder: tuple[str, int] | None,
