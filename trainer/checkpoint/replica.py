@@ -161,12 +161,13 @@ def _allocate(fd: int, size: int) -> None:
 
 
 def _offsets(specs: list[tuple[torch.dtype, torch.Size]]) -> tuple[list[int], int]:
-    """Where each tensor of ``specs`` starts in a slot, and the slot's size."""
+    """Where each tensor of ``specs`` starts in a slot, and the slot's size (never 0: an empty file cannot be
+    mapped)."""
     offsets, size = [], 0
     for dtype, shape in specs:
         offsets.append(size)
         size += -(-shape.numel() * dtype.itemsize // _ALIGN) * _ALIGN    # aligned for every dtype's view
-    return offsets, size
+    return offsets, max(size, _ALIGN)
 
 
 def tensor_spans(marker: dict) -> list[tuple[int, int]]:
@@ -220,13 +221,14 @@ class NodeReplica:
     @staticmethod
     def slot_size(state: dict) -> int:
         """The bytes of a slot that holds ``state``'s tensors."""
-        return max(_offsets(_specs(state))[1], _ALIGN)
+        return _offsets(_specs(state))[1]
 
-    def reserve(self, size: int) -> None:
-        """Allocate ``size`` bytes of both slots on the node now (a restore), leaving what they hold: the first
+    def reserve(self, state: dict) -> None:
+        """Allocate both slots for ``state`` on the node now (a restore), leaving what they hold: the first
         copy into a slot otherwise allocates it on the loop's blocking path (about 12 ms per 100 MB here)."""
         if not self.persistent:
             return
+        size = self.slot_size(state)
         with contextlib.suppress(OSError):   # then said by the copy that maps the slot (_map)
             self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
             for slot in (0, 1):
@@ -240,8 +242,8 @@ class NodeReplica:
         """Slot ``slot`` mapped and sized for ``state``'s tensors: one view per tensor, in traversal order."""
         layout = _specs(state)
         self.layouts[slot] = _layout(state)
-        offsets, _ = _offsets(layout)
-        flat = self._map(slot, self.slot_size(state), pin)
+        offsets, size = _offsets(layout)
+        flat = self._map(slot, size, pin)
         return [flat[o:].view(dtype)[:shape.numel()].view(shape) for o, (dtype, shape) in zip(offsets, layout)]
 
     def _map(self, slot: int, size: int, pin: bool) -> torch.Tensor:
@@ -433,7 +435,7 @@ class MemorySnapshots:
 
     def reserve(self, state: dict) -> None:
         """Allocate both slots for ``state`` on the node (see ``NodeReplica.reserve``)."""
-        self.node.reserve(self.node.slot_size(state))
+        self.node.reserve(state)
 
     def drop(self) -> None:
         """Forget the snapshot and free its memory on the node (a committed checkpoint supersedes it)."""

@@ -223,10 +223,10 @@ class Writer:
 
     def _out_of_step(self, what: str) -> None:
         """The writes counted here and those NVRx has disagree: said, once each time (the count follows NVRx's)."""
-        log.error("checkpoint writer of rank %d: %s (%d counted, %d in NVRx's queue)", self.rank, what,
-                  self.writes_in_flight, self._in_nvrx())
-        self.events.emit(Event.WRITES_MISCOUNTED, rank=self.rank, what=what, counted=self.writes_in_flight,
-                         in_nvrx=self._in_nvrx())
+        counted, in_nvrx = self.writes_in_flight, self._in_nvrx()
+        log.error("checkpoint writer of rank %d: %s (%d counted, %d in NVRx's queue)", self.rank, what, counted,
+                  in_nvrx)
+        self.events.emit(Event.WRITES_MISCOUNTED, rank=self.rank, what=what, counted=counted, in_nvrx=in_nvrx)
 
     @property
     def booting(self) -> bool:
@@ -258,14 +258,14 @@ class Writer:
         while True:
             self._finalize_finished()
             if not writes_only:
-                if not self.queue.get_num_unfinalized_calls():
-                    return
-            elif not self._in_nvrx():
-                if not self.writes_in_flight:
-                    return
-            elif not (self.writes_in_flight or said):
-                said = True
-                self._out_of_step("NVRx's queue has a write that was not counted")
+                left = self.queue.get_num_unfinalized_calls()
+            else:
+                left = max(self.writes_in_flight, self._in_nvrx())
+                if left and not self.writes_in_flight and not said:
+                    said = True
+                    self._out_of_step("NVRx's queue has a write that was not counted")
+            if not left:
+                return
             time.sleep(0.005)
 
     def _finalize_finished(self) -> None:
