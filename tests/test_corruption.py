@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -532,6 +533,30 @@ def test_after_a_fault_an_owed_checkpoints_copy_completes_and_its_write_is_dropp
         assert mgr.copying is None and not list(step_dir(tmp_path / "ckpt", 4).glob("*"))
     finally:
         mgr.close()
+
+
+def test_a_save_planned_after_the_process_group_was_aborted_is_dropped_at_close(tmp_path, process_group):
+    """The in-job layer's teardown after a fault: the process group is aborted while a save's plan waits behind
+    its copy on the copy thread. The plan then fails (torch's ValueError, which the trainer takes for a settings
+    error: the run stopped instead of restarting), so the save is dropped and close goes on; the checkpoint
+    committed before stays."""
+    mgr = _manager(tmp_path, process_group)
+    copy_thread_held = threading.Event()
+    try:
+        _save(mgr, 2)
+        mgr.wait()                             # planned: later saves plan on the copy thread
+        mgr.copier.then(copy_thread_held.wait)
+        mgr.save(4, _state(4))
+        torch.distributed.destroy_process_group()
+        copy_thread_held.set()
+        mgr.close()
+        assert mgr.copying is None and not step_dir(tmp_path / "ckpt", 4).exists()
+        assert (step_dir(tmp_path / "ckpt", 2) / ".metadata").exists()
+    finally:
+        copy_thread_held.set()
+        mgr.close()
+        if not torch.distributed.is_initialized():   # for the fixture's teardown
+            torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
 
 
 def test_a_restore_allocates_both_memory_slots_and_no_copy_allocates_them_again(tmp_path, process_group, monkeypatch):

@@ -9,6 +9,7 @@ import pytest
 from click.testing import CliRunner
 
 from pipelines.cli import main
+from trainer.errors import recurring_cause
 from trainer.launch import LaunchConfig, LaunchError, run_local_training
 from tests.trainer_flags import flags
 
@@ -113,3 +114,30 @@ def test_an_error_that_would_recur_inside_the_ranks_is_retried_by_no_layer(tmp_p
     (reason,) = {e["reason"] for e in events if e["event"] == "fatal"}
     assert reason.startswith("ValueError: each rank's slice of the data holds 50 tokens")
     assert "no layer retries an error that would come back" in run.tail(200)
+
+
+def _raised(error: BaseException, *, handling: BaseException | None = None, from_none: bool = False):
+    """``error`` as raised (while ``handling`` was being handled: from its except block)."""
+    try:
+        try:
+            if handling is not None:
+                raise handling
+        finally:
+            if from_none:
+                raise error from None
+            raise error
+    except BaseException as e:
+        return e
+
+
+def test_an_error_raised_while_a_failure_a_restart_cures_is_handled_is_that_failures():
+    """The teardown after a lost peer meets torch's ValueError once the process group is gone: the rank must be
+    restarted, not stopped as for an error that every attempt would meet."""
+    gone = ValueError("Default process group has not been initialized")
+    assert recurring_cause(_raised(gone)) is gone
+    assert recurring_cause(_raised(gone, handling=RuntimeError("Connection closed by peer"))) is None
+    assert recurring_cause(_raised(gone, handling=KeyError("lr"))) is gone
+    assert recurring_cause(_raised(gone, handling=RuntimeError("x"), from_none=True)) is gone
+    wrapped = RuntimeError("attempt failed")
+    wrapped.__cause__ = gone
+    assert recurring_cause(wrapped) is gone

@@ -24,7 +24,11 @@ RECURRING = (ValueError, TypeError, KeyError, FileNotFoundError, NotADirectoryEr
 
 
 def recurring_cause(e: BaseException) -> BaseException | None:
-    """``e`` or its cause, if it is an error that every attempt would meet again; else None."""
-    if isinstance(e, RECURRING):
+    """``e`` or its cause, if it is an error that every attempt would meet again; else None.
+
+    One raised while a failure that a restart may cure was being handled (by the teardown after it, say: torch's
+    ValueError once the process group is gone) is that failure's consequence, not a recurring error."""
+    context = None if e.__suppress_context__ else e.__context__
+    if isinstance(e, RECURRING) and (context is None or isinstance(context, RECURRING)):
         return e
     return e.__cause__ if isinstance(e.__cause__, RECURRING) else None

@@ -26,7 +26,7 @@ import torch.distributed as dist
 
 from . import compat
 from .config import RestartConfig
-from .errors import RECURRING, HelperHung
+from .errors import HelperHung, recurring_cause
 from .parallel import free_port, wait_until_listening
 
 
@@ -103,8 +103,12 @@ def run_with_inprocess_restart(fn: Callable, cfg: RestartConfig, cuda: bool):
         except HelperHung as e:
             # The same processes would meet the same helper: the in-job layer restarts them, helpers included.
             raise inprocess.exception.RestartAbort(str(e)) from e
-        except RECURRING as e:
-            raise inprocess.exception.RestartAbort(f"{type(e).__name__}: {e}") from e   # see trainer.train.run
+        except Exception as e:
+            recurring = recurring_cause(e)
+            if recurring is None:
+                raise
+            # See trainer.train.run.
+            raise inprocess.exception.RestartAbort(f"{type(recurring).__name__}: {recurring}") from e
 
     return build_wrapper(cfg, cuda)(attempt)()
 

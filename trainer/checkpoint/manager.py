@@ -544,7 +544,8 @@ class CheckpointManager:
         ``report``: record the save's blocking time (an interval save's; a blocking save records its own).
         ``after_fault``: the restore after a restart, or the teardown. A fault may have come on some ranks
         before this save's finish and on others after it, so the ranks cannot agree on an owed copy (a
-        collective); its copy completes and its write is dropped (it was owed, never committed).
+        collective); its copy completes and its write is dropped (it was owed, never committed). A save whose
+        plan failed (planned after the fault) is dropped too.
         """
         s, self.copying = self.copying, None
         if s is None:
@@ -566,7 +567,14 @@ class CheckpointManager:
                                  **({"owed": True} if s.slot in self.replica.kept else {}))
             return waited
         w = s.write
-        metadata = w.plan.result()
+        try:
+            metadata = w.plan.result()
+        except Exception as e:
+            if not after_fault:
+                raise
+            # Planned behind the copy, after the fault (its process group may be gone): there is nothing to write.
+            log.info("checkpoint of step %d dropped: its plan failed after the fault (%s)", s.step, e)
+            return time.monotonic() - t0
         if w.verified is not None and (after_fault or not self._verified_everywhere(w.verified, s.step)):
             return time.monotonic() - t0   # nothing written: the staging copy holds no snapshot either
         self.snapshot, self.snapshot_step, self.snapshot_sums = s.state, s.step, s.sums
