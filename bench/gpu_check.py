@@ -24,6 +24,7 @@ straggler reports, and whether the weights match. Run it on a GPU node (CPU work
 from __future__ import annotations
 
 import argparse
+import multiprocessing
 import os
 import shutil
 import signal
@@ -59,7 +60,11 @@ def main() -> None:
     a = p.parse_args()
     nproc = max(1, torch.cuda.device_count())
     if torch.cuda.is_available():
-        copy_rates()
+        # In a process of its own: NVRx's launcher (0.6+) waits before every restart, up to 50 s, until the
+        # GPU's used memory is below 512 MB, and this process's CUDA memory would count.
+        copier = multiprocessing.get_context("spawn").Process(target=copy_rates)
+        copier.start()
+        copier.join()
     root = a.workdir or Path(tempfile.mkdtemp(prefix="bench-gpu-"))
     common = ["--data", str(dataset(root)), "--n-layer", str(a.n_layer), "--n-embd", str(a.n_embd),
               "--n-head", str(a.n_head), "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size),
