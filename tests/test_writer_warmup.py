@@ -1,5 +1,6 @@
 """A save while the checkpoint writer still boots (the first after every start and in-job restart) is held
-by the trainer and handed to NVRx's worker once, when the worker is warm; nothing is lost at exit.
+by the trainer and handed to NVRx's worker once, when the worker is warm; nothing is lost at exit. (A save
+still being planned on the copy thread is held the same way: the last test.)
 
 On NVRx 0.6/0.7 handing a request over blocks until the worker has run it (its preload function), so a
 request given to a booting worker blocked the loop for the boot, and the writer holds it
@@ -168,12 +169,12 @@ def test_a_write_nvrx_has_and_the_writer_did_not_count_keeps_the_staging_copy(tm
         mgr.start_writer()
         (worker,) = mgr.writer.writers
         assert until(lambda: (mgr.maybe_finalize(), mgr.writer.warm)[1], timeout=180)
-        scheduled = []
-        monkeypatch.setattr(mgr.writer, "schedule", _then(mgr.writer.schedule, lambda: None, record=scheduled))
+        requests = []     # the NVRx requests the writer built
+        monkeypatch.setattr(mgr.writer, "_built", _kept(mgr.writer._built, requests))
         live = _save_and_step(mgr, 12)
         assert until(lambda: (mgr.maybe_finalize(), mgr.writes_in_flight == 0)[1], timeout=120)
         os.kill(worker, signal.SIGSTOP)
-        mgr.writer.queue.schedule_async_request(scheduled[0])   # uncounted: the writer's count says 0
+        mgr.writer.queue.schedule_async_request(requests[0])   # uncounted: the writer's count says 0
         resume = _once(lambda: os.kill(worker, signal.SIGCONT))
         # Let the worker go once the save handed its own write over (the staging copy overwritten) or said the
         # counts disagree (it waits for NVRx's write first).
@@ -205,12 +206,44 @@ def _once(call):
     return first
 
 
-def _then(call, after, record: list | None = None):
-    """``call``, then ``after()``; ``record`` gets each call's first argument."""
+def _then(call, after):
+    """``call``, then ``after()``."""
     def both(*args, **kwargs):
-        if record is not None:
-            record.append(args[0])
         result = call(*args, **kwargs)
         after()
         return result
     return both
+
+
+def _kept(call, results: list):
+    """``call``, its results appended to ``results``."""
+    def keeping(*args, **kwargs):
+        results.append(call(*args, **kwargs))
+        return results[-1]
+    return keeping
+
+
+def test_the_loop_waits_for_a_saves_copy_not_for_its_planning(tmp_path, process_group, monkeypatch):
+    """From NVRx 0.7 planning a write clones every tensor of the staging copy: a second copy of the shard. It
+    runs on the copy thread behind the copy, and the write is handed over at the top of the first step after
+    it, the loop having waited for the copy only; the checkpoint holds the step's state."""
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
+    try:
+        mgr.start_writer()
+        _save_and_step(mgr, 2)
+        mgr.wait()                                  # planned: the next planning runs on the copy thread
+        planning = threading.Event()
+        plan = mgr.staging.plan
+        # Bounded, so that a loop that waits for the planning fails the assertions below instead of hanging.
+        monkeypatch.setattr(mgr.staging, "plan", lambda *args: (planning.wait(20), plan(*args))[1])
+        _save_and_step(mgr, 4)
+        mgr.maybe_finalize()                        # the next step's top: still planning
+        assert mgr.writer.deferred and mgr.writes_in_flight == 1
+        planning.set()
+        assert until(lambda: (mgr.maybe_finalize(), not mgr.writer.deferred)[1], timeout=60)
+        mgr.wait()
+        assert committed_steps(mgr.root) == [2, 4]
+        assert torch.equal(_saved(mgr.root, 4)["model"]["w"], _state(4)["model"]["w"])
+        verify_files(step_dir(mgr.root, 4))
+    finally:
+        mgr.close()

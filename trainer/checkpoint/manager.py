@@ -2,14 +2,16 @@
 ``Checkpointer`` decides when).
 
 An async save, in the order the training loop sees it:
-  1. ``save``: DCP planning runs on the staging copy (``staging``), and a background thread starts
-     copying the state's tensors into it.
+  1. ``save``: a background thread starts copying the state's tensors into the staging copy (``staging``),
+     and DCP's planning of the write follows on that thread (a staging copy's first planning, collective,
+     runs on the loop's).
   2. The loop runs the next step's forward and backward passes while the copy runs: they only read the
      parameters. ``finish_snapshot``, called before the optimizer step changes the state, waits for the
-     copy (usually done by then) and hands the write to NVRx's persistent worker (``writer``). The loop
-     is blocked only for planning and for whatever of the copy is left.
-  3. ``maybe_finalize`` (top of every step): finalizes this rank's finished writes without blocking
-     and without collectives by writing its done file; rank 0 commits complete steps (``commit``).
+     copy (usually done by then) and gives the write to the ``writer``, which hands it to NVRx's persistent
+     worker once it is planned. The loop is blocked only for whatever of the copy is left.
+  3. ``maybe_finalize`` (top of every step): hands planned writes over, finalizes this rank's finished
+     writes without blocking and without collectives by writing its done file; rank 0 commits complete
+     steps (``commit``).
   4. ``wait`` (exit, SIGTERM): blocking finalize on every rank, barrier, commit.
 
 ``snapshot_to_memory`` copies the state into node memory instead (``replica``): no disk, no writer, no
@@ -21,6 +23,7 @@ nodes, the copies of a lost node's snapshots that another node keeps (``trainer/
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import logging
 import os
@@ -538,15 +541,23 @@ class CheckpointManager:
                                  phases, sums=sums)
 
     def finish_snapshot(self, *, report: bool = True, after_fault: bool = False) -> float:
-        """Wait for the copy ``save`` started and hand the write to NVRx's worker; return the seconds waited.
+        """Wait for the copy ``save`` started and hand the write to the writer; return the seconds waited.
 
-        Call before the state changes (the optimizer step). Returns at once when no copy is running.
+        Call before the state changes (the optimizer step). Returns at once when no copy is running. The write
+        goes to NVRx's worker once its planning (behind the copy, on the copy thread) is done: the loop does
+        not wait for it.
         ``report``: record the save's blocking time (an interval save's; a blocking save records its own).
         ``after_fault``: the restore after a restart, or the teardown. A fault may have come on some ranks
         before this save's finish and on others after it, so the ranks cannot agree on an owed copy (a
-        collective); its copy completes and its write is dropped (it was owed, never committed). A save whose
-        plan failed (planned after the fault) is dropped too.
+        collective); its copy completes and its write is dropped (it was owed, never committed). Writes whose
+        planning failed (it ran after the fault) are dropped too.
         """
+        waited = self._finish_copy(report, after_fault)
+        if after_fault:
+            self.writer.drop_unplanned()
+        return waited
+
+    def _finish_copy(self, report: bool, after_fault: bool) -> float:
         s, self.copying = self.copying, None
         if s is None:
             return 0.0
@@ -567,19 +578,10 @@ class CheckpointManager:
                                  **({"owed": True} if s.slot in self.replica.kept else {}))
             return waited
         w = s.write
-        try:
-            metadata = w.plan.result()
-        except Exception as e:
-            if not after_fault:
-                raise
-            # Planned behind the copy, after the fault (its process group may be gone): there is nothing to write.
-            log.info("checkpoint of step %d dropped: its plan failed after the fault (%s)", s.step, e)
-            return time.monotonic() - t0
         if w.verified is not None and (after_fault or not self._verified_everywhere(w.verified, s.step)):
             return time.monotonic() - t0   # nothing written: the staging copy holds no snapshot either
         self.snapshot, self.snapshot_step, self.snapshot_sums = s.state, s.step, s.sums
-        self.writer.schedule(compat.save_request(w.writer, [w.finalize], compat.installed_release()))
-        self.commits.add(Pending(s.step, w.started, w.writer if self.d.is_main else None, metadata))
+        self.writer.schedule(functools.partial(self._write_request, s.step, w), w.plan)
         waited = time.monotonic() - t0
         if report:
             self._snapshot_taken(s.step, s.blocked_s + waited, sync=False,
@@ -587,6 +589,12 @@ class CheckpointManager:
         if self.on_write_started:
             self.on_write_started(s.step)
         return waited
+
+    def _write_request(self, step: int, w: _Write) -> Any:
+        """The write's NVRx request, once its planning is done; the step is then in flight, to be committed."""
+        metadata = w.plan.result()
+        self.commits.add(Pending(step, w.started, w.writer if self.d.is_main else None, metadata))
+        return compat.save_request(w.writer, [w.finalize], compat.installed_release())
 
     def snapshot_to_memory(self, step: int, state: StateSource, *, keep: bool = False) -> dict:
         """Copy ``state`` into the in-memory replica (node-local shared memory; nothing is written to disk).

@@ -15,6 +15,7 @@ import os
 import signal
 import threading
 import time
+from concurrent.futures import Future
 from typing import Any, Callable, ContextManager
 
 import psutil
@@ -107,7 +108,7 @@ class Writer:
         self.writes_in_flight = 0   # scheduled, deferred or not, and not finalized: they read the staging copy
         self.writes_done = 0        # finished by this process's worker (none yet: it may still be booting)
         self.warm = False           # the worker's warm-up request finished: it has booted
-        self.deferred: list = []    # (request, when scheduled): writes held back until the worker is warm
+        self.deferred: list = []    # (request, planned, when, for the boot): writes held back (see schedule)
         # NVRx blocks in schedule_async_request on a booting worker where requests carry preload_fn (0.6+);
         # up to 0.5 it queues them, and the trainer hands them over at once, as it always did.
         self.holds_while_booting = compat.installed_release().preload_builds_buckets
@@ -168,44 +169,72 @@ class Writer:
                 child = psutil.Process(pid)
                 child.nice(max(child.nice(), self.cfg.writer_nice))
 
-    def schedule(self, request: Any) -> None:
-        """Hand a write (an NVRx ``AsyncRequest``) to the worker, or hold it until the worker is warm.
+    def schedule(self, request: Callable[[], Any], planned: Future) -> None:
+        """Hand a write to the worker: ``request()`` builds its NVRx ``AsyncRequest`` once ``planned`` (its
+        planning, on the copy thread) is done. Until then, or until the worker is warm, it is held here.
 
+        The loop does not wait for the planning: from 0.7 it clones every tensor of the staging copy.
         From 0.6 a request carries ``preload_fn``, and NVRx's ``schedule_async_request`` returns only once
         the worker has run it (``preload_q.join()``): on a worker still booting (a spawned interpreter
         importing torch) the save would block the loop for the rest of the boot. So there
-        (``holds_while_booting``), while the warm-up request is unfinished, the write is kept here and handed
-        over at the top of the first step after it finished (``maybe_finalize``), or by ``finalize``. It is
-        in flight from now: the staging copy it reads stays held (the next save finalizes it first) and the
-        watch times it.
+        (``holds_while_booting``), while the warm-up request is unfinished, the write is held too. A held
+        write is handed over at the top of the first step after (``maybe_finalize``), or by ``finalize``. It
+        is in flight from now: the staging copy it reads stays held (the next save finalizes it first) and
+        the watch times it.
         """
         with self.atomic():
             if not self.writes_in_flight:
                 self.write_started = time.monotonic()
             self.writes_in_flight += 1
             self._finalize_finished()
-            if (self.warm or not self.holds_while_booting) and not self.deferred:
-                self.queue.schedule_async_request(request)
+            if self._takes_writes and not self.deferred and planned.done():
+                self.queue.schedule_async_request(self._built(request))
             else:
-                self.deferred.append((request, time.monotonic()))
+                self.deferred.append((request, planned, time.monotonic(), not self._takes_writes))
+
+    @property
+    def _takes_writes(self) -> bool:
+        """Whether the worker is handed writes now: it has booted, or NVRx queues them while it boots."""
+        return self.warm or not self.holds_while_booting
+
+    def _built(self, request: Callable[[], Any]) -> Any:
+        """``request()``: a write whose request cannot be built (its planning failed) is no longer in flight."""
+        try:
+            return request()
+        except BaseException:
+            self.writes_in_flight -= 1
+            raise
+
+    def drop_unplanned(self) -> None:
+        """After a fault: drop the held writes whose planning failed (it ran on the copy thread after the fault,
+        its process group gone, say): there is nothing to write, and the fault is what the rank reports."""
+        for held in list(self.deferred):
+            error = held[1].exception()   # waits for the planning
+            if error is not None:
+                with self.atomic():
+                    self.deferred.remove(held)
+                    self.writes_in_flight -= 1
+                log.info("checkpoint write of rank %d dropped: its planning failed after the fault (%s)", self.rank,
+                         error)
 
     def _warmed(self) -> None:
         """The warm-up request's finalize function (run on this rank): the worker has booted."""
         self.warm = True
 
     def _hand_over(self, wait_for_boot: bool) -> None:
-        """Give the deferred writes to the worker, oldest first: once it is warm, or at once with
-        ``wait_for_boot`` (for a caller that waits for them anyway: NVRx then blocks until the worker booted,
-        and a restart waits for that too)."""
-        if not (self.deferred and (self.warm or wait_for_boot)):
-            return
+        """Give the held writes to the worker, oldest first: those planned once it is warm (or where it never
+        holds them), or all at once with ``wait_for_boot`` (for a caller that waits for them anyway: NVRx then
+        blocks until the worker booted, and a restart waits for that too)."""
         while self.deferred:
+            request, planned, since, for_boot = self.deferred[0]
+            if not wait_for_boot and not (self._takes_writes and planned.done()):
+                return
             with self.atomic():
-                request, since = self.deferred.pop(0)
+                self.deferred.pop(0)
                 t0 = time.monotonic()
-                self.queue.schedule_async_request(request)
-            if self.rank == 0:   # how long it was held back, and what the hand-over blocked (from 0.6 the
-                # worker runs the preload function meanwhile): blocking time of the step whose top it was
+                self.queue.schedule_async_request(self._built(request))
+            if self.rank == 0 and for_boot:   # how long it was held back, and what the hand-over blocked (from
+                # 0.6 the worker runs the preload function meanwhile): blocking time of the step whose top it was
                 self.events.emit(Event.CKPT_HANDED_OVER, deferred_s=round(t0 - since, 4),
                                  block_s=round(time.monotonic() - t0, 4), booted=self.warm)
 
