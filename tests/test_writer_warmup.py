@@ -151,7 +151,8 @@ def test_the_next_save_overwrites_the_staging_copy_only_after_the_held_write(tmp
         for step in (12, 14):
             verify_files(step_dir(mgr.root, step))
     handed = [e for e in read_events(tmp_path / "e") if e["event"] == "ckpt_handed_over"]
-    assert [e["booted"] for e in handed] == [False]   # handed over while the worker still booted
+    # Step 12's handed over while the worker still booted; step 14's too if it was still being planned then.
+    assert [e["booted"] for e in handed] in ([False], [False, True])
 
 
 def test_a_write_nvrx_has_and_the_writer_did_not_count_keeps_the_staging_copy(tmp_path, process_group, monkeypatch):

@@ -144,18 +144,19 @@ def _digest(buckets) -> tuple[str, list[int]]:
 
 
 def _watch_writes(module):
-    """Writer.schedule (the copy is whole): the digests of what the write will write; the hand-over to NVRx
-    (AsyncCallsQueue.schedule_async_request): no live tensor among them, nothing changed since; the write's
+    """Writer._built (the copy is whole and planned): the digests of what the write will write; the hand-over to
+    NVRx (AsyncCallsQueue.schedule_async_request): no live tensor among them, nothing changed since; the write's
     finalize: nothing changed since."""
-    schedule = module.Writer.schedule
+    built = module.Writer._built
 
-    def scheduled(writer, request):
+    def building(writer, request):
+        request = built(writer, request)
         buckets = _buckets(request)
         if buckets:
             _digests[id(buckets)] = _digest(buckets)
-        return schedule(writer, request)
+        return request
 
-    module.Writer.schedule = scheduled
+    module.Writer._built = building
 
 
 def _compare(buckets, when: str) -> None:

@@ -581,7 +581,7 @@ class CheckpointManager:
         if w.verified is not None and (after_fault or not self._verified_everywhere(w.verified, s.step)):
             return time.monotonic() - t0   # nothing written: the staging copy holds no snapshot either
         self.snapshot, self.snapshot_step, self.snapshot_sums = s.state, s.step, s.sums
-        self.writer.schedule(functools.partial(self._write_request, s.step, w), w.plan)
+        self.writer.schedule(functools.partial(self._write_request, s.step, w), w.plan, s.step)
         waited = time.monotonic() - t0
         if report:
             self._snapshot_taken(s.step, s.blocked_s + waited, sync=False,

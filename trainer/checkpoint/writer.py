@@ -108,7 +108,7 @@ class Writer:
         self.writes_in_flight = 0   # scheduled, deferred or not, and not finalized: they read the staging copy
         self.writes_done = 0        # finished by this process's worker (none yet: it may still be booting)
         self.warm = False           # the worker's warm-up request finished: it has booted
-        self.deferred: list = []    # (request, planned, when, for the boot): writes held back (see schedule)
+        self.deferred: list = []    # (request, planned, when scheduled, step): writes held back (see schedule)
         # NVRx blocks in schedule_async_request on a booting worker where requests carry preload_fn (0.6+);
         # up to 0.5 it queues them, and the trainer hands them over at once, as it always did.
         self.holds_while_booting = compat.installed_release().preload_builds_buckets
@@ -169,9 +169,10 @@ class Writer:
                 child = psutil.Process(pid)
                 child.nice(max(child.nice(), self.cfg.writer_nice))
 
-    def schedule(self, request: Callable[[], Any], planned: Future) -> None:
-        """Hand a write to the worker: ``request()`` builds its NVRx ``AsyncRequest`` once ``planned`` (its
-        planning, on the copy thread) is done. Until then, or until the worker is warm, it is held here.
+    def schedule(self, request: Callable[[], Any], planned: Future, step: int) -> None:
+        """Hand step ``step``'s write to the worker: ``request()`` builds its NVRx ``AsyncRequest`` once
+        ``planned`` (its planning, on the copy thread) is done. Until then, or until the worker is warm, it
+        is held here.
 
         The loop does not wait for the planning: from 0.7 it clones every tensor of the staging copy.
         From 0.6 a request carries ``preload_fn``, and NVRx's ``schedule_async_request`` returns only once
@@ -190,7 +191,7 @@ class Writer:
             if self._takes_writes and not self.deferred and planned.done():
                 self.queue.schedule_async_request(self._built(request))
             else:
-                self.deferred.append((request, planned, time.monotonic(), not self._takes_writes))
+                self.deferred.append((request, planned, time.monotonic(), step))
 
     @property
     def _takes_writes(self) -> bool:
@@ -226,16 +227,16 @@ class Writer:
         holds them), or all at once with ``wait_for_boot`` (for a caller that waits for them anyway: NVRx then
         blocks until the worker booted, and a restart waits for that too)."""
         while self.deferred:
-            request, planned, since, for_boot = self.deferred[0]
+            request, planned, since, step = self.deferred[0]
             if not wait_for_boot and not (self._takes_writes and planned.done()):
                 return
             with self.atomic():
                 self.deferred.pop(0)
                 t0 = time.monotonic()
                 self.queue.schedule_async_request(self._built(request))
-            if self.rank == 0 and for_boot:   # how long it was held back, and what the hand-over blocked (from
-                # 0.6 the worker runs the preload function meanwhile): blocking time of the step whose top it was
-                self.events.emit(Event.CKPT_HANDED_OVER, deferred_s=round(t0 - since, 4),
+            if self.rank == 0:   # how long it was held back, and what the hand-over blocked (from 0.6 the
+                # worker runs the preload function meanwhile): blocking time of the step whose top it was
+                self.events.emit(Event.CKPT_HANDED_OVER, step=step, deferred_s=round(t0 - since, 4),
                                  block_s=round(time.monotonic() - t0, 4), booted=self.warm)
 
     def written(self) -> None:
