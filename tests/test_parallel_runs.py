@@ -83,11 +83,13 @@ def test_hsdp_x_tp_on_two_nodes_recovers_a_rank_killed_on_node_1(tmp_path, datas
                                "--out", str(out), *LLAMA, *mesh, "--max-steps", "6", "--ckpt-every", "2", *extra],
                               capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        logs[name] = proc.stdout + proc.stderr
         return json.loads((out / "summary.json").read_text())
 
+    logs = {}
     clean, faulted = train("clean"), train("kill", "--inject-fault", "kill@5:3")
     assert clean["mesh"] == faulted["mesh"] == {"dp_replicate": 2, "dp_shard": 1, "tp": 2}
     assert [f["kind"] for f in faulted["faults"]] == ["kill"] and clean["faults"] == []
     assert faulted["params_sha256"] == clean["params_sha256"]
     starts = [e for e in read_events(tmp_path / "kill" / "events.jsonl") if e["event"] == "worker_start"]
-    assert sorted(e["rank"] for e in starts) == [0, 0, 1, 1, 2, 2, 3, 3]
+    assert sorted(e["rank"] for e in starts) == [0, 0, 1, 1, 2, 2, 3, 3], logs["kill"][-6000:]
