@@ -8,7 +8,7 @@ checkpoint checksums turned off through the product's internal benchmark hook
 would ever load them), and the third with synchronous ``torch.distributed.checkpoint.save``. The state (model +
 AdamW moments, all ranks) is about 200 MB. Blocking = the time ``CheckpointManager.save`` holds the loop
 (getting the state dict included: ``trainer.live_state`` builds it once, then refreshes it) plus, for the
-async save, any wait for its background copy (and the planning behind it) before the next optimizer step, from
+async save, any wait for its background copy before the next optimizer step, from
 the ``ckpt_snapshot`` events of each run's checkpoints, the first included, the final (deliberately blocking)
 one excluded. A checkpoint due while a write still runs is owed: copied to node memory at its step (an ``owed``
 ``memory_snapshot``), staged from that copy once no write runs; both holds are counted (``holds (owed)``: all
@@ -18,7 +18,9 @@ building the state dict).
 The physical limit of the blocking part is one copy of the rank's shard in memory: ``copy ms`` is rank 0's bytes
 of the newest checkpoint copied once from one shared-memory buffer into another in this process, p50 of 10,
 measured right after the runs. ``checksum ms`` is what the checksum thread does per save, measured the same
-way: XXH3 of those bytes (background time: the loop never waits for it). ``write s`` is the mean background
+way: XXH3 of those bytes (background time: the loop never waits for it). ``hand-over ms`` is the p50 time the
+writer's hand-over thread spent giving a write to NVRx's worker (``ckpt_handed_over``; from 0.6 NVRx returns only
+once the worker has received the write's tensors: background time too). ``write s`` is the mean background
 write per checkpoint (``ckpt_committed``'s ``commit_s``: from the save to its commit).
 
 The background copy and NVRx's writer process share the CPU with training: on a GPU node they use host cores
@@ -78,11 +80,7 @@ def _measure(out: Path, steps: int) -> dict:
     # from there once no write runs. Both hold the loop.
     snapshots = [e for e in log if (e["event"] == Event.CKPT_SNAPSHOT or e["event"] == Event.MEMORY_SNAPSHOT
                                     and e.get("owed")) and e["step"] < steps]
-    # A write held back (its planning still running, or the writer booting) is handed over at the top of a later
-    # step, which that hand-over holds: counted as the save's.
-    handed_over = {e["step"]: e["block_s"] for e in log if e["event"] == Event.CKPT_HANDED_OVER}
-    blocks = [e["block_s"] + (handed_over.get(e["step"], 0.0) if e["event"] == Event.CKPT_SNAPSHOT else 0.0)
-              for e in snapshots]
+    blocks = [e["block_s"] for e in snapshots]
     step_s = {e["step"]: e["step_s"] for e in log if e["event"] == Event.STEP}
     after = {e["step"] + i for e in snapshots for i in (1, 2)}
     median_step = statistics.median(v for k, v in step_s.items() if k not in after and k > 2)
@@ -92,7 +90,8 @@ def _measure(out: Path, steps: int) -> dict:
             "extra": statistics.mean(step_s[k] - median_step for k in after if k in step_s),
             "state_mb": sum(f.stat().st_size for f in newest.glob("*.distcp")) / 1e6,
             "rank0_bytes": sum(f.stat().st_size for f in newest.glob("__0_*.distcp")),
-            "write_s": [e["commit_s"] for e in log if e["event"] == Event.CKPT_COMMITTED and e["step"] < steps]}
+            "write_s": [e["commit_s"] for e in log if e["event"] == Event.CKPT_COMMITTED and e["step"] < steps],
+            "hand_over_s": [e["hand_over_s"] for e in log if e["event"] == Event.CKPT_HANDED_OVER]}
 
 
 def main() -> None:
@@ -127,16 +126,18 @@ def main() -> None:
         p50, top = statistics.median(r["blocks"]), max(r["blocks"])
         write_s = statistics.mean(r["write_s"]) if r["write_s"] else float("nan")
         checksum_ms = r["checksum_s"] * 1e3 if checksums == "on" else 0.0
+        hand_over = f"{statistics.median(r['hand_over_s']) * 1e3:.1f}" if r["hand_over_s"] else "-"
         rows.append([name, checksums, f"{r['state_mb']:.0f}", f"{len(r['blocks'])} ({r['owed']})",
                      f"{r['copy_s'] * 1e3:.1f}",
                      f"{p50 * 1e3:.1f}", f"{top * 1e3:.1f}", f"{p50 / r['copy_s']:.2f}x", f"{top / p50:.2f}x",
                      f"1/{sync_p50 / p50:.0f}", f"{checksum_ms:.1f}",
-                     "-" if name == "sync-dcp" else f"{write_s:.2f}", f"{r['extra'] * 1e3:+.0f}",
+                     hand_over, "-" if name == "sync-dcp" else f"{write_s:.2f}", f"{r['extra'] * 1e3:+.0f}",
                      f"{r['wall']:.0f}", r["sha"] == sync_sha])
     print(f"model n_layer={a.n_layer} n_embd={a.n_embd}; {a.steps} steps, checkpoint every {a.ckpt_every}; "
           f"2 CPU ranks; rank 0's shard {rank0_bytes / 1e6:.0f} MB; load average {_load()}")
     print(table(rows, ["save", "checksums", "state MB", "holds (owed)", "copy ms", "block p50 ms", "block max ms",
-                       "p50/copy", "max/p50", "p50 vs sync", "checksum ms/save (bg)", "write s/save (bg)",
+                       "p50/copy", "max/p50", "p50 vs sync", "checksum ms/save (bg)", "hand-over ms (bg)",
+                       "write s/save (bg)",
                        "after-save +ms", "wall s", "params = sync's"]))
     for (name, checksums), r in results.items():
         if name != "sync-dcp":   # where the slowest save's time went (wait_s: for the previous write, mostly)

@@ -198,7 +198,7 @@ def main() -> None:
             races.update(x["kind"] for x in races_here)
             race_checks.update(x["kind"] for x in _lines(watch / "race_checks.jsonl"))
             ev = _events(out)
-            held = [e for e in ev if e["event"] == Event.CKPT_HANDED_OVER]
+            held = [e for e in ev if e["event"] == Event.CKPT_HANDED_OVER and e.get("held_for_boot")]
             # an owed checkpoint: a memory copy of the step, later written as its checkpoint (save_owed)
             owed = _owed_written(ev)
             loaded = [f"{e['source']} {e['step']}" for e in ev if e["event"] == Event.CKPT_LOADED and e["rank"] == 0]

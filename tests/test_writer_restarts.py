@@ -1,9 +1,11 @@
 """An in-process restart interrupts a rank's main thread wherever it is: the Wrapper's monitor thread takes the
 Wrapper's atomic lock and raises the restart's exception into it. Landing inside the checkpoint writer's
 bookkeeping with NVRx's queue (a completion taken and its call not finalized, a call popped and its finalize
-functions not run, a held write given to the worker and not recorded), it left a write that never finished:
-the rank waited for it until the write timeout (300 s) ended it, and checkpointed nothing meanwhile. The
-writer keeps that bookkeeping inside the attempt's ``atomic()``, so the restart lands before or after it.
+functions not run), it left a write that never finished: the rank waited for it until the write timeout
+(300 s) ended it, and checkpointed nothing meanwhile. The writer keeps the loop's bookkeeping inside the
+attempt's ``atomic()``, so the restart lands before or after it; writes are handed to the worker on a thread of
+the writer's own, which a restart never interrupts (the fault comes while it is in NVRx's queue: ``handed
+over``).
 
 Real NVRx queue and worker on the installed release; the Wrapper's part is played by ``_Wrapper``.
 """
@@ -49,8 +51,9 @@ class _Wrapper:
             yield
 
     def fault(self) -> None:
-        """Another rank failed now."""
-        if self.lock._is_owned():
+        """Another rank failed now: the exception is for the main thread (the writer's hand-over thread may be
+        where the fault comes)."""
+        if self.lock._is_owned() or threading.current_thread() is not threading.main_thread():
             self.pending = True
         else:
             raise _Restart

@@ -72,7 +72,8 @@ class Commits:
         self._failed: BaseException | None = None
 
     def add(self, p: Pending) -> None:
-        self.pending.append(p)
+        with self._lock:   # the writer's hand-over thread adds, the committer thread commits
+            self.pending.append(p)
 
     def record_done(self, step: int, results: Any, checksums: dict[str, str]) -> None:
         """This rank's part of ``step`` is on disk: the checksums of what it staged, then its write results,

@@ -94,7 +94,7 @@ def _end_with(rank_pid: int, companions: list[int]) -> None:
 
 
 class Writer:
-    """The rank's writer process and what it has in flight.
+    """The rank's writer process, what it has in flight, and the thread that hands writes to it.
 
     Args:
         cfg: checkpoint section of the config (``--ckpt-writer-nice``, ``--ckpt-write-timeout-s``).
@@ -105,35 +105,43 @@ class Writer:
     def __init__(self, cfg: CheckpointConfig, rank: int, events: EventLog):
         self.cfg, self.rank, self.events = cfg, rank, events
         self.queue = None
-        self.writes_in_flight = 0   # scheduled, deferred or not, and not finalized: they read the staging copy
+        self.writes_in_flight = 0   # scheduled and not finalized: they read the staging copy
         self.writes_done = 0        # finished by this process's worker (none yet: it may still be booting)
         self.warm = False           # the worker's warm-up request finished: it has booted
-        self.deferred: list = []    # (request, planned, when scheduled, step): writes held back (see schedule)
+        self.deferred: list = []    # (request, planned, when scheduled, step, held for the boot): not handed over yet
         # NVRx blocks in schedule_async_request on a booting worker where requests carry preload_fn (0.6+);
-        # up to 0.5 it queues them, and the trainer hands them over at once, as it always did.
+        # up to 0.5 it queues them.
         self.holds_while_booting = compat.installed_release().preload_builds_buckets
         self.writers: list[int] = []    # the worker's pid, once started
         self.helpers: list[int] = []    # the worker's and the write-results manager's
         self.write_started = 0.0        # when the oldest write in flight was scheduled
-        # The attempt's atomic() (the in-process Wrapper's): every change to what is in flight, here and in
-        # NVRx's queue, runs inside it. A restart's asynchronous exception landing between two of its steps
-        # (a completion taken, its call not finalized) would leave a write that never finishes: the rank would
-        # wait for it until the write timeout ended it, its checkpoints owed meanwhile.
+        # The attempt's atomic() (the in-process Wrapper's): every change the loop makes to what is in flight,
+        # here and in NVRx's queue, runs inside it. A restart's asynchronous exception landing between two of
+        # its steps (a completion taken, its call not finalized) would leave a write that never finishes: the
+        # rank would wait for it until the write timeout ended it, its checkpoints owed meanwhile.
         self.atomic: Callable[[], ContextManager] = contextlib.nullcontext
+        # The hand-over thread and the loop share NVRx's queue (``_nvrx``: the loop never waits for it) and the
+        # held writes and counts (``_held``, held briefly; it wakes the thread).
+        self._nvrx = threading.Lock()
+        self._held = threading.Condition()
+        self._rush = False      # a caller waits for every held write: hand them to a booting worker too
+        self._closing = False
+        self._failed: BaseException | None = None   # what a hand-over failed with, raised on the loop
 
     @property
     def started(self) -> bool:
         return self.queue is not None
 
     def start(self) -> None:
-        """Start NVRx's persistent worker process and its results-queue manager, if not running yet.
+        """Start NVRx's persistent worker process, its results-queue manager and the hand-over thread, if not
+        running yet.
 
         Called once the state is restored (``Checkpointer.load``), before the first step: the worker is a
         spawned process that imports torch and the writer's module (seconds of CPU, niced), which then
         boots while the first steps run rather than while the ranks restore, and is warm as early as it can
         be for the first save. The warm-up request imports the writer's module; saves never wait for it
-        (``schedule`` holds writes back until it finished, a checkpoint due behind any write is owed, and a
-        blocking save before it writes synchronously).
+        (a write is held until it finished, a checkpoint due behind any write is owed, and a blocking save
+        before it writes synchronously).
         """
         if self.cfg.sync or self.queue is not None:
             return
@@ -153,7 +161,7 @@ class Writer:
             manager = _children() - started
             queue = AsyncCallsQueue(**compat.async_calls_queue_kwargs(rel, self.cfg.writer_nice))
             with self.atomic():
-                self.queue, self.warm = queue, False
+                self.queue, self.warm, self._closing = queue, False, False
                 queue.schedule_async_request(
                     AsyncRequest(_prepare_writer, (FileSystemWriterAsync.__module__, os.getpid(), sorted(manager)),
                                  [self._warmed]))
@@ -164,47 +172,95 @@ class Writer:
         # A write ends once its results reach the manager: a stopped or dead manager hangs it as well.
         self.helpers = [*self.writers, *sorted(manager), *_forked_managers]
         threading.Thread(target=self._watch, name="ckpt-writer-watch", daemon=True).start()
+        threading.Thread(target=self._hand_overs, name="ckpt-hand-over", daemon=True).start()
         for pid in self.writers:
             with contextlib.suppress(psutil.NoSuchProcess):
                 child = psutil.Process(pid)
                 child.nice(max(child.nice(), self.cfg.writer_nice))
 
     def schedule(self, request: Callable[[], Any], planned: Future, step: int) -> None:
-        """Hand step ``step``'s write to the worker: ``request()`` builds its NVRx ``AsyncRequest`` once
-        ``planned`` (its planning, on the copy thread) is done. Until then, or until the worker is warm, it
-        is held here.
+        """Have step ``step``'s write handed to the worker: ``request()`` builds its NVRx ``AsyncRequest`` once
+        ``planned`` (its planning, on the copy thread) is done.
 
-        The loop does not wait for the planning: from 0.7 it clones every tensor of the staging copy.
-        From 0.6 a request carries ``preload_fn``, and NVRx's ``schedule_async_request`` returns only once
-        the worker has run it (``preload_q.join()``): on a worker still booting (a spawned interpreter
-        importing torch) the save would block the loop for the rest of the boot. So there
-        (``holds_while_booting``), while the warm-up request is unfinished, the write is held too. A held
-        write is handed over at the top of the first step after (``maybe_finalize``), or by ``finalize``. It
-        is in flight from now: the staging copy it reads stays held (the next save finalizes it first) and
-        the watch times it.
+        The hand-over thread does it, oldest write first, never the loop: from 0.6 NVRx's
+        ``schedule_async_request`` returns only once the worker has run the request's preload function
+        (``preload_q.join()``), which on 0.7 means receiving every tensor of the write through a
+        multiprocessing queue (a copy into shared memory each) and building its buckets: a hundred
+        milliseconds and more per save. The loop does not wait for the planning either (from 0.7 it clones
+        every tensor of the staging copy). While the worker boots (a spawned interpreter importing torch),
+        0.6+ would block the hand-over for the rest of the boot (``holds_while_booting``): the write waits
+        for the warm-up request, unless a caller waits for it anyway (``finalize``). It is in flight from now:
+        the staging copy it reads stays held (the next save finalizes it first) and the watch times it.
         """
-        with self.atomic():
+        with self.atomic(), self._held:
             if not self.writes_in_flight:
                 self.write_started = time.monotonic()
             self.writes_in_flight += 1
-            self._finalize_finished()
-            if self._takes_writes and not self.deferred and planned.done():
-                self.queue.schedule_async_request(self._built(request))
-            else:
-                self.deferred.append((request, planned, time.monotonic(), step))
+            self.deferred.append((request, planned, time.monotonic(), step, not self._takes_writes))
+        planned.add_done_callback(lambda _: self._wake())
+        self._wake()
 
     @property
     def _takes_writes(self) -> bool:
         """Whether the worker is handed writes now: it has booted, or NVRx queues them while it boots."""
         return self.warm or not self.holds_while_booting
 
+    def _wake(self) -> None:
+        with self._held:
+            self._held.notify_all()
+
+    def _next_ready(self) -> bool:
+        """The oldest held write may go: planned (a failed planning is the loop's to raise), and the worker
+        takes writes or a caller waits for them (``_rush``). Under ``_held``."""
+        if not self.deferred:
+            return False
+        planned = self.deferred[0][1]
+        return planned.done() and planned.exception() is None and (self._rush or self._takes_writes)
+
+    def _hand_overs(self) -> None:
+        """Thread: hand the held writes to NVRx's worker, oldest first, each once it may go."""
+        while True:
+            with self._held:
+                self._held.wait_for(lambda: self._closing or self._next_ready())
+                if self._closing:
+                    return
+                request, _, since, step, held_for_boot = self.deferred.pop(0)
+                booted = self.warm
+            with self._nvrx:
+                t0 = time.monotonic()
+                try:
+                    self.queue.schedule_async_request(self._built(request))
+                except BaseException as e:   # the loop raises it: the attempt fails, the restart reports it
+                    with self._held:
+                        self._failed = e
+                    continue
+                hand_over_s = time.monotonic() - t0
+            if self.rank == 0:   # how long it was held, and how long the hand-over took (off the loop)
+                self.events.emit(Event.CKPT_HANDED_OVER, step=step, deferred_s=round(t0 - since, 4),
+                                 hand_over_s=round(hand_over_s, 4), booted=booted,
+                                 **({"held_for_boot": True} if held_for_boot else {}))
+
     def _built(self, request: Callable[[], Any]) -> Any:
-        """``request()``: a write whose request cannot be built (its planning failed) is no longer in flight."""
+        """``request()``: a write whose request cannot be built is no longer in flight."""
         try:
             return request()
         except BaseException:
-            self.writes_in_flight -= 1
+            with self._held:
+                self.writes_in_flight -= 1
             raise
+
+    def _raise_failed(self) -> None:
+        """On the loop: raise what the oldest held write's planning, or a hand-over, failed with."""
+        with self.atomic(), self._held:
+            error, self._failed = self._failed, None
+            if error is None and self.deferred:
+                planned = self.deferred[0][1]
+                if planned.done() and planned.exception() is not None:
+                    error = planned.exception()
+                    self.deferred.pop(0)
+                    self.writes_in_flight -= 1
+        if error is not None:
+            raise error
 
     def drop_unplanned(self) -> None:
         """After a fault: drop the held writes whose planning failed (it ran on the copy thread after the fault,
@@ -212,40 +268,27 @@ class Writer:
         for held in list(self.deferred):
             error = held[1].exception()   # waits for the planning
             if error is not None:
-                with self.atomic():
+                with self.atomic(), self._held:
                     self.deferred.remove(held)
                     self.writes_in_flight -= 1
                 log.info("checkpoint write of rank %d dropped: its planning failed after the fault (%s)", self.rank,
                          error)
+        with self._held:
+            self._failed = None   # a hand-over after the fault: the fault is what is reported
 
     def _warmed(self) -> None:
         """The warm-up request's finalize function (run on this rank): the worker has booted."""
         self.warm = True
-
-    def _hand_over(self, wait_for_boot: bool) -> None:
-        """Give the held writes to the worker, oldest first: those planned once it is warm (or where it never
-        holds them), or all at once with ``wait_for_boot`` (for a caller that waits for them anyway: NVRx then
-        blocks until the worker booted, and a restart waits for that too)."""
-        while self.deferred:
-            request, planned, since, step = self.deferred[0]
-            if not wait_for_boot and not (self._takes_writes and planned.done()):
-                return
-            with self.atomic():
-                self.deferred.pop(0)
-                t0 = time.monotonic()
-                self.queue.schedule_async_request(self._built(request))
-            if self.rank == 0:   # how long it was held back, and what the hand-over blocked (from 0.6 the
-                # worker runs the preload function meanwhile): blocking time of the step whose top it was
-                self.events.emit(Event.CKPT_HANDED_OVER, step=step, deferred_s=round(t0 - since, 4),
-                                 block_s=round(time.monotonic() - t0, 4), booted=self.warm)
+        self._wake()
 
     def written(self) -> None:
         """Called on this rank (in its finalize) once the worker finished the oldest write in flight."""
         if self.writes_in_flight == 0:
             self._out_of_step("a write finished that was not counted")
-        self.writes_in_flight = max(0, self.writes_in_flight - 1)
-        self.writes_done += 1
-        self.write_started = time.monotonic()   # the next one in flight, if any, has been running since
+        with self._held:
+            self.writes_in_flight = max(0, self.writes_in_flight - 1)
+            self.writes_done += 1
+            self.write_started = time.monotonic()   # the next one in flight, if any, has been running since
 
     def _in_nvrx(self) -> int:
         """The writes NVRx's queue has not finalized: its unfinalized calls, less the warm-up while unfinished."""
@@ -267,14 +310,15 @@ class Writer:
         return self.writes_in_flight == 0 and not self.warm
 
     def maybe_finalize(self) -> None:
-        """Top of a step: finalize finished writes, without blocking and without collectives, and hand the
-        deferred ones to the worker once it is warm."""
+        """Top of a step: finalize finished writes (the warm-up's too), without blocking and without
+        collectives; raise what a held write failed with."""
         if self.queue is not None:
-            self._finalize_finished()   # the warm-up's too
-            self._hand_over(wait_for_boot=False)
+            self._raise_failed()
+            self._finalize_finished()
 
     def finalize(self, writes_only: bool = False) -> None:
-        """Finalize NVRx requests until none is left (with ``writes_only``: until no write is left).
+        """Hand every held write over and finalize NVRx requests until none is left (with ``writes_only``:
+        until no write is left).
 
         A write is left while it is counted here or NVRx's queue has it: the staging copy it reads is free
         only once both say so, so a count out of step with NVRx's can delay the next save but never let it
@@ -283,30 +327,43 @@ class Writer:
         """
         if self.queue is None:
             return
-        self._hand_over(wait_for_boot=True)
-        said = False
-        while True:
-            self._finalize_finished()
-            if not writes_only:
-                left = self.queue.get_num_unfinalized_calls()
-            else:
+        with self._held:
+            self._rush = True
+            self._held.notify_all()
+        try:
+            said = False
+            while True:
+                self._raise_failed()
+                self._finalize_finished()
                 left = max(self.writes_in_flight, self._in_nvrx())
                 if left and not self.writes_in_flight and not said:
                     said = True
                     self._out_of_step("NVRx's queue has a write that was not counted")
-            if not left:
-                return
-            time.sleep(0.005)
+                if not (left or not writes_only and not self.warm):
+                    return
+                time.sleep(0.005)
+        finally:
+            with self._held:
+                self._rush = False
 
     def _finalize_finished(self) -> None:
-        """Run the finalize functions of the requests NVRx's worker finished, oldest first; no collectives."""
+        """Run the finalize functions of the requests NVRx's worker finished, oldest first; no collectives.
+        Not while the hand-over thread is in NVRx's queue: the loop never waits for a hand-over."""
         with self.atomic():
-            self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
+            if not self._nvrx.acquire(blocking=False):
+                return
+            try:
+                self.queue.maybe_finalize_async_calls(blocking=False, no_dist=True)
+            finally:
+                self._nvrx.release()
 
     def close(self) -> None:
-        # Rank-local finalize first (deferred writes too, still watched): NVRx's own close() would
+        # Rank-local finalize first (held writes too, still watched): NVRx's own close() would
         # synchronize ranks through CUDA.
         self.finalize()
+        with self._held:
+            self._closing = True   # ends the hand-over thread
+            self._held.notify_all()
         self.helpers = []   # ends the watch: the writers exit now
         if self.queue is not None:
             self.queue.close()
