@@ -22,6 +22,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from tests.conftest import until
+from trainer import compat
 from trainer.checkpoint import CheckpointManager, committed_steps, step_dir
 from trainer.checkpoint import writer as writer_module
 from trainer.checkpoint.integrity import verify_files
@@ -280,5 +281,41 @@ def test_the_loop_never_waits_for_a_hand_over(tmp_path, process_group, monkeypat
         assert committed_steps(mgr.root) == [4]
         assert torch.equal(_saved(mgr.root, 4)["model"]["w"], _state(4)["model"]["w"])
         verify_files(step_dir(mgr.root, 4))
+    finally:
+        mgr.close()
+
+
+def test_a_write_that_cannot_be_handed_over_fails_the_loop_and_is_no_longer_in_flight(
+        tmp_path, process_group, monkeypatch):
+    """The hand-over runs on the writer's thread: what it fails with is raised at the loop's next step top (the
+    attempt fails and the restart reports it), and the write, never given to NVRx, no longer holds the staging
+    copy: the next save is written."""
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(), process_group, EventLog(tmp_path / "e", 0))
+    try:
+        mgr.start_writer()
+        assert until(lambda: (mgr.maybe_finalize(), mgr.writer.warm)[1], timeout=180)
+        save_request = compat.save_request
+
+        def refused(*args):
+            raise RuntimeError("no request for this write")
+
+        monkeypatch.setattr(compat, "save_request", refused)
+        _save_and_step(mgr, 4)
+        raised = []
+
+        def step_top() -> bool:
+            try:
+                mgr.maybe_finalize()
+            except RuntimeError as e:
+                raised.append(e)
+            return bool(raised)
+
+        assert until(step_top, timeout=60)
+        assert str(raised[0]) == "no request for this write" and mgr.writes_in_flight == 0
+        monkeypatch.setattr(compat, "save_request", save_request)
+        _save_and_step(mgr, 8)
+        mgr.wait()
+        assert committed_steps(mgr.root) == [8]
+        assert torch.equal(_saved(mgr.root, 8)["model"]["w"], _state(8)["model"]["w"])
     finally:
         mgr.close()

@@ -591,10 +591,12 @@ class CheckpointManager:
         return waited
 
     def _write_request(self, step: int, w: _Write) -> Any:
-        """The write's NVRx request, once its planning is done; the step is then in flight, to be committed."""
+        """The write's NVRx request, once its planning is done; the step is then in flight, to be committed (not
+        before its request exists: a step that is never written would stay pending)."""
         metadata = w.plan.result()
+        request = compat.save_request(w.writer, [w.finalize], compat.installed_release())
         self.commits.add(Pending(step, w.started, w.writer if self.d.is_main else None, metadata))
-        return compat.save_request(w.writer, [w.finalize], compat.installed_release())
+        return request
 
     def snapshot_to_memory(self, step: int, state: StateSource, *, keep: bool = False) -> dict:
         """Copy ``state`` into the in-memory replica (node-local shared memory; nothing is written to disk).
