@@ -8,12 +8,12 @@ checkpoint checksums turned off through the product's internal benchmark hook
 would ever load them), and the third with synchronous ``torch.distributed.checkpoint.save``. The state (model +
 AdamW moments, all ranks) is about 200 MB. Blocking = the time ``CheckpointManager.save`` holds the loop
 (getting the state dict included: ``trainer.live_state`` builds it once, then refreshes it) plus, for the
-async save, any wait for its background copy before the next optimizer step, from
-the ``ckpt_snapshot`` events of each run's checkpoints, the first included, the final (deliberately blocking)
-one excluded. A checkpoint due while a write still runs is owed: copied to node memory at its step (an ``owed``
-``memory_snapshot``), staged from that copy once no write runs; both holds are counted (``holds (owed)``: all
-the holds, and how many were such copies). The phases of each save are in its event (``wait_s`` includes
-building the state dict).
+async save, any wait for its background copy before the next optimizer step, from the ``ckpt_snapshot`` events
+of each run's checkpoints, the first included, those of the end of training (deliberately blocking: the final
+save, and owed checkpoints written from memory just before it) excluded. A checkpoint due while a write still
+runs is owed: copied to node memory at its step (an ``owed`` ``memory_snapshot``), staged from that copy once no
+write runs; both holds are counted (``holds (owed)``: all the holds, and how many were such copies). The phases
+of each save are in its event (``wait_s`` includes building the state dict).
 
 The physical limit of the blocking part is one copy of the rank's shard in memory: ``copy ms`` is rank 0's bytes
 of the newest checkpoint copied once from one shared-memory buffer into another in this process, p50 of 10,
@@ -77,9 +77,11 @@ def _measure(out: Path, steps: int) -> dict:
     """A finished run's blocking times, background writes, slowdown after saves and the identity of its weights."""
     log = events(out)
     # A checkpoint due while a write runs is owed: copied to memory at its step (an owed memory snapshot), staged
-    # from there once no write runs. Both hold the loop.
+    # from there once no write runs. Both hold the loop. The end of training blocks deliberately: after the last
+    # step the owed checkpoints left are written from memory, then the final save, each waiting for the last.
+    loop_end = max(e["t"] for e in log if e["event"] == Event.STEP)
     snapshots = [e for e in log if (e["event"] == Event.CKPT_SNAPSHOT or e["event"] == Event.MEMORY_SNAPSHOT
-                                    and e.get("owed")) and e["step"] < steps]
+                                    and e.get("owed")) and e["t"] <= loop_end]
     blocks = [e["block_s"] for e in snapshots]
     step_s = {e["step"]: e["step_s"] for e in log if e["event"] == Event.STEP}
     after = {e["step"] + i for e in snapshots for i in (1, 2)}
