@@ -15,6 +15,9 @@ runs is owed: copied to node memory at its step (an ``owed`` ``memory_snapshot``
 write runs; both holds are counted (``holds (owed)``: all the holds, and how many were such copies). The phases
 of each save are in its event (``wait_s`` includes building the state dict).
 
+Between checkpoints the state is also copied to node memory (``--memory-snapshot-every-s``): ``memory copy`` is
+the p50 hold of those copies (the owed ones excluded, counted above) and how many there were.
+
 The physical limit of the blocking part is one copy of the rank's shard in memory: ``copy ms`` is rank 0's bytes
 of the newest checkpoint copied once from one shared-memory buffer into another in this process, p50 of 10,
 measured right after the runs. ``checksum ms`` is what the checksum thread does per save, measured the same
@@ -93,7 +96,8 @@ def _measure(out: Path, steps: int) -> dict:
             "state_mb": sum(f.stat().st_size for f in newest.glob("*.distcp")) / 1e6,
             "rank0_bytes": sum(f.stat().st_size for f in newest.glob("__0_*.distcp")),
             "write_s": [e["commit_s"] for e in log if e["event"] == Event.CKPT_COMMITTED and e["step"] < steps],
-            "hand_over_s": [e["hand_over_s"] for e in log if e["event"] == Event.CKPT_HANDED_OVER]}
+            "hand_over_s": [e["hand_over_s"] for e in log if e["event"] == Event.CKPT_HANDED_OVER],
+            "memory_blocks": [e["block_s"] for e in log if e["event"] == Event.MEMORY_SNAPSHOT and not e.get("owed")]}
 
 
 def main() -> None:
@@ -129,16 +133,19 @@ def main() -> None:
         write_s = statistics.mean(r["write_s"]) if r["write_s"] else float("nan")
         checksum_ms = r["checksum_s"] * 1e3 if checksums == "on" else 0.0
         hand_over = f"{statistics.median(r['hand_over_s']) * 1e3:.1f}" if r["hand_over_s"] else "-"
+        memory = r["memory_blocks"]
+        memory = f"{statistics.median(memory) * 1e3:.1f} ({len(memory)})" if memory else "-"
         rows.append([name, checksums, f"{r['state_mb']:.0f}", f"{len(r['blocks'])} ({r['owed']})",
                      f"{r['copy_s'] * 1e3:.1f}",
                      f"{p50 * 1e3:.1f}", f"{top * 1e3:.1f}", f"{p50 / r['copy_s']:.2f}x", f"{top / p50:.2f}x",
-                     f"1/{sync_p50 / p50:.0f}", f"{checksum_ms:.1f}",
+                     f"1/{sync_p50 / p50:.0f}", memory, f"{checksum_ms:.1f}",
                      hand_over, "-" if name == "sync-dcp" else f"{write_s:.2f}", f"{r['extra'] * 1e3:+.0f}",
                      f"{r['wall']:.0f}", r["sha"] == sync_sha])
     print(f"model n_layer={a.n_layer} n_embd={a.n_embd}; {a.steps} steps, checkpoint every {a.ckpt_every}; "
           f"2 CPU ranks; rank 0's shard {rank0_bytes / 1e6:.0f} MB; load average {_load()}")
     print(table(rows, ["save", "checksums", "state MB", "holds (owed)", "copy ms", "block p50 ms", "block max ms",
-                       "p50/copy", "max/p50", "p50 vs sync", "checksum ms/save (bg)", "hand-over ms (bg)",
+                       "p50/copy", "max/p50", "p50 vs sync", "memory copy p50 ms (n)", "checksum ms/save (bg)",
+                       "hand-over ms (bg)",
                        "write s/save (bg)",
                        "after-save +ms", "wall s", "params = sync's"]))
     for (name, checksums), r in results.items():

@@ -209,13 +209,20 @@ def test_an_in_job_restart_resumes_from_the_replica_left_in_node_memory(tmp_path
                 mgr.close()
 
 
+def _node(tmp_path, process_group):
+    """Checkpoint managers of one run whose memory snapshots share a node directory: each new one is a process
+    (re)started on that node."""
+    root, events = tmp_path / "ckpt", EventLog(tmp_path / "e", 0)
+    cfg = CheckpointConfig(memory_dir=str(tmp_path / "shm"))
+    return lambda: CheckpointManager(root, cfg, process_group, events, run_id="run")
+
+
 def test_an_owed_checkpoints_copy_is_kept_while_memory_snapshots_go_on_in_the_other_slot(tmp_path, process_group):
     """A checkpoint owed to a busy writer keeps its slot: snapshots take turns in the other, each over the newest,
     so a rank killed while one is copied resumes from the owed copy; the owed checkpoint has its own step's
     values when it is written."""
-    root, events = tmp_path / "ckpt", EventLog(tmp_path / "e", 0)
-    cfg = CheckpointConfig(memory_dir=str(tmp_path / "shm"))
-    mgr = CheckpointManager(root, cfg, process_group, events, run_id="run")
+    root, manager = tmp_path / "ckpt", _node(tmp_path, process_group)
+    mgr = manager()
     restarted = []
     try:
         mgr.restore(_zeros())
@@ -223,12 +230,13 @@ def test_an_owed_checkpoints_copy_is_kept_while_memory_snapshots_go_on_in_the_ot
         for step in (5, 6):
             mgr.snapshot_to_memory(step, _state(step))
             mgr.finish_snapshot()
-        restarted.append(CheckpointManager(root, cfg, process_group, events, run_id="run"))
+        mgr.wait_for_mark()
+        restarted.append(manager())
         step, source, restored = restarted[-1].restore(_zeros())
         assert (step, source) == (6, "memory") and torch.equal(restored["model"]["w"], _state(6)["model"]["w"])
         mgr.snapshot_to_memory(7, _state(7))                    # into step 6's slot: the rank dies meanwhile
         mgr.copying.copy.result()
-        restarted.append(CheckpointManager(root, cfg, process_group, events, run_id="run"))
+        restarted.append(manager())
         step, source, restored = restarted[-1].restore(_zeros())
         assert (step, source) == (4, "memory") and torch.equal(restored["model"]["w"], _state(4)["model"]["w"])
         mgr.finish_snapshot()
@@ -240,9 +248,56 @@ def test_an_owed_checkpoints_copy_is_kept_while_memory_snapshots_go_on_in_the_ot
         assert torch.equal(loaded["model"]["w"], _state(4)["model"]["w"]) and loaded["train"]["step"] == 4
         mgr.snapshot_to_memory(8, _state(8))                    # released: the next copy may take its slot
         mgr.finish_snapshot()
+        mgr.wait_for_mark()
         assert mgr.replica.slot == 1 - restarted[0].replica.slot
     finally:
         for m in (mgr, *restarted):
+            m.close()
+
+
+def test_the_loop_waits_for_neither_a_memory_snapshots_checksums_nor_its_mark(tmp_path, process_group, monkeypatch):
+    """A memory snapshot holds the loop only for its copy: its checksums and its mark on the node come after, on
+    the checksum thread. Until it is marked, a restarted rank finds the snapshot before it, whose slot the next
+    copy waits for the mark to leave alone."""
+    from trainer.checkpoint import manager as manager_module
+
+    held, taken, released = threading.Event(), threading.Event(), threading.Event()
+    digests = manager_module.state_digests
+
+    def held_digests(snapshot):
+        if held.is_set():
+            released.wait(10)   # bounded: a loop that waits for the checksums returns after this, and fails below
+        sums = digests(snapshot)
+        taken.set()
+        return sums
+
+    monkeypatch.setattr(manager_module, "state_digests", held_digests)
+    manager = _node(tmp_path, process_group)
+    mgr = manager()
+    others = []
+    try:
+        mgr.restore(_zeros())
+        mgr.snapshot_to_memory(4, _state(4))
+        mgr.finish_snapshot()
+        mgr.wait_for_mark()
+        held.set()
+        taken.clear()
+        mgr.snapshot_to_memory(5, _state(5))
+        mgr.finish_snapshot()
+        assert not taken.is_set(), "the loop waited for the memory snapshot's checksums"
+        assert [e["step"] for e in read_events(tmp_path / "e") if e["event"] == "memory_snapshot"] == [4]
+        others.append(manager())
+        step, source, restored = others[-1].restore(_zeros())   # a rank killed now: step 5 is not marked
+        assert (step, source) == (4, "memory") and torch.equal(restored["model"]["w"], _state(4)["model"]["w"])
+        released.set()
+        mgr.wait_for_mark()
+        assert [e["step"] for e in read_events(tmp_path / "e") if e["event"] == "memory_snapshot"] == [4, 5]
+        others.append(manager())
+        step, source, restored = others[-1].restore(_zeros())
+        assert (step, source) == (5, "memory") and torch.equal(restored["model"]["w"], _state(5)["model"]["w"])
+    finally:
+        released.set()
+        for m in (mgr, *others):
             m.close()
 
 

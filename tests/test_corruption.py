@@ -111,6 +111,7 @@ def _save(mgr: CheckpointManager, step: int) -> None:
 def _memory(mgr: CheckpointManager, step: int) -> None:
     mgr.snapshot_to_memory(step, _state(step))
     mgr.finish_snapshot()
+    mgr.wait_for_mark()   # marked on the node: what a restarted rank finds
 
 
 # The corruption chaos: each seed flips a random byte of a random copy; the restore must take the next source.
@@ -497,6 +498,7 @@ def test_a_checkpoint_owed_to_a_busy_writer_is_not_written_from_a_copy_that_chan
         mgr.release(whole)
         changed = mgr.snapshot_to_memory(6, _state(6), keep=True)
         mgr.finish_snapshot()
+        mgr.wait_for_mark()                    # a later copy waits for it
         changed["model"]["w"].add_(1.0)        # what a copy of a later step into its slot would do
         mgr.save_owed(6, changed)
         mgr.finish_snapshot()

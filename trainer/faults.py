@@ -155,6 +155,9 @@ class FaultInjector(StepHook):
             if f.kind == "corrupt-peer" and NODE_ENV not in os.environ:
                 raise ValueError(f"--inject-fault {f.id}: corrupt-peer flips the holder node's copy on this machine, "
                                  f"so it runs on the nodes of a LocalCluster only ({NODE_ENV} is unset)")
+        # Waits until the newest memory snapshot is marked on the node (its checksums and marker come after the
+        # loop's wait for the copy): the checkpoint manager's, once the session has built it.
+        self.snapshots_marked: Callable[[], None] = lambda: None
         self.chaos: list[tuple[float, str, str]] = []
         if chaos_seed is not None and fault_every_s > 0:
             starts = [e["t"] for e in past if e["event"] == Event.RUN_START]
@@ -176,10 +179,13 @@ class FaultInjector(StepHook):
                 continue
             if f.kind in CORRUPT_KINDS:
                 if f.step <= step:      # at the first step its copy is there
+                    self.snapshots_marked()
                     self._maybe_corrupt(f, step)
             elif f.kind == "hang-after-snapshot":
-                if f.step <= step and self._snapshot_past_checkpoint():
-                    self._fire(f.kind, f.id, step)
+                if f.step <= step:
+                    self.snapshots_marked()
+                    if self._snapshot_past_checkpoint():
+                        self._fire(f.kind, f.id, step)
             elif f.step == step:
                 if f.kind == "ckpt-crash":
                     self.pending_ckpt_crash = f
@@ -196,7 +202,7 @@ class FaultInjector(StepHook):
             self._fire("ckpt-crash", f.id, step)
 
     def _snapshot_past_checkpoint(self) -> bool:
-        """Whether this rank's newest memory snapshot (marked before this step's optimizer step) is of a step past
+        """Whether this rank's newest memory snapshot marked on the node is of a step past
         the newest committed checkpoint."""
         from .checkpoint.replica import read_marker_file
 

@@ -94,6 +94,7 @@ class Session:
                                           on_write_started=self.faults.on_checkpoint_write_started,
                                           # Snapshots name the mesh too: another one shards the state otherwise.
                                           run_id=None if self.run_id is None else f"{self.run_id}/{d.mesh_tag}")
+            self.faults.snapshots_marked = self.ckpt.wait_for_mark
         return self.ckpt
 
     def close(self) -> None:

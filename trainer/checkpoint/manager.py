@@ -131,6 +131,9 @@ class CheckpointManager:
         self.snapshot_step: int | None = None
         self.snapshot_sums: Future | None = None   # its checksums (planned_digests)
         self.copying: _Snapshot | None = None
+        # The last memory snapshot's mark on the node, on the checksum thread (``_mark``): the replica is read
+        # or changed only once it is done (``wait_for_mark``).
+        self.marking: Future | None = None
         # Called with the blocking seconds of every interval save (the interval policy, the metrics).
         self.on_snapshot: Callable[[float], None] | None = None
 
@@ -461,8 +464,9 @@ class CheckpointManager:
         if every rank's copy still holds the bytes it was copied with; else write nothing (a ``checksum_mismatch``
         event on the rank whose copy changed). The copy is verified on the checksum thread while it is staged,
         and the ranks agree before the write is handed over (in ``finish_snapshot``). Collective."""
+        self.wait_for_mark()
         kept_step, checksums = self.replica.kept_checksums(copy)
-        verified = self.copier.verify(
+        verified = self.copier.after_checksums(
             lambda: verify_state(copy, checksums, f"the memory copy of step {kept_step} owed to the writer"))
         self._save(step, copy, blocking=False, writers_idle=writers_idle, verified=verified)
 
@@ -555,6 +559,7 @@ class CheckpointManager:
         waited = self._finish_copy(report, after_fault)
         if after_fault:
             self.writer.drop_unplanned()
+            self.wait_for_mark()
         return waited
 
     def _finish_copy(self, report: bool, after_fault: bool) -> float:
@@ -564,18 +569,8 @@ class CheckpointManager:
         t0 = time.monotonic()
         copy_s = s.copy.result()
         if s.write is None:   # kept in memory only
-            # Marked with its checksums (taken on the checksum thread once the copy was whole).
-            checksums = s.sums.result()
-            t_copied = time.monotonic()
-            self.replica.completed(s.step, s.slot, s.state, self._replica_run, copy_s, checksums)
             waited = time.monotonic() - t0
-            if self.peer_ring:
-                wake_peer_daemon(self.replica.node.dir)
-            if self.d.is_main:
-                self.events.emit(Event.MEMORY_SNAPSHOT, step=s.step, block_s=round(s.blocked_s + waited, 4),
-                                 copy_s=round(copy_s, 4), start_s=round(s.blocked_s, 4),
-                                 copy_wait_s=round(t_copied - t0, 4), mark_s=round(time.monotonic() - t_copied, 4),
-                                 **({"owed": True} if s.slot in self.replica.kept else {}))
+            self.marking = self.copier.after_checksums(functools.partial(self._mark, s, copy_s, waited, self.replica))
             return waited
         w = s.write
         if w.verified is not None and (after_fault or not self._verified_everywhere(w.verified, s.step)):
@@ -589,6 +584,34 @@ class CheckpointManager:
         if self.on_write_started:
             self.on_write_started(s.step)
         return waited
+
+    def _mark(self, s: _Snapshot, copy_s: float, copy_wait_s: float, replica: MemorySnapshots) -> None:
+        """Checksum thread, once the memory copy's checksums are taken: the copy becomes the newest snapshot,
+        marked on the node with them. Until then the one before it stays the newest, its slot untouched: the
+        next copy waits for this mark (``wait_for_mark``), so the loop waits for neither the checksums nor
+        the marker's write."""
+        t0 = time.monotonic()
+        replica.completed(s.step, s.slot, s.state, self._replica_run, copy_s, s.sums.result())
+        if self.peer_ring:
+            wake_peer_daemon(replica.node.dir)
+        if self.d.is_main:
+            self.events.emit(Event.MEMORY_SNAPSHOT, step=s.step, block_s=round(s.blocked_s + copy_wait_s, 4),
+                             copy_s=round(copy_s, 4), start_s=round(s.blocked_s, 4), copy_wait_s=round(copy_wait_s, 4),
+                             mark_s=round(time.monotonic() - t0, 4),
+                             **({"owed": True} if s.slot in replica.kept else {}))
+
+    def wait_for_mark(self) -> None:
+        """Wait until the last memory snapshot is marked on the node (``_mark``: a restart finds it from then on),
+        and raise the mark's error. Kept while unfinished: a restart's exception that lands in the wait leaves
+        it to the restore's wait."""
+        marking = self.marking
+        if marking is None:
+            return
+        try:
+            marking.result()
+        finally:
+            if marking.done():
+                self.marking = None
 
     def _write_request(self, step: int, w: _Write) -> Any:
         """The write's NVRx request, once its planning is done; the step is then in flight, to be committed (not
@@ -609,6 +632,7 @@ class CheckpointManager:
         """
         t0 = time.monotonic()
         self.finish_snapshot()
+        self.wait_for_mark()   # the copy goes into the slot of the snapshot before the last one
         state = state() if callable(state) else state
         slot, snapshot, pairs = self.replica.stage(state, keep=keep)   # never a slot a restart may read
         copy = self.copier.start(pairs)
@@ -619,10 +643,12 @@ class CheckpointManager:
     def release(self, copy: dict) -> None:
         """A copy kept by ``snapshot_to_memory(keep=True)`` is no longer needed (its save has started: the
         next copy waits for the save's copy of it first)."""
+        self.wait_for_mark()
         self.replica.release(copy)
 
     def drop_replica(self) -> None:
         """Forget the replica and free its memory on the node (a committed checkpoint supersedes it)."""
+        self.wait_for_mark()
         self.replica.drop()
 
     def _snapshot_taken(self, step: int, block_s: float, *, sync: bool, phases: dict | None = None,

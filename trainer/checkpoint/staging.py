@@ -216,8 +216,9 @@ class Copier:
 
         return self.hasher.submit(run)
 
-    def verify(self, fn: Callable[[], None]) -> Future:
-        """Run ``fn`` (a check of what is about to be copied) on the checksum thread, beside the copy."""
+    def after_checksums(self, fn: Callable[[], Any]) -> Future:
+        """Run ``fn`` on the checksum thread once the checksums started so far are taken (one thread: in order),
+        beside the copy thread."""
         return self.hasher.submit(fn)
 
     def close(self) -> None:
