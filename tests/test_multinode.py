@@ -117,17 +117,12 @@ def test_a_rank_killed_on_node_1_restarts_both_nodes(cluster, two_node_sha):
     starts = [e for e in events(c) if e["event"] == "worker_start"]
     assert sorted(e["rank"] for e in starts) == [0, 0, 1, 1] and all(e["warm"] for e in starts)
     # Both nodes restarted from their own memory: the newest copy before the fault, not the step-4 checkpoint
-    # (a copy at step 5 or 6, unless the copies' spacing skipped both); or the one before the newest, as the
-    # killed rank's newest may not be marked yet (its checksums and mark come after the loop went on).
+    # (a copy at step 5 or 6, unless the copies' spacing skipped both).
     ev = events(c)
     loaded = [(e["source"], e["step"]) for e in ev if e["event"] == "ckpt_loaded"]
+    assert len(loaded) == 2 and loaded[0] == loaded[1] and loaded[0][0] == "memory"
     before = ev[:next(i for i, e in enumerate(ev) if e["event"] == "ckpt_loaded")]
-    memory = {e["step"] for e in before if e["event"] == "memory_snapshot"}
-    copies = sorted(memory | {e["step"] for e in before if e["event"] == "ckpt_committed"})
-    step = loaded[0][1]
-    assert len(loaded) == 2 and loaded[0] == loaded[1] and step in copies[-2:], (loaded, copies)
-    assert loaded[0][0] == ("memory" if step in memory else "checkpoint"), (loaded, copies)
-    assert step >= 5 or not copy_due_after_checkpoint(before, 4) or step < copies[-1], loaded
+    assert loaded[0][1] >= 5 or not copy_due_after_checkpoint(before, 4), loaded
 
 
 def test_two_nodes_of_two_ranks_recover_a_rank_killed_on_node_1(tmp_path, dataset):

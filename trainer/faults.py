@@ -174,18 +174,19 @@ class FaultInjector(StepHook):
 
     def before_optimizer_step(self, step: int) -> None:
         """Mid-step (after backward, before the optimizer step): fire this rank's faults due at ``step``."""
+        if any(f.step <= step for f in self.faults if f.id not in self.fired):
+            # Once the copies the loop waited for are marked (checksums and marks run behind it): a fault then
+            # finds what the steps before it left, whatever the threads' timing.
+            self.snapshots_marked()
         for f in self.faults:
             if f.id in self.fired:
                 continue
             if f.kind in CORRUPT_KINDS:
                 if f.step <= step:      # at the first step its copy is there
-                    self.snapshots_marked()
                     self._maybe_corrupt(f, step)
             elif f.kind == "hang-after-snapshot":
-                if f.step <= step:
-                    self.snapshots_marked()
-                    if self._snapshot_past_checkpoint():
-                        self._fire(f.kind, f.id, step)
+                if f.step <= step and self._snapshot_past_checkpoint():
+                    self._fire(f.kind, f.id, step)
             elif f.step == step:
                 if f.kind == "ckpt-crash":
                     self.pending_ckpt_crash = f
