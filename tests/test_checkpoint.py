@@ -301,6 +301,48 @@ def test_the_loop_waits_for_neither_a_memory_snapshots_checksums_nor_its_mark(tm
             m.close()
 
 
+def test_a_restore_maps_both_memory_snapshot_slots_off_the_loop_leaving_what_they_hold(
+        tmp_path, process_group, monkeypatch):
+    """The first copy into each slot after a restore maps nothing on the loop's thread (on a GPU that mapping
+    page-locks the slot: about a second per slot): the restore maps both on a thread. What the slots hold stays
+    readable: a rank restarted before any copy finds the newest snapshot and the one before it."""
+    manager = _node(tmp_path, process_group)
+    first = manager()
+    others = []
+    try:
+        first.restore(_zeros())
+        for step in (4, 5):
+            first.snapshot_to_memory(step, _state(step))
+            first.finish_snapshot()
+        first.wait_for_mark()
+        mapped_on_loop = []
+        from_file = torch.from_file
+
+        def recorded(path, *args, **kwargs):
+            if threading.current_thread() is threading.main_thread():
+                mapped_on_loop.append(path)
+            return from_file(path, *args, **kwargs)
+
+        others.append(manager())
+        assert others[-1].restore(_zeros())[:2] == (5, "memory")
+        monkeypatch.setattr(torch, "from_file", recorded)
+        others.append(manager())                                # restarted again before any copy
+        step, source, restored = others[-1].restore(_zeros())
+        assert (step, source) == (5, "memory") and torch.equal(restored["model"]["w"], _state(5)["model"]["w"])
+        before = others[-1].replica.read_previous(_zeros())
+        assert before is not None and torch.equal(before["model"]["w"], _state(4)["model"]["w"])
+        mapped_on_loop.clear()                                  # the restore's reads: on its path, as they must be
+        for step in (6, 7):                                     # one copy into each slot
+            others[-1].snapshot_to_memory(step, _state(step))
+            others[-1].finish_snapshot()
+        others[-1].wait_for_mark()
+        assert mapped_on_loop == [], f"the loop mapped {mapped_on_loop}"
+        assert manager().restore(_zeros())[:2] == (7, "memory")
+    finally:
+        for m in (first, *others):
+            m.close()
+
+
 def test_a_replica_is_used_only_by_the_run_that_made_it(tmp_path, process_group):
     """Killed before its first checkpoint, a run resumes from its replica; the same output directory
     started afresh (a new run) must not, and deletes it."""
@@ -322,10 +364,10 @@ def test_a_replica_is_used_only_by_the_run_that_made_it(tmp_path, process_group)
     fresh = CheckpointManager(root, cfg, process_group, events, run_id="run-b")
     try:
         assert fresh.restore(_zeros())[0] is None
-        # The earlier run's snapshot is gone: no marker names it (the slots are this run's, allocated anew).
-        assert sorted(p.name for p in (tmp_path / "shm").rglob("rank0.*")) == ["rank0.slot0", "rank0.slot1"]
     finally:
         fresh.close()
+    # The earlier run's snapshot is gone: no marker names it (the slots are this run's, allocated anew).
+    assert sorted(p.name for p in (tmp_path / "shm").rglob("rank0.*")) == ["rank0.slot0", "rank0.slot1"]
 
 
 def test_save_returns_while_the_copy_runs_and_the_write_waits_for_it(tmp_path, process_group):

@@ -563,12 +563,13 @@ def test_a_save_planned_after_the_process_group_was_aborted_is_dropped_at_close(
 
 def test_a_restore_allocates_both_memory_slots_and_no_copy_allocates_them_again(tmp_path, process_group, monkeypatch):
     """Allocating a slot's node memory (``posix_fallocate``) costs about 12 ms per 100 MB here, and as much again
-    on tmpfs when it is allocated already: the restore does it once per slot, and the copies, the first into
-    each slot after every restart included, do not."""
+    on tmpfs when it is allocated already: the restore does it once per slot (on a thread), and the copies, the
+    first into each slot after every restart included, do not."""
     mgr = _manager(tmp_path, process_group)
     try:
         mgr.restore(_state(0))
         node = mgr.replica.node
+        node.settle()                # the restore's thread: both slots allocated and mapped
         for slot in (0, 1):
             assert os.stat(replica_slot(node.dir, 0, slot)).st_blocks * 512 >= node.slot_size(_state(0))
         allocations = []

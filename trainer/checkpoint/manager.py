@@ -225,7 +225,7 @@ class CheckpointManager:
         self.replica.unmap()
         if not self.cfg.sync:
             self.staging.allocate(restored)
-        if self.cfg.memory_every_s > 0:   # and the node memory of both memory snapshot slots
+        if self.cfg.memory_every_s > 0:   # and both memory snapshot slots, mapped on a thread
             self.replica.reserve(restored)
         return step, source, restored
 
@@ -688,6 +688,7 @@ class CheckpointManager:
     def close(self) -> None:
         self.finish_snapshot(after_fault=True)   # at the end nothing is left; after a failure, no collective
         self.copier.close()
+        self.replica.node.settle()   # the restore's mapping of the slots, if it still runs
         self.writer.close()
         self.commits.join_purge()
         if self.mirror is not None:

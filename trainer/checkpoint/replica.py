@@ -31,6 +31,7 @@ import contextlib
 import json
 import logging
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -170,6 +171,11 @@ def _offsets(specs: list[tuple[torch.dtype, torch.Size]]) -> tuple[list[int], in
     return offsets, max(size, _ALIGN)
 
 
+def _cut(flat: torch.Tensor, offsets: list[int], specs: list[tuple[torch.dtype, torch.Size]]) -> list[torch.Tensor]:
+    """One view of the slot ``flat`` per tensor of ``specs``, at its offset."""
+    return [flat[o:].view(dtype)[:shape.numel()].view(shape) for o, (dtype, shape) in zip(offsets, specs)]
+
+
 def tensor_spans(marker: dict) -> list[tuple[int, int]]:
     """(offset, bytes) of each tensor in the slot of a replica ``marker`` (what its checksums cover)."""
     specs = [(getattr(torch, dtype.removeprefix("torch.")), torch.Size(shape)) for dtype, shape in marker["layout"]]
@@ -190,6 +196,10 @@ class NodeReplica:
         # fixed for as long as a buffer is reused, so a copy does not walk the state again for it.
         self.layouts: list[list | None] = [None, None]
         self.pinned: list[torch.Tensor | None] = [None, None]   # each slot's page-locked mapping, if any
+        # Both slots mapped ahead by ``reserve``, on a thread (its future), then slot -> (specs, views) of that
+        # mapping, used by whatever reads or copies into the slot until it is mapped anew.
+        self.ahead: Future | None = None
+        self.ready: dict[int, tuple[list, list[torch.Tensor]]] = {}
 
     def _slot_path(self, slot: int) -> Path:
         return replica_slot(self.dir, self.rank, slot)
@@ -224,48 +234,75 @@ class NodeReplica:
         return _offsets(_specs(state))[1]
 
     def reserve(self, state: dict) -> None:
-        """Allocate both slots for ``state`` on the node now (a restore), leaving what they hold: the first
-        copy into a slot otherwise allocates it on the loop's blocking path (about 12 ms per 100 MB here)."""
+        """Allocate and map both slots for ``state`` (a restore) on a thread, as the first copy into each would,
+        leaving what they hold: that copy takes its slot's views from there. On the loop, the first copy into a
+        slot held it while the slot was allocated (about 12 ms per 100 MB here), mapped, cut into views and, on a
+        GPU, page-locked (0.92 s for 1.83 GB on an H200)."""
+        self.settle()
         if not self.persistent:
             return
-        size = self.slot_size(state)
-        with contextlib.suppress(OSError):   # then said by the copy that maps the slot (_map)
-            self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)
+        specs = _specs(state)
+        # The thread page-locks for this rank's device, not the default one (a context of its own on GPU 0).
+        device = torch.cuda.current_device() if self.pin else None
+        pool = ThreadPoolExecutor(1, thread_name_prefix="replica-map")
+        self.ahead = pool.submit(self._map_ahead, specs, device)
+        pool.shutdown(wait=False)
+
+    def _map_ahead(self, specs: list, device: int | None) -> dict[int, tuple[list, list[torch.Tensor]]]:
+        """Thread: each slot mapped (and page-locked) as ``_map`` would, and cut into views for ``specs``; one that
+        cannot be is left to the first copy into it, which says why."""
+        offsets, size = _offsets(specs)
+        ready = {}
+        with torch.cuda.device(device) if device is not None else contextlib.nullcontext():
             for slot in (0, 1):
-                fd = os.open(self._slot_path(slot), os.O_RDWR | os.O_CREAT, 0o600)
-                try:
-                    _allocate(fd, size)
-                finally:
-                    os.close(fd)
+                self._unpin(slot)
+                with contextlib.suppress(OSError):
+                    flat = self._map_file(slot, size)
+                    ready[slot] = specs, _cut(self._pinned(slot, flat) if self.pin else flat, offsets, specs)
+        return ready
+
+    def settle(self) -> None:
+        """Wait for the mapping ahead, if any (nothing maps or deletes a slot meanwhile)."""
+        ahead, self.ahead = self.ahead, None
+        if ahead is not None:
+            self.ready = ahead.result()
 
     def _views(self, state: dict, slot: int, *, pin: bool) -> list[torch.Tensor]:
         """Slot ``slot`` mapped and sized for ``state``'s tensors: one view per tensor, in traversal order."""
-        layout = _specs(state)
+        specs = _specs(state)
         self.layouts[slot] = _layout(state)
-        offsets, size = _offsets(layout)
-        flat = self._map(slot, size, pin)
-        return [flat[o:].view(dtype)[:shape.numel()].view(shape) for o, (dtype, shape) in zip(offsets, layout)]
+        self.settle()
+        ahead = self.ready.get(slot)
+        if ahead is not None and ahead[0] == specs:
+            return ahead[1]
+        offsets, size = _offsets(specs)
+        return _cut(self._map(slot, size, pin), offsets, specs)
 
     def _map(self, slot: int, size: int, pin: bool) -> torch.Tensor:
         self._unpin(slot)
+        self.ready.pop(slot, None)
         if self.persistent:
-            path = self._slot_path(slot)
             try:
-                self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)   # this node's ranks only
-                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-                try:
-                    os.ftruncate(fd, size)
-                    _allocate(fd, size)   # now: a full /dev/shm would otherwise surface as SIGBUS mid-copy
-                finally:
-                    os.close(fd)
-                flat = torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
+                flat = self._map_file(slot, size)
                 return self._pinned(slot, flat) if pin else flat
             except OSError as e:
                 log.warning("memory snapshots stay in process memory (an in-job restart cannot use them): "
-                            "cannot map %s: %s", path, e)
+                            "cannot map %s: %s", self._slot_path(slot), e)
                 self.persistent = False
                 self.discard()
         return torch.empty(size, dtype=torch.uint8, pin_memory=pin)
+
+    def _map_file(self, slot: int, size: int) -> torch.Tensor:
+        """Slot ``slot``'s file, ``size`` bytes, allocated and mapped shared."""
+        path = self._slot_path(slot)
+        self.dir.mkdir(mode=0o700, parents=True, exist_ok=True)   # this node's ranks only
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            os.ftruncate(fd, size)
+            _allocate(fd, size)   # now: a full /dev/shm would otherwise surface as SIGBUS mid-copy
+        finally:
+            os.close(fd)
+        return torch.from_file(str(path), shared=True, size=size, dtype=torch.uint8)
 
     def _pinned(self, slot: int, flat: torch.Tensor) -> torch.Tensor:
         """Page-lock a mapped slot, so the device-to-host copy into it runs by DMA at full speed: into
@@ -316,6 +353,8 @@ class NodeReplica:
 
     def discard(self) -> None:
         """Delete this rank's marker (first: the slots are then never read) and slots."""
+        self.settle()
+        self.ready = {}
         for slot in (0, 1):
             self._unpin(slot)
         for path in (self.marker_path, self.previous_path, self._slot_path(0), self._slot_path(1)):
@@ -434,7 +473,7 @@ class MemorySnapshots:
         self.buffers, self.snapshot, self.kept = [None, None], None, {}
 
     def reserve(self, state: dict) -> None:
-        """Allocate both slots for ``state`` on the node (see ``NodeReplica.reserve``)."""
+        """Allocate and map both slots for ``state`` on the node, on a thread (see ``NodeReplica.reserve``)."""
         self.node.reserve(state)
 
     def drop(self) -> None:
