@@ -10,6 +10,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 
 import psutil
 import pytest
@@ -299,6 +300,42 @@ def test_the_loop_waits_for_neither_a_memory_snapshots_checksums_nor_its_mark(tm
         released.set()
         for m in (mgr, *others):
             m.close()
+
+
+def test_an_owed_checkpoints_hold_includes_the_wait_for_its_copys_mark(tmp_path, process_group, monkeypatch):
+    """Writing an owed checkpoint first waits for its memory copy's mark (its checksums): the loop waits, so the
+    save's recorded hold (``ckpt_snapshot``'s ``block_s``, what the bench and the interval policy read) counts it."""
+    from trainer.checkpoint import manager as manager_module
+
+    released = threading.Event()
+    digests = manager_module.state_digests
+
+    def held_digests(snapshot):
+        released.wait(10)
+        return digests(snapshot)
+
+    mgr = _node(tmp_path, process_group)()
+    try:
+        mgr.restore(_zeros())
+        mgr.snapshot_to_memory(4, _state(4))
+        mgr.finish_snapshot()
+        mgr.wait_for_mark()
+        monkeypatch.setattr(manager_module, "state_digests", held_digests)
+        owed = mgr.snapshot_to_memory(5, _state(5), keep=True)
+        mgr.finish_snapshot()                                   # copied; its checksums and mark wait
+        release = threading.Timer(0.3, released.set)
+        t0 = time.monotonic()
+        release.start()
+        mgr.save_owed(5, owed)                                  # waits for the mark, then stages the copy
+        mgr.finish_snapshot()
+        waited = time.monotonic() - t0
+        held = [e["block_s"] for e in read_events(tmp_path / "e") if e["event"] == "ckpt_snapshot" and e["step"] == 5]
+        assert waited >= 0.3 and held and held[0] >= 0.3, f"the hold {held} left out the wait for the mark"
+        mgr.release(owed)
+        mgr.wait()
+    finally:
+        released.set()
+        mgr.close()
 
 
 def test_a_restore_maps_both_memory_snapshot_slots_off_the_loop_leaving_what_they_hold(

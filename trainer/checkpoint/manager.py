@@ -427,12 +427,12 @@ class CheckpointManager:
         and backward passes, but must call ``finish_snapshot`` before it changes the state. With ``blocking``
         (SIGTERM, end of training), and with ``--ckpt-sync``, it returns once the checkpoint is committed.
         """
-        self._save(step, state, blocking=blocking, writers_idle=writers_idle, verified=None)
+        self._save(step, state, time.monotonic(), blocking=blocking, writers_idle=writers_idle, verified=None)
 
-    def _save(self, step: int, state: StateSource, *, blocking: bool, writers_idle: bool,
+    def _save(self, step: int, state: StateSource, t0: float, *, blocking: bool, writers_idle: bool,
               verified: Future | None) -> None:
-        """``save``; ``verified``: the check of an owed copy, which every rank must pass for it to be written."""
-        t0 = time.monotonic()
+        """``save`` (called at ``t0``); ``verified``: the check of an owed copy, which every rank must pass for it
+        to be written."""
         state = state() if callable(state) else state
         path = step_dir(self.root, step)
         if self.d.is_main:
@@ -464,11 +464,12 @@ class CheckpointManager:
         if every rank's copy still holds the bytes it was copied with; else write nothing (a ``checksum_mismatch``
         event on the rank whose copy changed). The copy is verified on the checksum thread while it is staged,
         and the ranks agree before the write is handed over (in ``finish_snapshot``). Collective."""
+        t0 = time.monotonic()   # the save holds the loop from here: the wait for its copy's mark included
         self.wait_for_mark()
         kept_step, checksums = self.replica.kept_checksums(copy)
         verified = self.copier.after_checksums(
             lambda: verify_state(copy, checksums, f"the memory copy of step {kept_step} owed to the writer"))
-        self._save(step, copy, blocking=False, writers_idle=writers_idle, verified=verified)
+        self._save(step, copy, t0, blocking=False, writers_idle=writers_idle, verified=verified)
 
     def _verified_everywhere(self, verified: Future, step: int) -> bool:
         """Whether every rank's owed copy held its bytes (``verified`` raised nothing). Collective."""
