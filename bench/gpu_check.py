@@ -14,8 +14,9 @@ Three runs of the same training under ft_launcher, one rank per GPU on this node
   rank 0 must report it in a ``straggler`` event (on one GPU against its own earlier speed, the individual
   score; with several, against the others too).
 
-It prints each run's checkpoint blocking, the async/sync ratio, each fault's recovery and layer, the
-straggler reports, and whether the weights match. Run it on a GPU node (CPU works too, with gloo, as a smoke test)::
+It prints each run's checkpoint blocking, its memory snapshots' holds, the async/sync ratio, each fault's
+recovery and layer, the straggler reports, and whether the weights match. Run it on a GPU node (CPU works
+too, with gloo, as a smoke test)::
 
     python bench/gpu_check.py                      # ~3 minutes on one H200
     python bench/gpu_check.py --n-layer 2 --n-embd 64 --steps 60 --ckpt-every 10   # a CPU smoke test
@@ -91,6 +92,9 @@ def main() -> None:
         blocks = [e["block_s"] for e in log if e["event"] == Event.CKPT_SNAPSHOT and e["step"] < a.steps]
         steps = [e["step_s"] for e in log if e["event"] == Event.STEP and e["step"] > 5]
         copies = [e["copy_s"] for e in log if e["event"] == Event.MEMORY_SNAPSHOT]
+        # The loop's hold per memory snapshot: the first two (one per slot: a slot's first copy used to
+        # page-lock it on the loop), then the p50 of the others.
+        memory = [e["block_s"] * 1e3 for e in log if e["event"] == Event.MEMORY_SNAPSHOT and not e.get("owed")]
         ckpt_copies = [e["copy_s"] for e in log if e["event"] == Event.CKPT_SNAPSHOT and "copy_s" in e]
         ckpts = checkpoints_dir(out).glob("step_*")
         state_gb = max((sum(f.stat().st_size for f in d.glob("*.distcp")) for d in ckpts), default=0) / nproc / 1e9
@@ -100,7 +104,9 @@ def main() -> None:
             block_p50[name] = statistics.median(blocks)
         rows.append([name, f"{wall:.1f}", f"{statistics.median(steps) * 1e3:.1f}" if steps else "-",
                      f"{statistics.median(blocks) * 1e3:.1f}" if blocks else "-",
-                     f"{max(blocks) * 1e3:.1f}" if blocks else "-", s["final_val_loss"], s["goodput"],
+                     f"{max(blocks) * 1e3:.1f}" if blocks else "-",
+                     _memory_holds(memory),
+                     s["final_val_loss"], s["goodput"],
                      f"{state_gb:.2f}", _rate(state_gb, copies), _rate(state_gb, ckpt_copies),
                      sha[name][:12], " ".join(f"{src}@{st}" for src, st in loads) or "-"])
         for f in s["faults"]:
@@ -110,7 +116,8 @@ def main() -> None:
             _print_stragglers(log, slowed)
     print(f"device: {torch.cuda.get_device_name() if torch.cuda.is_available() else 'cpu'}, "
           f"{nproc} rank(s), torch {torch.__version__}")
-    print(table(rows, ["run", "wall s", "step ms p50", "ckpt block ms p50", "max", "val loss", "goodput",
+    print(table(rows, ["run", "wall s", "step ms p50", "ckpt block ms p50", "max",
+                       "memory hold ms: first two / p50 (n)", "val loss", "goodput",
                        "state GB/rank", "replica copy GB/s", "ckpt copy GB/s", "params sha", "loads"]))
     if "clean" in block_p50 and "sync" in block_p50:
         print(f"checkpoint blocking, async/sync (p50): 1/{block_p50['sync'] / block_p50['clean']:.0f}")
@@ -193,6 +200,12 @@ def copy_rates(gb: float = 2.0) -> None:
     locked.discard()
     pageable.discard()
     shutil.rmtree(shm, ignore_errors=True)
+
+
+def _memory_holds(ms: list[float]) -> str:
+    """The first two memory snapshots' holds, then the p50 of the others and how many."""
+    first = " ".join(f"{m:.1f}" for m in ms[:2]) or "-"
+    return f"{first} / {statistics.median(ms[2:]):.1f} ({len(ms) - 2})" if len(ms) > 2 else first
 
 
 def _rate(gb: float, seconds: list[float]) -> str:
