@@ -31,6 +31,7 @@ import torch.distributed as dist
 from trainer.checkpoint import CheckpointManager
 from trainer.config import CheckpointConfig
 from trainer.events import EventLog
+from trainer.layout import events_path
 from trainer.parallel import Dist
 
 
@@ -68,7 +69,7 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="bench-slots-"))
     shm = Path(tempfile.mkdtemp(prefix="bench-slots-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
     cfg = CheckpointConfig(memory_dir=str(shm))
-    events = EventLog(root / "events.jsonl", 0)
+    events = EventLog(events_path(root), 0)
     live = _state(a.mb, a.tensors, device, 0)
     step, rows = 0, []
     print(f"{a.mb} MB of state in {a.tensors} tensors on {device}; {a.rounds} restarts, {a.copies} copies each")
