@@ -14,6 +14,10 @@ synchronously (training resumes exactly, so the states match step for step; the 
     python bench/hold_drill_trainer.py --rounds 10 --code /path/to/other/checkout
     python bench/hold_drill_trainer.py --rounds 10 --nvrx-tree T/0.6.0 --nvrx-deps T/deps-0.6
 
+``--second-job-after 1,4``: each round also starts a second job of the same round in the same run directory,
+1 s after the first in even rounds and 4 s in odd ones (one job holds a run directory since
+``trainer/runlock.py``: the second is refused there; run with ``--code`` on older code).
+
 ``--nvrx-tree``: a release's pure-Python tree from its wheel (as tests/data/nvrx/README.md extracts it),
 first on PYTHONPATH with ``--nvrx-deps`` after it; the release's version is read from its dist-info.
 Prints a line per round and the counts: rounds, checkpoints checked, mismatched checkpoints (and which
@@ -64,18 +68,24 @@ def _env(code: Path, tree: Path | None, deps: Path | None, hold: bool, watch: Pa
     return env
 
 
-def _train(out: Path, steps: int, args: list[str], env: dict, timeout: float) -> int:
-    with open(f"{out}.log", "wb") as log:
-        proc = subprocess.Popen(["goodput", "train", "--nproc", "2", "--max-restarts", "2", "--restart-layers",
+def _start(out: Path, steps: int, args: list[str], env: dict, log: str = "log") -> subprocess.Popen:
+    with open(f"{out}.{log}", "wb") as f:
+        return subprocess.Popen(["goodput", "train", "--nproc", "2", "--max-restarts", "2", "--restart-layers",
                                  "both", *MODEL, "--max-steps", str(steps), *args, "--out", str(out)],
-                                stdout=log, stderr=subprocess.STDOUT,
-                                env=env, start_new_session=True)
-        try:
-            return proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, 9)
-            proc.wait()
-            return -9
+                                stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _wait(proc: subprocess.Popen, timeout: float) -> int:
+    try:
+        return proc.wait(timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+        return -9
+
+
+def _train(out: Path, steps: int, args: list[str], env: dict, timeout: float) -> int:
+    return _wait(_start(out, steps, args, env), timeout)
 
 
 def _committed(out: Path) -> dict[int, Path]:
@@ -164,6 +174,9 @@ def main() -> None:
     p.add_argument("--busy", type=int, default=2, help="busy loops on the cores during the rounds")
     p.add_argument("--work", type=Path, default=Path("/tmp/hold-drill-trainer"), help="run directories")
     p.add_argument("--timeout-s", type=float, default=600)
+    p.add_argument("--second-job-after", default="",
+                   help="seconds, comma-separated, one per round in turn: a second job of the round started that "
+                        "long after the first in the same run directory (refused where one job holds it)")
     a = p.parse_args()
     code = a.code.resolve()
     tree, deps = a.nvrx_tree and a.nvrx_tree.resolve(), a.nvrx_deps and a.nvrx_deps.resolve()
@@ -191,7 +204,15 @@ def main() -> None:
         for r in range(a.rounds):
             out, watch = work / f"round{r:03d}", work / f"round{r:03d}.watch"
             watch.mkdir()
-            rc = _train(out, steps, faults, _env(code, tree, deps, True, watch), a.timeout_s)
+            env = _env(code, tree, deps, True, watch)
+            first = _start(out, steps, faults, env)
+            second = None
+            if a.second_job_after:
+                delays = [float(x) for x in a.second_job_after.split(",")]
+                time.sleep(delays[r % len(delays)])      # the round's schedule, not a synchronisation
+                second = _start(out, steps, faults, env, log="second.log")
+            rc = _wait(first, a.timeout_s)
+            second_rc = None if second is None else _wait(second, a.timeout_s)
             overwrites = _lines(watch / "violations.jsonl")
             watched += len(_lines(watch / "checks.jsonl"))
             races_here = _lines(watch / "races.jsonl")
@@ -216,8 +237,11 @@ def main() -> None:
             overwritten += len(overwrites)
             owed_written += len(owed)
             mismatches += [(r, s, d) for s, d in bad_here]
-            print(f"round {r}: exit {rc}, committed {sorted(_committed(out))}, held writes {len(held)}, "
-                  f"owed written {owed}, "
+            starts = [e.get("layer") for e in ev if e["event"] == Event.RESTART]
+            commits = Counter(e["step"] for e in ev if e["event"] == Event.CKPT_COMMITTED)
+            print(f"round {r}: exit {rc}{'' if second is None else f', second job exit {second_rc}'}, "
+                  f"restarts {starts}, commits by step {dict(commits)}, committed {sorted(_committed(out))}, "
+                  f"held writes {len(held)}, owed written {owed}, "
                   f"resumed from {loaded}, final params {'=' if final == ref_params else final} reference, "
                   f"mismatched checkpoints {[(s, {k: len(v) for k, v in d.items()}) for s, d in bad_here]}, "
                   f"staging overwritten under an unfinished write {overwrites}, races {races_here}",

@@ -200,6 +200,9 @@ class RunConfig:
     seed: int = _d(1337, "random seed (model init, data order, dropout)")
     max_steps: int = _f(200, "optimizer steps to train")
     log_every: int = _f(10, "print a progress line every N steps")
+    lock_wait_s: float = _f(60.0, "seconds a job waits for another job training in --out to end (a stopped "
+                                  "job's final checkpoint) before it refuses to start: one job at a time per run "
+                                  "directory, its in-job restarts included", flag="--run-lock-wait-s")
 
 
 @dataclass
@@ -372,6 +375,8 @@ class TrainConfig:
                             "interval < heartbeat < barrier")
         if rs.collective_timeout_s <= 0:
             problems.append("--collective-timeout-s must be positive")
+        if r.lock_wait_s < 0:
+            problems.append(f"--run-lock-wait-s must not be negative, got {r.lock_wait_s:g}")
         if not 0 <= m.dropout < 1:
             problems.append(f"--dropout must be in [0, 1), got {m.dropout}")
         if o.lr < 0:   # 0 keeps the weights as built or loaded (--init-from): a round trip check

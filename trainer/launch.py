@@ -30,6 +30,7 @@ from . import layout
 from .data import default_dataset_dir, ensure_default_dataset
 from .digests import path_digest
 from .peer import SECRET_ENV as PEER_SECRET_ENV
+from .runlock import in_use_by
 from .signals import STOP_SIGNALS, STOPPED_S, StoppedFor, handlers, marked, parent_death_preexec, reap
 from .warmstart import NodePlace, wait_unless_stopped
 
@@ -246,6 +247,8 @@ def validate_launch(cfg: TrainConfig, launch: LaunchConfig, fsx_root: Path, *,
         check_run_directory(Path(cfg.run.out), cfg)
     except ValueError as e:
         raise LaunchError(str(e)) from None
+    if busy := in_use_by(cfg.run.out):
+        raise LaunchError(busy)
     if compat.is_placeholder(launch.nproc_per_node) or compat.is_placeholder(launch.nnodes):
         raise LaunchError(f"a local run needs node and process counts, got nnodes={launch.nnodes} "
                           f"nproc_per_node={launch.nproc_per_node}")

@@ -6,7 +6,7 @@ root's directories, a run directory's files, and its checkpoints.
     <fsx_root>/pretrained/<bucket>/<prefix>/   a Hugging Face model directory staged from S3
     <fsx_root>/runs/<run id>/                  a run directory (``--out``):
         checkpoints/step_<N, 9 digits>/        a checkpoint once its ``COMMITTED`` marker exists
-        config.json  events.jsonl  summary.json  progress.json  evaluation/
+        config.json  events.jsonl  summary.json  progress.json  evaluation/  jobs/
     <fsx_root>/models/                         the local model registry
 
 Durable writes are ``trainer.durable``'s.
@@ -88,6 +88,11 @@ def settings_path(out: str | Path) -> Path:
 def events_path(out: str | Path) -> Path:
     """One event per line (``trainer.events``)."""
     return Path(out) / "events.jsonl"
+
+
+def jobs_dir(out: str | Path) -> Path:
+    """A file per job training in the run directory, locked by its nodes (``trainer.runlock``)."""
+    return Path(out) / "jobs"
 
 
 def summary_path(out: str | Path) -> Path:

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import atexit
 import contextlib
+import functools
 import json
 import os
 import select
@@ -39,6 +40,7 @@ import tempfile
 import threading
 import time
 import traceback
+import uuid
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -51,6 +53,7 @@ from .peer import ENV as PEER_ENV
 from .peer import JOB_ENV as PEER_JOB_ENV
 from .peer import secret_from_env
 from .peer import start_daemon as peer_daemon
+from .runlock import JobLock, RunInUse
 from .signals import (STOPPED_S, StoppedFor, handlers, in_process_group, is_gone, is_stopped, marked,
                       parent_death_preexec, reap)
 
@@ -99,6 +102,12 @@ class NodePlace:
         host = self.rdzv_endpoint.rpartition(":")[0].strip("[]")
         return "127.0.0.1" if host in ("127.0.0.1", "localhost", "::1") else "0.0.0.0"
 
+    @functools.cached_property
+    def job(self) -> str:
+        """The job's identity, the same on all its nodes: its rendezvous (the endpoint's port is the job's while it
+        runs), or one of this node's own with a local store."""
+        return f"{self.rdzv_endpoint}/{self.rdzv_id}" if self.rdzv_endpoint else uuid.uuid4().hex
+
     def args(self) -> list[str]:
         """The wrapper's options that give this place (none for one node with a local store)."""
         if self == NodePlace():
@@ -114,7 +123,9 @@ def run_with_zygote(command: list[str], warm: bool = True, node: NodePlace = Nod
     forked, every process that inherited the launcher's environment) and deletes the run's memory snapshots.
     With more than one node (``node``) and memory snapshots on, it also runs the node's peer daemon
     (``trainer.peer``).
-    A rank's ``fatal`` event (an error no restart changes) stops the launcher: exit status 2.
+    A rank's ``fatal`` event (an error no restart changes) stops the launcher: exit status 2. It holds the node's
+    share of its job's hold on the run directory (``trainer.runlock``) from before anything starts until it
+    ends: another job training there is waited for, then refused with exit status 2.
     """
     cfg = _trainer_config(command)
     wants_peer = (cfg is not None and cfg.checkpoint.peer_snapshots and cfg.checkpoint.memory_every_s > 0
@@ -125,6 +136,11 @@ def run_with_zygote(command: list[str], warm: bool = True, node: NodePlace = Nod
         except ValueError as e:
             print(f"warm start: {e}", file=sys.stderr)
             return 2
+    try:   # before anything starts: one job at a time in a run directory
+        lock = JobLock.hold(cfg.run.out, node.job, cfg.run.lock_wait_s) if cfg else None
+    except RunInUse as e:
+        print(f"warm start: {e}", file=sys.stderr)
+        return 2
     workdir = tempfile.mkdtemp(prefix="goodput-warmstart-")
     path = os.path.join(workdir, "zygote.sock")
     replicas = [str(replica_dir(Path(cfg.checkpoint.memory_dir), checkpoints_dir(cfg.run.out)))] if cfg else []
@@ -183,6 +199,8 @@ def run_with_zygote(command: list[str], warm: bool = True, node: NodePlace = Nod
             zygote.wait()
             _remove(replicas)
         shutil.rmtree(workdir, ignore_errors=True)
+        if lock is not None:
+            lock.close()
     return code
 
 
