@@ -141,6 +141,7 @@ def test_a_second_job_in_a_run_directory_is_refused_and_writes_nothing(tmp_path,
     assert len([e for e in events if e["event"] == "worker_start"]) == 4, "two attempts of the first job's ranks"
     os.killpg(first.proc.pid, signal.SIGTERM)
     assert first.proc.wait(180) == 128 + signal.SIGTERM, first.output()
+    assert not jobs_dir(first.out).exists()
 
 
 def _holder(out, job: str, look: bool = True) -> subprocess.Popen:
@@ -160,8 +161,9 @@ def test_a_job_waits_for_another_that_ends_and_is_refused_by_one_that_does_not(t
     with pytest.raises(RunInUse, match=f"pid {first.pid} on "):
         JobLock.hold(tmp_path, "second", 0)
     assert f"pid {first.pid} on " in in_use_by(tmp_path)
-    # Another node of the same job shares it.
+    # Another node of the same job shares it, and leaves the job's file to the node still holding it.
     JobLock.hold(tmp_path, "first", 0).close()
+    assert [r["job"] for r in _job_files(tmp_path)] == ["first"]
 
     # A job that is ending (its final checkpoint): the next one waits for it instead of failing.
     waiting, got = threading.Event(), []
@@ -184,6 +186,7 @@ def test_a_job_waits_for_another_that_ends_and_is_refused_by_one_that_does_not(t
         logging.getLogger("trainer").removeHandler(seen)
     assert got and [r["job"] for r in _job_files(tmp_path)] == ["second"], "the ended job's file is gone"
     got[0].close()
+    assert not jobs_dir(tmp_path).exists(), "a job that ends leaves nothing"
 
     # A job killed outright leaves no hold behind.
     killed = _holder(tmp_path, "killed")

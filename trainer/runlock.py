@@ -96,8 +96,8 @@ def in_use_by(out: str | Path) -> str | None:
 class JobLock:
     """This node's share of its job's hold on a run directory, until ``close`` or the process's end."""
 
-    def __init__(self, fd: int):
-        self._fd = fd
+    def __init__(self, fd: int, path: Path):
+        self._fd, self._path = fd, path
 
     @classmethod
     def hold(cls, out: str | Path, job: str, wait_s: float, *, poll_s: float = 0.5) -> JobLock | None:
@@ -107,7 +107,7 @@ class JobLock:
         on the console."""
         out = Path(out)
         try:
-            fd, mine = cls._share(out, job)
+            fd, mine, path = cls._share(out, job)
         except OSError as e:
             log.warning("%s cannot be locked (%s): nothing stops a second job from training in %s",
                         layout.jobs_dir(out), e, out)
@@ -124,17 +124,20 @@ class JobLock:
                     waited = True
                 time.sleep(poll_s)
         except BaseException:
-            os.close(fd)
+            cls(fd, path).close()
             raise
-        return cls(fd)
+        return cls(fd, path)
 
     @staticmethod
-    def _share(out: Path, job: str) -> tuple[int, Holder]:
+    def _share(out: Path, job: str) -> tuple[int, Holder, Path]:
         """A shared lock on ``job``'s file, which names the job (its first node's record is kept)."""
         path = layout.jobs_dir(out) / _file_name(job)
-        path.parent.mkdir(parents=True, exist_ok=True)
         while True:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            path.parent.mkdir(parents=True, exist_ok=True)
+            try:
+                fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+            except FileNotFoundError:
+                continue                  # jobs/ removed just now by the last job to end
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH)
                 if os.fstat(fd).st_ino == os.stat(path).st_ino:
@@ -150,11 +153,15 @@ class JobLock:
             record = Holder(job, socket.gethostname(), os.getpid(), time.time())
             os.ftruncate(fd, 0)
             os.pwrite(fd, json.dumps(vars(record)).encode(), 0)
-        return fd, record
+        return fd, record, path
 
     def close(self) -> None:
-        if self._fd >= 0:
-            with contextlib.suppress(OSError):
-                fcntl.flock(self._fd, fcntl.LOCK_UN)
-            os.close(self._fd)
-            self._fd = -1
+        """Let go; the last of the job's nodes to do so deletes the job's file (and ``jobs/`` once empty)."""
+        if self._fd < 0:
+            return
+        with contextlib.suppress(OSError):
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)     # no other node of the job holds it
+            self._path.unlink()
+            self._path.parent.rmdir()
+        os.close(self._fd)
+        self._fd = -1
