@@ -78,9 +78,12 @@ def _file_name(job: str) -> str:
     return hashlib.sha256(job.encode()).hexdigest()[:16] + ".lock"
 
 
+def _who(jobs: list[Holder | None]) -> str:
+    return "; ".join(h.describe() if h else "a job that has not named itself yet" for h in jobs)
+
+
 def _refusal(out: Path, jobs: list[Holder | None]) -> str:
-    who = "; ".join(h.describe() if h else "a job that has not named itself yet" for h in jobs)
-    return (f"{out} is in use: another job is training there ({who}); stop that job or wait for it to end, "
+    return (f"{out} is in use: another job is training there ({_who(jobs)}); stop that job or wait for it to end, "
             f"or give this run another --out")
 
 
@@ -120,7 +123,7 @@ class JobLock:
                     raise RunInUse(_refusal(out, older))
                 if not waited:
                     log.warning("waiting up to %.0fs for another job training in %s to end (%s)", wait_s, out,
-                                "; ".join(h.describe() if h else "not named yet" for h in older))
+                                _who(older))
                     waited = True
                 time.sleep(poll_s)
         except BaseException:
