@@ -33,6 +33,7 @@ longer the two steps after each save took than the run's median step).
 
     python bench/checkpoint_stall.py                 # ~5 minutes on 2 idle cores
     python bench/checkpoint_stall.py --n-embd 512    # a bigger state
+    python bench/checkpoint_stall.py --copy-nice 0   # the copy threads at the ranks' niceness
 """
 
 from __future__ import annotations
@@ -50,6 +51,7 @@ import torch
 from _runs import dataset, events, summary, table, train
 
 from trainer.checkpoint.integrity import BENCH_NO_CHECKSUMS_ENV, digest
+from trainer.config import CheckpointConfig
 from trainer.events import Event
 from trainer.launch import LaunchConfig
 from trainer.layout import checkpoints_dir
@@ -107,13 +109,16 @@ def main() -> None:
     p.add_argument("--n-embd", type=int, default=416)
     p.add_argument("--steps", type=int, default=48)
     p.add_argument("--ckpt-every", type=int, default=6)
+    p.add_argument("--copy-nice", type=int, default=CheckpointConfig.copy_nice,
+                   help="--ckpt-copy-nice of every run (0: the copy and checksum threads at the ranks' niceness)")
     p.add_argument("--workdir", type=Path, default=None)
     a = p.parse_args()
     root = a.workdir or Path(tempfile.mkdtemp(prefix="bench-stall-"))
     data = dataset(root)
     common = ["--data", str(data), "--n-layer", str(a.n_layer), "--n-embd", str(a.n_embd), "--n-head", "8",
               "--seq-len", "64", "--batch-size", "1", "--max-steps", str(a.steps), "--ckpt-every",
-              str(a.ckpt_every), "--ckpt-keep", "2", "--log-every", "5", "--restart-layers", "injob"]
+              str(a.ckpt_every), "--ckpt-keep", "2", "--log-every", "5", "--restart-layers", "injob",
+              "--ckpt-copy-nice", str(a.copy_nice)]
     results = {}
     for name, checksums, extra, env in RUNS:
         out = root / f"{name}-checksums-{checksums}"
@@ -143,7 +148,8 @@ def main() -> None:
                      hand_over, "-" if name == "sync-dcp" else f"{write_s:.2f}", f"{r['extra'] * 1e3:+.0f}",
                      f"{r['wall']:.0f}", r["sha"] == sync_sha])
     print(f"model n_layer={a.n_layer} n_embd={a.n_embd}; {a.steps} steps, checkpoint every {a.ckpt_every}; "
-          f"2 CPU ranks; rank 0's shard {rank0_bytes / 1e6:.0f} MB; load average {_load()}")
+          f"2 CPU ranks; copy threads at niceness {a.copy_nice}; rank 0's shard {rank0_bytes / 1e6:.0f} MB; "
+          f"load average {_load()}")
     print(table(rows, ["save", "checksums", "state MB", "holds (owed)", "copy ms", "block p50 ms", "block max ms",
                        "p50/copy", "max/p50", "p50 vs sync", "memory copy p50 ms (n)", "checksum ms/save (bg)",
                        "hand-over ms (bg)",

@@ -93,6 +93,31 @@ def test_the_writer_is_started_at_the_configured_niceness(tmp_path, process_grou
         mgr.close()
 
 
+def test_the_copy_and_its_checksums_run_on_threads_at_the_configured_niceness(tmp_path, process_group):
+    """A save's copy and its checksums run on two threads at --ckpt-copy-nice (the loop's thread gets the core
+    first); the loop's thread keeps the rank's priority, and the checkpoint is written whole."""
+    def nice(tid: int) -> int:
+        return os.getpriority(os.PRIO_PROCESS, tid)
+
+    mine = nice(threading.get_native_id())
+    want = min(19, mine + 7)
+    before = {t.id for t in psutil.Process().threads()}
+    mgr = CheckpointManager(tmp_path / "ckpt", CheckpointConfig(copy_nice=want), process_group,
+                            EventLog(tmp_path / "e", 0))
+    try:
+        mgr.save(1, _state(1))
+        mgr.wait()
+        assert committed_steps(tmp_path / "ckpt") == [1]
+        started = [t.id for t in psutil.Process().threads() if t.id not in before]
+        assert sorted(nice(t) for t in started if nice(t) != mine) == [want, want]
+        assert nice(threading.get_native_id()) == mine
+        restored = _state(0)
+        step, _, restored = mgr.restore(restored)
+        assert step == 1 and torch.equal(restored["model"]["w"], _state(1)["model"]["w"])
+    finally:
+        mgr.close()
+
+
 _KILLED_RANK = """
 import os, signal, sys
 from pathlib import Path

@@ -26,6 +26,8 @@ def test_command_line_beats_file_beats_defaults(tmp_path):
     (["--inject-fault", "explode@3"], "bad fault"),
     (["--chaos-seed", "3"], "--fault-every"),
     (["--inprocess-soft-timeout-s", "500"], "soft < hard"),
+    (["--ckpt-copy-nice", "20"], "--ckpt-copy-nice must be between 0 and 19, got 20"),
+    (["--ckpt-writer-nice", "-1"], "--ckpt-writer-nice must be between 0 and 19, got -1"),
 ])
 def test_invalid_settings_are_all_reported(args, message):
     with pytest.raises(ValueError, match=message):

@@ -160,6 +160,12 @@ class CheckpointConfig:
                               "steps (their start after every restart imports torch), but writes take longer "
                               "and a save is postponed while the previous write runs; on idle host cores it "
                               "changes nothing", flag="--ckpt-writer-nice")
+    copy_nice: int = _f(10, "CPU niceness of each rank's checkpoint copy and checksum threads (0-19). The copy "
+                            "runs behind the next step's forward and backward passes and has until the optimizer "
+                            "step to finish: where the threads share cores with training, a high value lets the "
+                            "loop's thread have the core first, so a save holds the loop for less and more evenly. "
+                            "On cores busy with other work the copy may not finish in time, and the loop then waits "
+                            "for it (0: the rank's own niceness)", flag="--ckpt-copy-nice")
     write_timeout_s: float = _f(300.0, "a checkpoint write (or the writer's boot before its first one) that takes "
                                        "longer counts as hung: the writer is killed and the rank restarted "
                                        "in-job", flag="--ckpt-write-timeout-s")
@@ -364,8 +370,9 @@ class TrainConfig:
                 raise ValueError
         except ValueError:
             problems.append(f"--ckpt-every must be a number of steps or 'auto', got {c.ckpt_every!r}")
-        if not 0 <= c.writer_nice <= 19:
-            problems.append(f"--ckpt-writer-nice must be between 0 and 19, got {c.writer_nice}")
+        for name, value in (("--ckpt-writer-nice", c.writer_nice), ("--ckpt-copy-nice", c.copy_nice)):
+            if not 0 <= value <= 19:
+                problems.append(f"{name} must be between 0 and 19, got {value}")
         if c.ckpt_every_s < 0 or c.mtbf_s < 0 or c.memory_every_s < 0:
             problems.append("--ckpt-every-s, --mtbf-s and --memory-snapshot-every-s must not be negative")
         rs = self.restart

@@ -121,7 +121,7 @@ class CheckpointManager:
         self.commits = Commits(root, d, events, cfg.keep, self.mirror)
         self.writer = Writer(cfg, d.rank, events)
         self.staging = Staging(pin=d.device.type == "cuda")
-        self.copier = Copier(d.device)
+        self.copier = Copier(d.device, cfg.copy_nice)
         # The in-memory replica (snapshot_to_memory): two slots in node-local shared memory, which a rank
         # started by an in-job restart finds again.
         self.replica = MemorySnapshots(replica_dir(Path(cfg.memory_dir), root), d.rank, pin=d.device.type == "cuda")
