@@ -27,7 +27,7 @@ class RecordingManager:
 
     def __init__(self, root):
         self.root, self.calls = root, []
-        self.writing = False
+        self.writing = self.mark_pending = False
         self.replica_copy_s, self.on_snapshot = 0.0, None
         self.block_s = 0.01
 
@@ -246,6 +246,22 @@ def test_signals_rank_0_decides_the_interval_and_reports_its_writers(tmp_path):
     m.writing = False
     ckpt.policy.memory_every_s, ckpt.policy.last_memory_time = 1.0, 0.0    # a memory snapshot is overdue
     assert ckpt.signals(6, stop=False) == StepSignals(memory_due=True)
+
+
+def test_a_memory_snapshot_waits_until_every_rank_marked_the_last_one(tmp_path):
+    """A memory snapshot due while a rank still marks its last copy is taken a step later. The copy overwrites
+    the one before the last: the ranks that marked the last would hold only it, the one still marking only the
+    one before, and a restart in between would find no step that every rank holds in memory."""
+    ckpt, m = _checkpointer(tmp_path, memory_every_s=1.0)
+    ckpt.policy.last_memory_time = 0.0    # a memory snapshot is overdue
+    m.mark_pending = True
+    agreed = ckpt.signals(3, stop=False)
+    assert agreed == StepSignals(memory_due=True, marking=True)
+    assert ckpt.step(_report(3), agreed) == Decision(None) and ("memory", 3) not in m.calls
+    m.mark_pending = False
+    agreed = ckpt.signals(4, stop=False)
+    assert agreed == StepSignals(memory_due=True), "due again at the next step, not a whole interval later"
+    assert ckpt.step(_report(4), agreed) == Decision(Saved.MEMORY) and ("memory", 4) in m.calls
 
 
 @pytest.mark.parametrize("resumed_at_last_step", [True, False])

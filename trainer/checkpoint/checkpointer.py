@@ -68,6 +68,7 @@ class StepSignals:
     ckpt_due: bool = False      # rank 0's interval policy, or a spot notice for this rank's node
     memory_due: bool = False    # rank 0: a memory snapshot is due (and no checkpoint)
     writing: bool = False       # a checkpoint write of this rank was running at the start of the step
+    marking: bool = False       # this rank's last memory snapshot is not marked on the node yet
 
     def as_tensor(self, device: torch.device) -> torch.Tensor:
         return torch.tensor([float(getattr(self, f.name)) for f in fields(self)], dtype=torch.float32,
@@ -169,7 +170,7 @@ class Checkpointer:
         # of the replica's two slots, two keep both.
         memory_due = self.d.is_main and not due and len(self.owed) < 2 and self.policy.memory_due(
             step, self.max_steps, m.replica_copy_s)
-        return StepSignals(stop=stop, ckpt_due=due, memory_due=memory_due, writing=m.writing)
+        return StepSignals(stop=stop, ckpt_due=due, memory_due=memory_due, writing=m.writing, marking=m.mark_pending)
 
     def step(self, report: StepReport, agreed: StepSignals) -> Decision:
         """Act on the step every rank agreed on (call on every rank, with the all-reduced ``agreed``).
@@ -223,6 +224,10 @@ class Checkpointer:
                 m.save_owed(owed_step, copy, writers_idle=True)
             self._release_owed(1)
             saved = Saved.OWED_WRITTEN
+        elif agreed.memory_due and agreed.marking:
+            # A rank still marks its last copy: the next would overwrite the copy before it on the ranks that
+            # have marked theirs, and a restart now would find no step that every rank holds. Next step.
+            self.policy.memory_postponed()
         elif agreed.memory_due:
             with self.guard.atomic():
                 m.snapshot_to_memory(step, app)

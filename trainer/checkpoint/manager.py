@@ -144,6 +144,11 @@ class CheckpointManager:
         return self.copying is not None or self.writer.writes_in_flight > 0
 
     @property
+    def mark_pending(self) -> bool:
+        """This rank's last memory snapshot is copied and not yet marked on the node (its checksums run)."""
+        return self.marking is not None and not self.marking.done()
+
+    @property
     def writes_in_flight(self) -> int:
         return self.writer.writes_in_flight
 

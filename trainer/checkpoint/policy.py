@@ -136,6 +136,10 @@ class IntervalPolicy:
         self.last_memory_time = now
         return True
 
+    def memory_postponed(self) -> None:
+        """The memory snapshot found due was not taken: it is due again at the next step."""
+        self.last_memory_time = float("-inf")
+
     def due(self, step: int, max_steps: int, writers_busy: bool = False) -> bool:
         """Whether to checkpoint after ``step``. ``writers_busy``: a rank's previous write is still running.
 
