@@ -197,7 +197,7 @@ class Copier:
     backward passes to finish in, while the loop's thread is what every rank waits for.
     """
 
-    def __init__(self, device: torch.device, nice: int = 0):
+    def __init__(self, device: torch.device, nice: int):
         self.device = device
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="ckpt-copy", initializer=_nice_thread,
                                        initargs=(nice,))
