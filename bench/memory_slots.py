@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import statistics
 import tempfile
@@ -68,6 +69,15 @@ def main() -> None:
     d = Dist(0, 1, 0, device)
     root = Path(tempfile.mkdtemp(prefix="bench-slots-"))
     shm = Path(tempfile.mkdtemp(prefix="bench-slots-", dir="/dev/shm" if Path("/dev/shm").is_dir() else None))
+    try:
+        _rounds(a, d, root, shm, device)
+    finally:   # the slots are node memory: two copies of the state
+        shutil.rmtree(shm, ignore_errors=True)
+        shutil.rmtree(root, ignore_errors=True)
+        dist.destroy_process_group()
+
+
+def _rounds(a: argparse.Namespace, d: Dist, root: Path, shm: Path, device: torch.device) -> None:
     cfg = CheckpointConfig(memory_dir=str(shm))
     events = EventLog(events_path(root), 0)
     live = _state(a.mb, a.tensors, device, 0)
@@ -98,7 +108,6 @@ def main() -> None:
     first, second = statistics.median(x for x, _ in rows), statistics.median(y for _, y in rows)
     print(f"median over the restarts: the first copy {first:.2f}x and the second {second:.2f}x the later copies' "
           "p50 (goal: 1x)")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

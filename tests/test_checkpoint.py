@@ -502,6 +502,31 @@ def test_a_save_whose_state_changed_structure_is_planned_afresh(tmp_path, proces
     assert torch.equal(target["model"]["w"], _state(5)["model"]["w"]) and target["train"]["step"] == 5
 
 
+def test_a_dtensor_is_staged_onto_its_local_shard_and_another_sharding_gets_new_staging(process_group):
+    """The copy pairs a DTensor's local shards. A buffer whose DTensor has the same global shape but another local
+    one (the state of another world size) is not reused: copying into it would write the shard out of place."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from trainer.checkpoint.staging import staged_into
+
+    mesh = init_device_mesh("cpu", (1,))
+    live = {"w": DTensor.from_local(torch.arange(16.0).reshape(4, 4), mesh, [Shard(0)])}
+    same = {"w": DTensor.from_local(torch.zeros(4, 4), mesh, [Shard(0)])}
+    # Half the rows on this rank, as if sharded over two: the same global shape, 4 x 4.
+    halved = {"w": DTensor.from_local(torch.zeros(2, 4), mesh, [Shard(0)], run_check=False, shape=(4, 4),
+                                      stride=(4, 1))}
+    new = {"w": DTensor.from_local(torch.zeros(4, 4), mesh, [Shard(0)])}
+
+    buffer, snapshot, pairs = staged_into(live, same, lambda s: new)
+    assert buffer is same and snapshot["w"] is same["w"]
+    assert [(a.data_ptr(), b.data_ptr()) for a, b in pairs] == [(live["w"].to_local().data_ptr(),
+                                                                 same["w"].to_local().data_ptr())]
+    buffer, snapshot, pairs = staged_into(live, halved, lambda s: new)
+    assert buffer is new and snapshot["w"] is new["w"]
+    assert [b.shape for _, b in pairs] == [torch.Size([4, 4])]
+
+
 def test_planning_follows_the_copy_on_the_copy_thread_once_the_plan_is_reused(tmp_path, process_group, monkeypatch):
     """NVRx 0.7 clones every CPU tensor while planning: the staging copy must already hold this save's state
     (else the checkpoint is the previous save's). A staging copy's first planning gathers every rank's plan, on

@@ -210,7 +210,8 @@ def test_only_copies_of_the_asked_run_are_offered(tmp_path, store):
 
 
 def test_the_previous_snapshot_stays_readable_until_its_slot_is_overwritten(tmp_path):
-    """A restore may need the snapshot before the newest (the step a lagging peer copy has)."""
+    """A restore may need the snapshot before the newest (the step a lagging peer copy has). Once it has read the
+    previous marker, the replica knows which slot it names from its own marks, without reading it again."""
     replica = NodeReplica(tmp_path, 0)
     snapshot(replica, 1)
     assert replica.marked(previous=True) is None
@@ -219,6 +220,10 @@ def test_the_previous_snapshot_stays_readable_until_its_slot_is_overwritten(tmp_
     assert step == 1 and torch.equal(state["model"]["w"], torch.full((64, 64), 1.0))
     replica.overwriting(1 - replica.marked()["slot"])         # a copy into its slot begins: it is gone first
     assert replica.marked(previous=True) is None and replica.marked()["step"] == 2
+    snapshot(replica, 3)
+    assert replica.marked(previous=True)["step"] == 2
+    replica.overwriting(1 - replica.marked()["slot"])
+    assert replica.marked(previous=True) is None and replica.marked()["step"] == 3
 
 
 def test_the_node_daemon_follows_what_its_ranks_name(tmp_path):

@@ -200,6 +200,9 @@ class NodeReplica:
         # mapping, used by whatever reads or copies into the slot until it is mapped anew.
         self.ahead: Future | None = None
         self.ready: dict[int, tuple[list, list[torch.Tensor]]] = {}
+        # The slot the previous snapshot's marker names (None: no such marker), as this object last read or wrote
+        # it (-1: not yet): a copy's start, on the loop, reads no marker. Only ``mark`` writes that marker.
+        self.previous_slot: int | None = -1
 
     def _slot_path(self, slot: int) -> Path:
         return replica_slot(self.dir, self.rank, slot)
@@ -211,9 +214,12 @@ class NodeReplica:
 
     def overwriting(self, slot: int) -> None:
         """A copy into ``slot`` begins: the previous snapshot's marker, which names it, goes first."""
-        previous = self.marked(previous=True)
-        if previous is not None and previous["slot"] == slot:
+        if self.previous_slot == -1:   # an earlier process or attempt may have left it
+            previous = self.marked(previous=True)
+            self.previous_slot = None if previous is None else previous["slot"]
+        if self.previous_slot == slot:
             self.previous_path.unlink(missing_ok=True)
+            self.previous_slot = None
 
     def demote(self) -> None:
         """A copy into the newest snapshot's slot begins (the other slot is kept): the one before it, if
@@ -223,6 +229,7 @@ class NodeReplica:
                 move(self.previous_path, self.marker_path)
             except FileNotFoundError:
                 self.marker_path.unlink(missing_ok=True)
+            self.previous_slot = None
 
     def buffer(self, state: dict, slot: int) -> dict:
         """A buffer shaped like ``state`` (tensors: views of slot ``slot``, sized to ``state``)."""
@@ -327,6 +334,7 @@ class NodeReplica:
             # needs a step some other rank also has (a peer copy lags by its transfer) may find it there.
             old = read_marker_file(self.marker_path)
             if old is not None and old["slot"] != slot:
+                self.previous_slot = old["slot"]
                 with contextlib.suppress(OSError):
                     write_bytes(self.previous_path, self.marker_path.read_bytes())
             write_bytes(self.marker_path, json.dumps({"step": step, "slot": slot, "run": run,

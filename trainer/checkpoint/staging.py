@@ -45,10 +45,11 @@ def _staged(live: Any, staged: Any, pairs: list) -> Any:
             raise _StructureChanged
         if not isinstance(live, DTensor):
             pairs.append((live, staged))
-        elif compat.local_tensor(staged).shape == compat.local_tensor(live).shape:
-            pairs.append((compat.local_tensor(live), compat.local_tensor(staged)))
-        else:   # the same global shape, sharded differently
+            return staged
+        live_local, staged_local = compat.local_tensor(live), compat.local_tensor(staged)
+        if staged_local.shape != live_local.shape:   # the same global shape, sharded differently
             raise _StructureChanged
+        pairs.append((live_local, staged_local))
         return staged
     if isinstance(live, dict):
         if not isinstance(staged, dict) or staged.keys() != live.keys():
