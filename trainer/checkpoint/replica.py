@@ -200,9 +200,10 @@ class NodeReplica:
         # mapping, used by whatever reads or copies into the slot until it is mapped anew.
         self.ahead: Future | None = None
         self.ready: dict[int, tuple[list, list[torch.Tensor]]] = {}
-        # The slot the previous snapshot's marker names (None: no such marker), as this object last read or wrote
-        # it (-1: not yet): a copy's start, on the loop, reads no marker. Only ``mark`` writes that marker.
-        self.previous_slot: int | None = -1
+        # The slot the previous snapshot's marker names (None: there is none). Only ``mark`` creates that marker,
+        # so it is read once, here (an earlier process may have left it): a copy's start, on the loop, reads none.
+        previous = self.marked(previous=True)
+        self.previous_slot: int | None = None if previous is None else previous["slot"]
 
     def _slot_path(self, slot: int) -> Path:
         return replica_slot(self.dir, self.rank, slot)
@@ -214,9 +215,6 @@ class NodeReplica:
 
     def overwriting(self, slot: int) -> None:
         """A copy into ``slot`` begins: the previous snapshot's marker, which names it, goes first."""
-        if self.previous_slot == -1:   # an earlier process or attempt may have left it
-            previous = self.marked(previous=True)
-            self.previous_slot = None if previous is None else previous["slot"]
         if self.previous_slot == slot:
             self.previous_path.unlink(missing_ok=True)
             self.previous_slot = None
