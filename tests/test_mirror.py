@@ -581,3 +581,4 @@ def test_with_require_mirror_a_failing_mirror_fails_the_run(tmp_path, s3, start_
     assert reason.endswith("and --require-mirror is set")
     assert "no layer retries an error that would come back" in run.tail(200) and not (out / "summary.json").exists()
     assert len([e for e in events if e["event"] == "worker_start"]) == 2      # one attempt: no layer retried it
+    assert "forcefully exiting via 9" not in run.log.read_text(errors="replace"), "a rank outlived its SIGTERM"

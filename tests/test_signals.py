@@ -10,6 +10,8 @@ import sys
 import threading
 import time
 
+import pytest
+
 from trainer.signals import StoppedFor, alive, handlers, is_gone, is_stopped, marked, reap
 
 # Ignores SIGTERM (as NVRx's checkpoint helpers do), says so, then waits.
@@ -93,3 +95,42 @@ def test_reap_kills_what_ignores_sigterm_after_the_grace_and_finds_marked_proces
         for p in procs:
             p.kill()
             p.wait()
+
+
+# One attempt of a rank's loop (``trainer.recovery``) that fails, as when a peer is lost, once the parent has
+# had its say: SIGTERM (argv[2] == "term") or nothing.
+FAILING_LOOP = """
+import sys, time
+from trainer.events import EventLog
+from trainer.ft import FTManager
+from trainer.recovery import Recovery
+from trainer.signals import SigtermFlag
+
+recovery = Recovery(FTManager(1, 1.0), SigtermFlag.install(), call_wrapper=object(),
+                    events=EventLog(sys.argv[1], rank=0), is_main=True)
+try:
+    with recovery.loop(first_step=1):
+        print(1, flush=True)
+        sys.stdin.readline()                  # the parent has signalled, or not
+        while sys.argv[2] == "term" and not recovery.stop_requested:
+            time.sleep(0.001)                 # the handler runs between bytecodes
+        raise RuntimeError("a peer was lost")
+except RuntimeError:
+    print("restarting", flush=True)
+"""
+
+
+@pytest.mark.parametrize("term", [True, False])
+def test_a_stop_signal_the_loop_did_not_act_on_ends_the_rank_when_it_fails_over(tmp_path, term):
+    proc = subprocess.Popen([sys.executable, "-c", FAILING_LOOP, str(tmp_path / "events.jsonl"),
+                             "term" if term else "none"], stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    try:
+        assert proc.stdout.readline() == b"1\n"       # in the loop, its handler in place
+        if term:
+            proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(b"\n", timeout=60)
+    finally:
+        proc.kill()
+        proc.wait()
+    # Stopped by its launcher, the rank does not wait in a restart for peers that are stopping too.
+    assert (proc.returncode, out) == ((-signal.SIGTERM, b"") if term else (0, b"restarting\n"))

@@ -94,7 +94,7 @@ class Recovery(StepHook):
         except BaseException:
             # Failing over to a restart: from here a SIGTERM has nothing to save and ends the process at once,
             # and the rank monitor must not time the in-process restart against the step timeout.
-            self.sigterm.in_loop = False
+            self.sigterm.fail_over()
             self.ft.reset()
             if self.call_wrapper is None:
                 # No in-process layer: the launcher restarts every rank, so peers blocked in a collective with

@@ -6,7 +6,8 @@ hand): while the training loop runs, the handler only records the signal: the lo
 all ranks agree through the per-step all-reduce, and a final checkpoint is committed before a clean
 exit. Outside the loop (setup, or an in-process restart under way) there is nothing new to save, so
 they have their default action and the kernel ends the process at once: a launcher restarting the
-worker group should not wait for it. A Python handler would not do: it runs only between bytecodes,
+worker group should not wait for it; a signal the loop received but had not acted on when it failed ends the
+process as it fails over. A Python handler would not do: it runs only between bytecodes,
 and a rank that lost a peer often waits inside a C++ call (the in-process restart's store barrier)
 until the launcher's SIGKILL, which comes only after its stop timeout.
 
@@ -80,6 +81,14 @@ class SigtermFlag:
         if self._installed:
             for s in STOP_SIGNALS:
                 signal.signal(s, self._handle if value else signal.SIG_DFL)
+
+    def fail_over(self) -> None:
+        """The loop failed and the rank goes to a restart: stop signals end the process from now on, and one the
+        loop received but did not act on ends it now. The launcher that sent it is stopping every rank: the
+        restart would wait for peers that are gone, until the launcher's SIGKILL after its stop timeout."""
+        self.in_loop = False
+        if self.signum is not None:
+            os.kill(os.getpid(), self.signum)
 
     def _handle(self, signum, frame) -> None:
         self.signum = self.signum or signum
