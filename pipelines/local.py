@@ -18,7 +18,7 @@ exit handler and the condition on ``promoted`` (``kfp/local/pipeline_orchestrato
 switches to its DAG orchestrator for them). Two limits shaped the wiring or need a shim: kfp.local
 cannot take a ``dsl.OneOf`` of artifacts (the train step follows the staging branches with ``.after()``
 and reads the dataset from FSx, which the cluster does too), and it cannot resolve a condition on a
-named output (``_named_outputs_in_conditions`` below, active only while a local run lasts).
+named output (``kfp_compat.named_outputs_in_conditions``, active only while a local run lasts).
 
 The console shows goodput's own progress (each step as it starts and ends, with its time), what the steps
 say that matters (the trainer's step lines, real errors) and the summary; kfp.local's log lines, the
@@ -43,6 +43,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from pipelines import kfp_compat
 from trainer import layout
 from trainer.durable import staging_dir
 from trainer.events import Event, read_events
@@ -296,90 +297,32 @@ class _NotRetried(RuntimeError):
 def _told_retries(progress: _Progress, stop: _Stop):
     """kfp.local honours each task's retry policy, silently: say "retrying <step> in N s (attempt k/n):
     <reason>"; retry nothing after an interrupt (its backoff ends with it); and never retry an error that
-    comes back the same every time (``_DETERMINISTIC``). kfp.local 2.17's task executor is patched for it,
-    while the run lasts; without the internals this patches, retries stay as kfp.local does them."""
-    try:
-        from kfp.local import status
-        from kfp.local.orchestrator import task_executor
-        dispatch = task_executor.task_dispatcher.run_single_task_implementation
-        saved = task_executor.logging, task_executor.time
-    except (ImportError, AttributeError):
-        yield
-        return
-    retrying = re.compile(r"Task (?P<task>\S+) failed \(attempt (?P<k>\d+)/(?P<n>\d+)\)\. "
-                          r"Retrying in (?P<delay>[\d.]+)s")
+    comes back the same every time (``_DETERMINISTIC``). Through kfp.local's task executor while the run lasts
+    (``kfp_compat.task_attempts``); under a kfp without it, retries stay as kfp.local does them. Yields whether
+    the hooks are in place."""
 
-    def attempt(*args, **kwargs):
+    def around(attempt, args, kwargs):
         if stop.is_set():
             raise KeyboardInterrupt
         progress.reason = ""
-        outputs, state = dispatch(*args, **kwargs)
+        outputs, state = attempt(*args, **kwargs)
         if stop.is_set():
             raise KeyboardInterrupt      # an interrupted step is not retried, and nothing runs after it
-        if state != status.Status.SUCCESS and progress.reason.split(":")[0] in _DETERMINISTIC:
+        if not kfp_compat.succeeded(state) and progress.reason.split(":")[0] in _DETERMINISTIC:
             name = kwargs.get("component_name") or "a step"
             raise _NotRetried(f"{name} failed with {progress.reason} (not retried: it would fail the same way)")
         return outputs, state
 
-    class Logging:
-        def __getattr__(self, name):
-            return getattr(saved[0], name)
+    def on_retry(retry: kfp_compat.Retry) -> None:
+        progress.say(f"retrying {retry.task} in {retry.delay_s:g} s (attempt {retry.attempt}/{retry.attempts}): "
+                     f"{progress.reason or 'it failed'}")
 
-        def info(self, msg, *args, **kwargs):
-            m = retrying.match(str(msg))
-            if m:
-                progress.say(f"retrying {m['task']} in {float(m['delay']):g} s (attempt {int(m['k']) + 1}/"
-                             f"{m['n']}): {progress.reason or 'it failed'}")
-            return saved[0].info(msg, *args, **kwargs)
+    def sleep(seconds: float) -> None:
+        if stop.wait(seconds):
+            raise KeyboardInterrupt
 
-    class Time:
-        def __getattr__(self, name):
-            return getattr(saved[1], name)
-
-        def sleep(self, seconds: float) -> None:
-            if stop.wait(seconds):
-                raise KeyboardInterrupt
-
-    task_executor.task_dispatcher.run_single_task_implementation = attempt
-    task_executor.logging, task_executor.time = Logging(), Time()
-    try:
-        yield
-    finally:
-        task_executor.task_dispatcher.run_single_task_implementation = dispatch
-        task_executor.logging, task_executor.time = saved
-
-
-@contextlib.contextmanager
-def _named_outputs_in_conditions():
-    """Let kfp.local evaluate ``dsl.If(task.outputs["name"] == ...)`` on a NamedTuple output.
-
-    kfp.local 2.17 resolves a condition's channel ``pipelinechannel--<task>-<output>`` by guessing:
-    ``<task>-Output`` (a single return value) or a parent input. ``evaluate_op`` returns a NamedTuple,
-    so ``evaluate-op-promoted`` is neither, the condition resolves to nothing and the register branch is
-    skipped although the model was promoted. The KFP backend resolves it properly; here, while the local
-    run lasts, the channel is first tried as (task, output) split at each '-' from the right, then as
-    kfp.local would. Without the internals this patches (another kfp version), nothing is patched.
-    """
-    try:
-        from kfp.local.orchestrator.enhanced_dag_orchestrator import ConditionEvaluator
-        original = ConditionEvaluator.__dict__["_resolve_pipeline_channel"]
-    except (ImportError, KeyError):
-        yield
-        return
-
-    def resolve(channel_ref, io_store):
-        ref = channel_ref.replace("pipelinechannel--", "")
-        cut = len(ref)
-        while (cut := ref.rfind("-", 0, cut)) > 0:
-            with contextlib.suppress(Exception):
-                return io_store.get_task_output(ref[:cut], ref[cut + 1:])
-        return original.__func__(channel_ref, io_store)
-
-    ConditionEvaluator._resolve_pipeline_channel = staticmethod(resolve)
-    try:
-        yield
-    finally:
-        ConditionEvaluator._resolve_pipeline_channel = original
+    with kfp_compat.task_attempts(around, on_retry, sleep) as hooked:
+        yield hooked
 
 
 class _RunProcesses:
@@ -543,8 +486,11 @@ def run_local(arguments: dict, *, pipeline_root: Path, package: Path | None = No
             saved = sys.stdout
             sys.stdout = progress     # kfp.local prints the steps' logs and creates its log handler on stdout
             try:
-                with warnings.catch_warnings(), _RunProcesses(log=log), _named_outputs_in_conditions(), \
-                        _told_retries(progress, stop):
+                with warnings.catch_warnings(), _RunProcesses(log=log), \
+                        kfp_compat.named_outputs_in_conditions() as conditions, _told_retries(progress, stop) as told:
+                    if not (conditions and told):
+                        progress.say(f"warning: {kfp_compat.missing()}: a step that fails is retried without a word "
+                                     "and the register step may be skipped although evaluate promoted the model")
                     # Expected here: display names, caching and images have no local effect.
                     warnings.filterwarnings("ignore", message=r".*(have no effect in the current local runner|"
                                                               r"custom or non-Python base image)")

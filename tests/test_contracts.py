@@ -280,3 +280,55 @@ def test_only_the_layout_module_spells_out_the_layout():
                 found += [f"{_where(path, n)} {v.value!r}" for v in n.values if isinstance(v, ast.Constant)
                           and v.value.endswith(("/datasets/", "/runs/", "/pretrained/", "/sources/"))]
     assert not found, f"use trainer.layout: {found}"
+
+
+COMPAT = {REPO / "trainer" / "compat.py": ("torch", "nvidia_resiliency_ext"),
+          REPO / "pipelines" / "kfp_compat.py": ("kfp",)}
+
+
+def _private(dotted: str) -> str | None:
+    """The library whose private API ``dotted`` names (a ``_name`` under it; for kfp, also ``kfp.local``'s insides
+    beyond its ``__all__``), else None."""
+    import kfp.local
+
+    top, *rest = dotted.split(".")
+    if top not in ("torch", "nvidia_resiliency_ext", "kfp"):
+        return None
+    if any(p.startswith("_") and not p.startswith("__") for p in rest) \
+            or (rest[:1] == ["local"] and len(rest) > 1 and rest[1] not in kfp.local.__all__):
+        return top
+    return None
+
+
+def _dotted_names(tree: ast.AST):
+    """(node, the dotted name it reaches through imports) for every import and every attribute chain on an
+    imported name."""
+    imported = {}
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Import):
+            for a in n.names:
+                yield n, a.name
+                imported[a.asname or a.name.split(".")[0]] = a.name if a.asname else a.name.split(".")[0]
+        elif isinstance(n, ast.ImportFrom) and n.module and not n.level:
+            for a in n.names:
+                yield n, f"{n.module}.{a.name}"
+                imported[a.asname or a.name] = f"{n.module}.{a.name}"
+    for n in ast.walk(tree):
+        if isinstance(n, ast.Attribute):
+            chain, base = [], n
+            while isinstance(base, ast.Attribute):
+                chain.append(base.attr)
+                base = base.value
+            if isinstance(base, ast.Name) and base.id in imported:
+                yield n, ".".join([imported[base.id], *reversed(chain)])
+
+
+def test_only_the_compat_modules_use_private_apis_of_torch_nvrx_and_kfp():
+    found = set()
+    for path in SOURCES:
+        for node, dotted in _dotted_names(_parse(path)):
+            library = _private(dotted)
+            if library is not None and library not in COMPAT.get(path, ()):
+                found.add(f"{_where(path, node)} {dotted}")
+    assert not found, f"reach private APIs through trainer/compat.py (torch, NVRx) or pipelines/kfp_compat.py: " \
+                      f"{sorted(found)}"

@@ -282,6 +282,21 @@ def test_an_error_that_would_recur_is_not_retried(tmp_path):
     assert run.log_path.read_text().count("Executing task") == 1 and "Executing task" not in out.getvalue()
 
 
+def test_under_a_kfp_without_an_internal_the_run_says_what_it_lacks_and_runs_on(tmp_path, monkeypatch):
+    from kfp.local.orchestrator.enhanced_dag_orchestrator import ConditionEvaluator
+
+    from pipelines.local import run_local
+
+    monkeypatch.delattr(ConditionEvaluator, "_resolve_pipeline_channel")    # unused by this pipeline
+    package, arguments = _retry_pipeline(tmp_path, "RuntimeError", "1s")
+    out = io.StringIO()
+    run = run_local(arguments, pipeline_root=tmp_path / "root", package=package, out=out)
+    assert run.ok, out.getvalue()
+    [warning] = [line for line in out.getvalue().splitlines() if line.startswith("warning:")]
+    assert "ConditionEvaluator._resolve_pipeline_channel" in warning and "register step may be skipped" in warning
+    assert "retrying flaky in 1 s (attempt 2/3)" in out.getvalue()      # the hooks that resolve are in place
+
+
 # ---- Ctrl-C ----------------------------------------------------------------------------------------------
 
 @pytest.mark.timeout(400)

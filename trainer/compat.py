@@ -690,6 +690,25 @@ def foreach_copy(dst: list, src: list, non_blocking: bool = False) -> None:
     _attr(torch, "_foreach_copy_")(dst, src, non_blocking=non_blocking)
 
 
+def attention_ops() -> set:
+    """aten's fused attention kernels (the private ``_scaled_dot_product_*`` ops ``F.scaled_dot_product_attention``
+    dispatches to), whose outputs selective activation checkpointing keeps."""
+    import torch
+
+    return {_attr(_attr(torch.ops.aten, name), "default") for name in _ATTENTION_OPS}
+
+
+_ATTENTION_OPS = ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                  "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu")
+
+
+def preload_compiler() -> None:
+    """Import ``torch._dynamo``, which ``fully_shard`` imports on its first call (over 1 s on 2 cores)."""
+    import torch
+
+    _attr(torch, "_dynamo")
+
+
 def dcp_file_extents(metadata) -> dict[str, int]:
     """Bytes each file of a torch DCP file-system checkpoint holds at least: where its last entry ends
     (``Metadata.storage_data`` maps each entry to the private ``_StorageInfo``: relative_path, offset, length)."""
@@ -720,6 +739,9 @@ INTERNALS: tuple[tuple[str, str], ...] = (
     ("torch", "_foreach_copy_"),
     ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
     ("nvidia_resiliency_ext.fault_tolerance.rank_monitor_client", "RankMonitorClient().rank_monitor_socket"),
+    ("torch.utils._pytree", "tree_map_only"),
+    ("torch", "_dynamo"),
+    *(("torch", f"ops.aten.{name}.default") for name in _ATTENTION_OPS),
 )
 
 

@@ -25,9 +25,11 @@ def preload() -> None:
 
     import nvidia_resiliency_ext.checkpointing.async_ckpt.filesystem_async  # noqa: F401
     import nvidia_resiliency_ext.inprocess  # noqa: F401
-    import torch._dynamo  # noqa: F401  fully_shard imports it on first call (over 1 s here)
 
+    from . import compat
     from . import train  # noqa: F401
+
+    compat.preload_compiler()
 
     # What was imported lives as long as every child: out of the collector's sight, a child's collections
     # neither scan it (see train.run) nor write to its pages, which stay shared with the zygote.

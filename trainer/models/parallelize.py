@@ -21,16 +21,14 @@ from torch.distributed.tensor import DTensor
 from torch.nn.parallel import DistributedDataParallel
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
+from .. import compat
 from ..parallel import Dist
 from .spec import ModelSpec, ParallelPlan
 
 # Outputs that selective checkpointing keeps: the expensive ops. Everything else in a block (norms,
 # activations, RoPE, residual adds) is recomputed in backward.
 _SAVE_OPS = {torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default,
-             torch.ops.aten._scaled_dot_product_flash_attention.default,
-             torch.ops.aten._scaled_dot_product_efficient_attention.default,
-             torch.ops.aten._scaled_dot_product_cudnn_attention.default,
-             torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default}
+             *compat.attention_ops()}
 
 
 def _save_expensive(ctx, op, *args, **kwargs) -> CheckpointPolicy:
