@@ -590,6 +590,37 @@ def test_pod_logs_that_fail_or_never_answer_do_not_stop_the_job_or_the_launcher(
     assert 1 <= len(logs) <= 8, f"{len(logs)} log requests in ~5 s"
 
 
+def test_pods_the_launcher_may_not_read_are_said_once_and_the_job_is_followed_to_its_end(cluster):
+    """A Role without ``list`` on pods (a platform's own RBAC): the launcher says once what its report lacks for
+    each use of the pods, and still follows the job to its end."""
+    ns, op = cluster
+    from kubernetes import client as k8s
+
+    docs = list(yaml.safe_load_all((REPO / op.ctl.rbac_file).read_text()))
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    role["rules"] = [r for r in role["rules"] if r["resources"] != ["pods"]]
+    ns.server.kubectl("apply", "-n", ns.name, "-f", "-", input=yaml.safe_dump(role))
+    review = k8s.AuthorizationV1Api(ns.server.admin)
+    body = k8s.V1SubjectAccessReview(spec=k8s.V1SubjectAccessReviewSpec(
+        user=f"system:serviceaccount:{ns.name}:{ns.sa}", groups=["system:serviceaccounts"],
+        resource_attributes=k8s.V1ResourceAttributes(namespace=ns.name, verb="list", resource="pods")))
+    wait_until(lambda: not review.create_subject_access_review(body).status.allowed, what="the Role's change")
+
+    def scenario(op, name):
+        master, workers = start(op, name)
+        wait_until(lambda: launcher.printed("may lack the master's log"), what="the log follower's pod read")
+        succeed(op, name, [master, *workers])
+
+    op.play(scenario)
+    launcher = Launcher(ns, manifest())
+    assert launcher.result().phase == "Succeeded"
+    op.join()
+    said = [ln for ln in launcher.lines if ln.startswith("cannot read its pods")]
+    assert sorted(said) == [f"cannot read its pods of PyTorchJob {ns.name}/gp-train-1 (403 Forbidden): this report "
+                            f"may lack {lacking}; the job itself is followed as before"
+                            for lacking in ("its restarts and pod states", "the master's log")], launcher.lines
+
+
 def test_a_healthy_quiet_job_costs_a_few_requests_a_minute(kube):
     """Beyond its open watch and log stream, the launcher asks at most a few things a minute, even while
     the server closes its watches every few seconds (a short MIN_REQUEST_TIMEOUT) and the job says nothing."""

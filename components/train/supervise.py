@@ -48,7 +48,7 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import Callable, TypeVar
 
 import tenacity
 from kubernetes import client as k8s
@@ -65,6 +65,7 @@ __all__ = ["SuperviseConfig", "JobOutcome", "JobFailed", "JobTimeout", "NotAdmit
 
 RUN_ID_LABEL = "goodput.dev/kfp-run-id"
 SA_NAMESPACE = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+T = TypeVar("T")
 Log = Callable[[str], None]
 
 
@@ -295,6 +296,7 @@ class _Supervisor:
         self._pod_uids: dict[tuple[str, str], set[str]] = {}
         self._container_restarts: dict[str, int] = {}
         self.restarts: dict[str, int] = {}
+        self._unread: set[tuple[str, str, str]] = set()   # what could not be read beside the job, and why: said once
         self._logs: _LogFollower | None = None
         self.tail: deque[str] = deque(maxlen=cfg.log_tail_lines)   # the master's last log lines
         self.related: dict = {}           # what the kind's controller made of the job (a TrainJob's JobSet)
@@ -529,10 +531,9 @@ class _Supervisor:
                     self.log(f"watch of {self.what} {self.ref} dropped ({type(e).__name__}); resyncing")
                     rv = None
                     backoff.wait(self.deadline)
-            with contextlib.suppress(Exception):
-                self._read_workload()     # Kueue's reason changes on the Workload, not on the job
-            with contextlib.suppress(Exception):
-                self._refresh_pods()      # pod restarts do not always touch the job
+            # Kueue's reason changes on the Workload, and pod restarts do not always touch the job.
+            self._aside("its Kueue Workload", "why Kueue holds it", self._read_workload)
+            self._aside("its pods", "its restarts and pod states", self._refresh_pods)
 
     def _list_job(self) -> tuple[dict | None, str]:
         """The job and the list's resourceVersion: the server's current one, from which a watch is valid."""
@@ -555,9 +556,23 @@ class _Supervisor:
             self.log(f"replicas: {replicas}")
             self._replicas = replicas
             changed = True
-        with contextlib.suppress(Exception):
-            self._refresh_pods(force=changed)
+        self._aside("its pods", "its restarts and pod states", lambda: self._refresh_pods(force=changed))
         return phase in ("Succeeded", "Failed")
+
+    def _aside(self, what: str, lacking: str, read: Callable[[], T]) -> T | None:
+        """``read()``: ``what`` the launcher reports beside the job, which never stops it following the job. On
+        an error, None: a transient one passes (the next read retries), any other is said once per kind of
+        error, with what the report then lacks (``lacking``)."""
+        try:
+            return read()
+        except Exception as e:  # noqa: BLE001 - said, not raised: the job is followed without it
+            why = f"{e.status} {e.reason}" if isinstance(e, ApiException) else f"{type(e).__name__}: {e}"
+            if _transient(e) or (what, lacking, why) in self._unread:
+                return None
+            self._unread.add((what, lacking, why))
+            self.log(f"cannot read {what} of {self.what} {self.ref} ({why}): this report may lack {lacking}; "
+                     "the job itself is followed as before")
+            return None
 
     # Kueue -------------------------------------------------------------------------------------------
 
@@ -825,12 +840,12 @@ class _LogFollower(threading.Thread):
                 self.backoff.wait(math.inf, self.stop)     # ended at once, nothing new: do not spin
 
     def _pod(self) -> dict | None:
-        try:
+        def pods() -> list[dict]:
             resp = self.core.list_namespaced_pod(self.sup.ns, label_selector=self.selector,
                                                  _preload_content=False, _request_timeout=10)
-            items = json.loads(resp.data or b"{}").get("items") or []
-        except Exception:  # noqa: BLE001 - retried at the next poll
-            return None
+            return json.loads(resp.data or b"{}").get("items") or []
+
+        items = self.sup._aside("its pods", "the master's log", pods) or []   # retried at the next poll
         live = [p for p in items if not p.get("metadata", {}).get("deletionTimestamp")] or items
         return live[-1] if live else None
 
