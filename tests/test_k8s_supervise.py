@@ -590,9 +590,10 @@ def test_pod_logs_that_fail_or_never_answer_do_not_stop_the_job_or_the_launcher(
     assert 1 <= len(logs) <= 8, f"{len(logs)} log requests in ~5 s"
 
 
-def test_pods_the_launcher_may_not_read_are_said_once_and_the_job_is_followed_to_its_end(cluster):
+@pytest.mark.parametrize("fails", [False, True], ids=["succeeds", "fails"])
+def test_pods_the_launcher_may_not_read_are_said_once_and_the_job_is_followed_to_its_end(cluster, fails):
     """A Role without ``list`` on pods (a platform's own RBAC): the launcher says once what its report lacks for
-    each use of the pods, and still follows the job to its end."""
+    each use of the pods, follows the job to its end, and a failure's diagnosis says that the pods were unread."""
     ns, op = cluster
     from kubernetes import client as k8s
 
@@ -609,11 +610,19 @@ def test_pods_the_launcher_may_not_read_are_said_once_and_the_job_is_followed_to
     def scenario(op, name):
         master, workers = start(op, name)
         wait_until(lambda: launcher.printed("may lack the master's log"), what="the log follower's pod read")
-        succeed(op, name, [master, *workers])
+        if fails:
+            op.terminate(master, exit_code=1, reason="Error")
+            op.set_phase(name, "Failed")
+        else:
+            succeed(op, name, [master, *workers])
 
     op.play(scenario)
     launcher = Launcher(ns, manifest())
-    assert launcher.result().phase == "Succeeded"
+    if fails:
+        with pytest.raises(JobFailed, match=r"\n  its pods cannot be read \(403 Forbidden\)(\n|$)"):
+            launcher.result()
+    else:
+        assert launcher.result().phase == "Succeeded"
     op.join()
     said = [ln for ln in launcher.lines if ln.startswith("cannot read its pods")]
     assert sorted(said) == [f"cannot read its pods of PyTorchJob {ns.name}/gp-train-1 (403 Forbidden): this report "

@@ -226,6 +226,11 @@ def delete_job(name: str, namespace: str, client: k8s.ApiClient, *, kind: JobKin
 
 # The supervisor ---------------------------------------------------------------------------------
 
+def _why(e: BaseException) -> str:
+    """An API error as its status and reason, any other as its type and message."""
+    return f"{e.status} {e.reason}" if isinstance(e, ApiException) else f"{type(e).__name__}: {e}"
+
+
 def _transient(e: BaseException) -> bool:
     """Worth retrying: connection trouble, timeouts, 429 and 5xx."""
     if isinstance(e, ApiException):
@@ -566,7 +571,7 @@ class _Supervisor:
         try:
             return read()
         except Exception as e:  # noqa: BLE001 - said, not raised: the job is followed without it
-            why = f"{e.status} {e.reason}" if isinstance(e, ApiException) else f"{type(e).__name__}: {e}"
+            why = _why(e)
             if _transient(e) or (what, lacking, why) in self._unread:
                 return None
             self._unread.add((what, lacking, why))
@@ -673,19 +678,28 @@ class _Supervisor:
         for c in (job.get("status") or {}).get("conditions") or []:
             if str(c.get("status")) == "True":
                 lines.append(f"  condition {c.get('type')}: {c.get('reason', '')}: {c.get('message', '')}")
-        pods: list[dict] = []
-        with contextlib.suppress(Exception):
+        # Best effort, as the job has ended or failed already, but a part that cannot be read says so.
+        try:
             pods = self._list_pods()
+        except Exception as e:  # noqa: BLE001 - said in the diagnosis
+            pods = []
+            lines.append(f"  its pods cannot be read ({_why(e)})")
         for pod in pods:
             for why in _pod_problems(pod):
                 lines.append(f"  pod {pod['metadata']['name']}: {why}")
-        with contextlib.suppress(Exception):
+        try:
             self.related = self.kind.related(self._call, self.client, self.ns, self.name) or self.related
-        with contextlib.suppress(Exception):
+        except Exception as e:  # noqa: BLE001 - said in the diagnosis
+            lines.append(f"  what its controller made of it cannot be read ({_why(e)})")
+        try:
             lines += self.kind.explain(self._call, self.client, self.ns, self.name, self.related)
+        except Exception as e:  # noqa: BLE001 - said in the diagnosis
+            lines.append(f"  why its controller failed it cannot be read ({_why(e)})")
         # Events of the job, the master and the pods in trouble (not of every pod of a large job).
         names = [p["metadata"]["name"] for p in pods if _pod_problems(p) or self.kind.is_master(p)]
-        events = self._events([self.name] + names[:20])
+        events, unread = self._events([self.name] + names[:20])
+        if unread:
+            lines.append(f"  events cannot be read ({unread})")
         if events:
             lines.append("  recent events:")
             lines += [f"    {e}" for e in events]
@@ -694,13 +708,15 @@ class _Supervisor:
             lines += [f"    {t}" for t in self.tail]
         return "\n".join(lines)
 
-    def _events(self, names: list[str]) -> list[str]:
-        found = []
+    def _events(self, names: list[str]) -> tuple[list[str], str]:
+        """The recent events of the objects ``names``, and why some could not be read ("" if all were)."""
+        found, unread = [], ""
         for name in names[:50]:
             try:
                 data = self._call(self.core.list_namespaced_event, self.ns,
                                   field_selector=f"involvedObject.name={name}")
-            except Exception:  # noqa: BLE001 - the diagnosis is best effort
+            except Exception as e:  # noqa: BLE001 - the diagnosis is best effort, and says what it lacks
+                unread = unread or _why(e)
                 continue
             found += data.get("items") or []
 
@@ -715,7 +731,7 @@ class _Supervisor:
             count = f" (x{e['count']})" if (e.get("count") or 1) > 1 else ""
             out.append(f"{when(e)} {e.get('type', '')} {e.get('reason', '')} "
                        f"{obj.get('kind', '').lower()}/{obj.get('name', '')}: {e.get('message', '')}{count}")
-        return out
+        return out, unread
 
 
 def _read_timeout(e: BaseException) -> bool:
