@@ -100,11 +100,24 @@ def verify_planned(planner, digests: dict[str, str]) -> None:
     _compare(planned_digests(planner), digests, "the staging copy")
 
 
+def state_tensors(state: Any, out: list | None = None) -> list:
+    """The tensors of ``state`` (nested dicts, lists and tuples) in traversal order: the order a memory snapshot
+    (``replica``) lays them out in, and its checksums are listed in."""
+    out = [] if out is None else out
+    if isinstance(state, torch.Tensor):
+        out.append(state)
+    elif isinstance(state, dict):
+        for v in state.values():
+            state_tensors(v, out)
+    elif isinstance(state, (list, tuple)):
+        for v in state:
+            state_tensors(v, out)
+    return out
+
+
 def state_digests(state: Any) -> list[str]:
     """Checksums of ``state``'s tensors (local shards), in the order ``replica`` lays them out."""
-    from .replica import _tensors
-
-    return [tensor_digest(t) for t in _tensors(state, [])]
+    return [tensor_digest(t) for t in state_tensors(state)]
 
 
 def verify_state(state: Any, digests: list[str] | None, what: str) -> None:

@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor
 from .. import compat
 from ..durable import move, write_bytes
 from ..layout import replica_marker, replica_previous, replica_slot
-from .integrity import ChecksumMismatch, verify_state
+from .integrity import ChecksumMismatch, state_tensors, verify_state
 from .staging import staged_into
 
 log = logging.getLogger(__name__)
@@ -103,22 +103,9 @@ def read_marker_file(path: Path) -> dict | None:
         return None
 
 
-def _tensors(state: Any, out: list) -> list:
-    """The tensors of ``state`` in traversal order (the order every function here walks it in)."""
-    if isinstance(state, torch.Tensor):
-        out.append(state)
-    elif isinstance(state, dict):
-        for v in state.values():
-            _tensors(v, out)
-    elif isinstance(state, (list, tuple)):
-        for v in state:
-            _tensors(v, out)
-    return out
-
-
 def _specs(state: Any) -> list[tuple[torch.dtype, torch.Size]]:
     """(dtype, shape) of the local part of each tensor of ``state``: what a slot stores."""
-    return [(compat.local_tensor(t).dtype, compat.local_tensor(t).shape) for t in _tensors(state, [])]
+    return [(compat.local_tensor(t).dtype, compat.local_tensor(t).shape) for t in state_tensors(state)]
 
 
 def _layout(state: Any) -> list[tuple[str, tuple]]:
