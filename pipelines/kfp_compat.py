@@ -23,6 +23,8 @@ import re
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
+from trainer import compat
+
 CHECKED = ("2.17.3",)
 
 _EXECUTOR = "kfp.local.orchestrator.task_executor"
@@ -143,15 +145,7 @@ def missing() -> str | None:
 
 def check_internals() -> list[str]:
     """Resolve every entry of ``INTERNALS`` on the installed kfp; raise one error listing all that broke."""
-    broken, resolved = [], []
-    for module, path in INTERNALS:
-        try:
-            obj = importlib.import_module(module)
-            for part in path.split("."):
-                obj = getattr(obj, part)
-            resolved.append(f"{module}.{path}")
-        except (ImportError, AttributeError) as e:
-            broken.append(f"{module}.{path}: {e}")
+    resolved, broken = compat.resolve_internals(INTERNALS)
     if broken:
         raise KfpCompatError(f"kfp internals goodput uses are gone (kfp {importlib.metadata.version('kfp')}; checked "
                              f"on {', '.join(CHECKED)}); pipelines/kfp_compat.py must be updated:\n  "

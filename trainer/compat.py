@@ -745,17 +745,25 @@ INTERNALS: tuple[tuple[str, str], ...] = (
 )
 
 
-def check_internals() -> list[str]:
-    """Resolve every entry of ``INTERNALS`` on what is installed; raise one error listing all that broke."""
-    broken, resolved = [], []
-    for module, path in INTERNALS:
+def resolve_internals(internals, get: Callable[[Any, str], Any] = getattr) -> tuple[list[str], list[str]]:
+    """Each ``(module, path)`` of ``internals`` looked up on what is installed, attribute by attribute with
+    ``get`` (``X()`` in a path creates an X to read an instance attribute): the names that resolve, and
+    ``"name: why"`` for each that does not. ``pipelines/kfp_compat.py`` checks kfp's with it."""
+    resolved, broken = [], []
+    for module, path in internals:
         try:
             obj = importlib.import_module(module)
             for part in path.split("."):
-                obj = _attr(obj, part[:-2])() if part.endswith("()") else _attr(obj, part)
+                obj = get(obj, part[:-2])() if part.endswith("()") else get(obj, part)
             resolved.append(f"{module}.{path}")
-        except (ImportError, NVRxCompatError) as e:
+        except (ImportError, AttributeError, NVRxCompatError) as e:
             broken.append(f"{module}.{path}: {e}")
+    return resolved, broken
+
+
+def check_internals() -> list[str]:
+    """Resolve every entry of ``INTERNALS`` on what is installed; raise one error listing all that broke."""
+    resolved, broken = resolve_internals(INTERNALS, _attr)
     if broken:
         raise NVRxCompatError(f"private APIs the trainer uses are gone ({_versions()}; checked on NVRx "
                               f"{', '.join(CHECKED)}):\n  " + "\n  ".join(broken))
