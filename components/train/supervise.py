@@ -537,8 +537,8 @@ class _Supervisor:
                     rv = None
                     backoff.wait(self.deadline)
             # Kueue's reason changes on the Workload, and pod restarts do not always touch the job.
-            self._aside("its Kueue Workload", "why Kueue holds it", self._read_workload)
-            self._aside("its pods", "its restarts and pod states", self._refresh_pods)
+            self.read_aside("its Kueue Workload", "why Kueue holds it", self._read_workload)
+            self.read_aside("its pods", "its restarts and pod states", self._refresh_pods)
 
     def _list_job(self) -> tuple[dict | None, str]:
         """The job and the list's resourceVersion: the server's current one, from which a watch is valid."""
@@ -561,10 +561,10 @@ class _Supervisor:
             self.log(f"replicas: {replicas}")
             self._replicas = replicas
             changed = True
-        self._aside("its pods", "its restarts and pod states", lambda: self._refresh_pods(force=changed))
+        self.read_aside("its pods", "its restarts and pod states", lambda: self._refresh_pods(force=changed))
         return phase in ("Succeeded", "Failed")
 
-    def _aside(self, what: str, lacking: str, read: Callable[[], T]) -> T | None:
+    def read_aside(self, what: str, lacking: str, read: Callable[[], T]) -> T | None:
         """``read()``: ``what`` the launcher reports beside the job, which never stops it following the job. On
         an error, None: a transient one passes (the next read retries), any other is said once per kind of
         error, with what the report then lacks (``lacking``)."""
@@ -861,7 +861,7 @@ class _LogFollower(threading.Thread):
                                                  _preload_content=False, _request_timeout=10)
             return json.loads(resp.data or b"{}").get("items") or []
 
-        items = self.sup._aside("its pods", "the master's log", pods) or []   # retried at the next poll
+        items = self.sup.read_aside("its pods", "the master's log", pods) or []   # retried at the next poll
         live = [p for p in items if not p.get("metadata", {}).get("deletionTimestamp")] or items
         return live[-1] if live else None
 
