@@ -4,7 +4,7 @@ fault-free run's weights.
 
 Each seed is a 2-rank ``python -m trainer`` (14 steps, a synchronous checkpoint every 2, every 6 for the peer
 copies; memory snapshots as often as they may be taken between them; the S3 mirror on a local moto server) with
-``--inject-fault`` set to ``trainer.faults.corruption_fault(seed)``: the target kind in turn (a rank's memory
+``--inject-fault`` set to ``trainer.fault_spec.corruption_fault(seed)``: the target kind in turn (a rank's memory
 snapshot, a shard of the newest committed checkpoint, an object of the newest mirrored checkpoint, the copy of a
 rank's newest memory snapshot that another node keeps), the step, the rank and the byte drawn from the seed. The
 peer copies need two nodes: those seeds run as a ``LocalCluster`` of 2 nodes x 1 rank, the others under NVRx
@@ -30,7 +30,8 @@ from pathlib import Path
 from _runs import dataset, events, summary, table, train
 
 from tests.s3_stand_in import CREDENTIALS, MotoS3
-from trainer.faults import CORRUPT_KINDS, corruption_fault, corruption_outcome
+from trainer.fault_spec import CORRUPT_KINDS, corruption_fault
+from trainer.faults import corruption_outcome
 from trainer.launch import LaunchConfig, LocalCluster
 
 TRAIN = ["--max-steps", "14", "--ckpt-sync", "--memory-snapshot-every-s", "0.01", "--n-layer", "2", "--n-embd", "64",

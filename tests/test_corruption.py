@@ -30,7 +30,8 @@ from trainer.checkpoint.integrity import ChecksumMismatch, state_digests, verify
 from trainer.checkpoint.replica import NodeReplica
 from trainer.config import CheckpointConfig
 from trainer.events import Event, EventLog, read_events
-from trainer.faults import CORRUPT_KINDS, corruption_fault, corruption_outcome
+from trainer.fault_spec import CORRUPT_KINDS, corruption_fault
+from trainer.faults import corruption_outcome
 from trainer.layout import replica_dir, replica_marker, replica_previous, replica_slot
 from trainer.peer import Auth, PeerRefused, PeerSender, PeerStore, peer_steps, restore_from_peer
 
@@ -645,7 +646,7 @@ def test_a_training_run_refuses_a_corrupted_copy_and_ends_with_the_fault_free_we
 def test_a_peer_copy_corruption_outside_a_local_cluster_is_refused_when_the_rank_starts(tmp_path, monkeypatch):
     """On a real cluster the holder's copy is on another machine: the fault could never fire, so it is refused."""
     from trainer.faults import FaultInjector
-    from trainer.launch import NODE_ENV
+    from trainer.signals import NODE_ENV
 
     monkeypatch.delenv(NODE_ENV, raising=False)
     events = tmp_path / "events.jsonl"

@@ -12,7 +12,7 @@ import signal
 import pytest
 
 from trainer.events import Event, EventLog, EventLogError, read_events
-from trainer.faults import Fault, chaos_schedule
+from trainer.fault_spec import Fault, chaos_schedule
 from trainer.checkpoint.policy import AUTO, IntervalPolicy
 from trainer.goodput import DEFAULT_MTBF_S, account, project, young_daly_interval_s
 from trainer.metrics import RunCollector

@@ -27,6 +27,7 @@ from typing import Any
 
 from . import layout
 from .durable import write_json, write_text
+from .fault_spec import Fault
 from .s3url import parse_s3_url
 
 
@@ -390,8 +391,6 @@ class TrainConfig:
             problems.append(f"--lr must not be negative, got {o.lr}")
         if not d.data:
             problems.append("--data is required: a dataset directory with manifest.json")
-        from .faults import Fault
-
         for spec in self.faults.inject_fault:
             try:
                 kind = Fault.parse(spec).kind

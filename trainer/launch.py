@@ -29,9 +29,11 @@ from .config import TrainConfig, check_run_directory, parse_config
 from . import layout
 from .data import default_dataset_dir, ensure_default_dataset
 from .digests import path_digest
+from .fault_spec import Fault
 from .peer import SECRET_ENV as PEER_SECRET_ENV
 from .runlock import in_use_by
-from .signals import STOP_SIGNALS, STOPPED_S, StoppedFor, handlers, marked, parent_death_preexec, reap
+from .signals import (NODE_ENV, STOP_SIGNALS, STOPPED_S, StoppedFor, handlers, marked, parent_death_preexec,
+                      reap)
 from .warmstart import NodePlace, wait_unless_stopped
 
 
@@ -220,8 +222,6 @@ def _check_dataset(data: Path, cfg) -> None:
 
 def check_faults(specs: list[str], world_size: int, max_steps: int) -> None:
     """Refuse an injected fault that could never fire: a rank the run does not have, a step after the last."""
-    from .faults import Fault
-
     for f in map(Fault.parse, specs):
         if f.rank >= world_size:
             raise LaunchError(f"--inject-fault {f.id}: rank {f.rank} does not exist in a run of {world_size} "
@@ -341,7 +341,6 @@ def _any_rank_started(out: Path, since: float) -> bool:
 
 # ---- many nodes on this machine -----------------------------------------------------------------------
 
-NODE_ENV = "GOODPUT_LOCAL_NODE"   # carried by every process of a local node's tree: what a node loss kills
 KILL_TIMEOUT_S = 10.0
 # Loopback does not drop packets: a lost node is dropped after 1.5 s without a heartbeat instead of NVRx's 15 s
 # (1-1.5 s after the loss: its last beat came up to an interval before), and a waiting node re-reads the

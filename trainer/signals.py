@@ -37,6 +37,9 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 STOPPED_S = float(os.environ.get("GOODPUT_STOPPED_S", "3"))
 # How long a SIGKILLed process may take to disappear (seconds): the kernel frees its memory first.
 KILLED_GONE_S = 5.0
+# Carried by every process of a local node's tree (``trainer.launch.LocalCluster``): what a node loss kills
+# (``marked``), and how a process knows it runs on such a node.
+NODE_ENV = "GOODPUT_LOCAL_NODE"
 _PR_SET_PDEATHSIG = 1
 Handler = Union[Callable, int, None]
 

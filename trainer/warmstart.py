@@ -164,10 +164,8 @@ def run_with_zygote(command: list[str], warm: bool = True, node: NodePlace = Nod
     listener.listen(256)
     # The zygote exits when this pipe closes, i.e. when this process is gone, however it ended.
     alive_r, alive_w = os.pipe()
-    from .zygote import command as zygote_command    # here: trainer.zygote imports this module
-
     zygote = subprocess.Popen(
-        [sys.executable, "-m", "trainer.zygote", *zygote_command(listener.fileno(), alive_r, warm, replicas)],
+        zygote_command(listener.fileno(), alive_r, warm, replicas),
         pass_fds=(listener.fileno(), alive_r), start_new_session=True,
         env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
     listener.close()
@@ -202,6 +200,13 @@ def run_with_zygote(command: list[str], warm: bool = True, node: NodePlace = Nod
         if lock is not None:
             lock.close()
     return code
+
+
+def zygote_command(listen_fd: int, alive_fd: int, warm: bool, replicas: list[str]) -> list[str]:
+    """The command of the zygote (``python -m trainer.zygote``, whose ``main`` parses it): it serves forks on
+    ``listen_fd`` while ``alive_fd`` is open, imports nothing unless ``warm``, and removes ``replicas`` at the end."""
+    return [sys.executable, "-m", "trainer.zygote", "--listen-fd", str(listen_fd), "--alive-fd", str(alive_fd),
+            *([] if warm else ["--cold"]), *(a for r in replicas for a in ("--replica-dir", r))]
 
 
 def wait_unless_stopped(proc: subprocess.Popen, what: str, poll=None) -> int:

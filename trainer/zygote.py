@@ -53,15 +53,9 @@ def run_rank(argv: list[str]) -> int:
     return main(argv)
 
 
-def command(listen_fd: int, alive_fd: int, warm: bool, replicas: list[str]) -> list[str]:
-    """The arguments of ``python -m trainer.zygote`` (``main``)."""
-    return ["--listen-fd", str(listen_fd), "--alive-fd", str(alive_fd), *([] if warm else ["--cold"]),
-            *(a for r in replicas for a in ("--replica-dir", r))]
-
-
 def main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="python -m trainer.zygote", description="The warm-start zygote (started by "
-                                "trainer.warmstart, never by hand).")
+                                "trainer.warmstart, never by hand: trainer.warmstart.zygote_command).")
     p.add_argument("--listen-fd", type=int, required=True, help="the listening socket ranks' proxies connect to")
     p.add_argument("--alive-fd", type=int, required=True, help="a pipe whose end means the launch wrapper is gone")
     p.add_argument("--cold", action="store_true", help="a janitor only: import nothing, fork nothing")
