@@ -19,7 +19,8 @@ from kfp import dsl
 
 from components.evaluate.evaluate import EvaluationError, evaluate_run, load_checkpoint_model, params_sha256
 from components.evaluate.evaluate_op import evaluate_op
-from components.evaluate.register import RegistrationError, registered_model
+from components.evaluate.register import registered_model
+from components.evaluate.registry_format import RegistrationError
 from pipelines.cli import main as cli
 from trainer.data import Split, ensure_default_dataset, eval_windows
 from trainer.layout import step_dir

@@ -5,7 +5,8 @@ import json
 import pytest
 from kfp import dsl
 
-from components.evaluate.register import RegistrationError, registered_model
+from components.evaluate.register import registered_model
+from components.evaluate.registry_format import RegistrationError
 from components.evaluate.register_op import register_op
 
 

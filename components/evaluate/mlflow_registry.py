@@ -33,6 +33,8 @@ from importlib.metadata import PackageNotFoundError, version as package_version
 from pathlib import Path
 from typing import Any
 
+from components.evaluate.registry_format import HF_FORMAT, RegistrationError
+
 log = logging.getLogger(__name__)
 
 SCHEMES = {"mlflow": "http", "mlflow+http": "http", "mlflow+https": "https"}
@@ -159,11 +161,9 @@ class MlflowRegistry:
 
         Raises:
             MlflowRegistryError: the server failed; what this call created is deleted first.
-            components.evaluate.register.RegistrationError: the version is registered already with other weights.
+            components.evaluate.registry_format.RegistrationError: the version is registered already with other weights.
         """
         from mlflow.entities import Metric
-
-        from components.evaluate.register import HF_FORMAT, RegistrationError
 
         tags = self._tags(version, metadata)
         try:
@@ -209,8 +209,6 @@ class MlflowRegistry:
         return self._record(model_name, mv.version, run_id, version)
 
     def _record(self, model_name: str, mlflow_version, run_id: str | None, version: str) -> dict:
-        from components.evaluate.register import HF_FORMAT
-
         return {"version": version, "model_uri": f"models:/{model_name}/{mlflow_version}",
                 "metadata_uri": f"{tracking_uri(self.uri)}/#/models/{model_name}/versions/{mlflow_version}",
                 "format": HF_FORMAT, "mlflow_version": str(mlflow_version), "mlflow_run_id": run_id}
@@ -277,10 +275,8 @@ def registered_model(model_uri: str, registry: str, model_name: str, log=print) 
     the registry with its artifacts; ``production`` says whether the alias still names it.
 
     Raises:
-        components.evaluate.register.RegistrationError: not a version of this registered model, or no artifacts.
+        components.evaluate.registry_format.RegistrationError: not a version of this registered model, or no artifacts.
     """
-    from components.evaluate.register import HF_FORMAT, RegistrationError
-
     prefix = f"models:/{model_name}/"
     number = model_uri[len(prefix):] if model_uri.startswith(prefix) else ""
     if not number.isdigit():

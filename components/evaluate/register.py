@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from components.evaluate.registry_format import HF_FORMAT, TORCH_FORMAT, RegistrationError
 from trainer.durable import copy_file, write_bytes
 from trainer.s3url import is_s3_url, parse_s3_url
 
@@ -40,12 +41,6 @@ MODEL_FILE = "model.pt"
 METADATA_FILE = "metadata.json"
 PRODUCTION_FILE = "production.json"
 MODEL_CARD = "README.md"
-HF_FORMAT = "huggingface"
-TORCH_FORMAT = "torch.save(state_dict)"
-
-
-class RegistrationError(RuntimeError):
-    """The registry does not hold what evaluate says it registered."""
 
 
 def check_registry_uri(uri: str) -> str:

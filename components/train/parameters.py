@@ -1,4 +1,5 @@
-"""The run's parameters, declared once: the pipeline's Create-run form and the check-settings step's inputs.
+"""The run's parameters, declared once: the pipeline's Create-run form and the check-settings step's inputs (and
+its outputs, ``TrainSettings``).
 
 Each ``Parameter`` has a name, a type, a default and a description. One that is a trainer setting (``setting=``,
 ``section.field`` of ``trainer.config``) takes its type, default and description from the trainer's settings
@@ -24,7 +25,7 @@ import sys
 import textwrap
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple, get_type_hints
 
 from components.evaluate.evaluate import UNIFORM_LOSS
 from trainer.config import SECTIONS, coerce_value
@@ -207,6 +208,20 @@ STEP_INPUTS = [
 """The check-settings step's inputs the pipeline sets itself, not the user."""
 
 
+class TrainSettings(NamedTuple):
+    """What the check-settings step hands on (its outputs, by these names)."""
+
+    trainer_config: dict        # the trainer's settings besides their defaults (TrainConfig.document())
+    job_options: dict
+    run_dir: str
+    init_from_source: str       # s3:// prefix the stage-model step copies to init_from_dir; "" = nothing to copy
+    init_from_dir: str          # the trainer's --init-from ("" = a fresh start)
+    model_name: str             # the model's name in the registry
+    baseline_dir: str           # the Hugging Face directory evaluate scores as the baseline ("" = none)
+    evaluate_accelerator: str   # the evaluate pod's GPU resource ...
+    evaluate_gpus: int          # ... and how many (0: CPU)
+
+
 def for_backend(backend: str) -> list[Parameter]:
     """The parameters of the pipeline compiled for ``backend``."""
     return [p for p in _DECLARED if backend in p.backends]
@@ -264,10 +279,8 @@ def train_config_op(
 
 def render_op() -> str:
     """The source of ``components/train/settings_op.py``."""
-    from components.train.settings import TrainSettings
-
     inputs = [*STEP_INPUTS, *CHECKED]
-    outputs = ", ".join(f'("{name}", {t.__name__})' for name, t in TrainSettings.__annotations__.items())
+    outputs = ", ".join(f'("{name}", {t.__name__})' for name, t in get_type_hints(TrainSettings).items())
     returns = textwrap.fill(f') -> NamedTuple("TrainSettings", [{outputs}]):', width=118,
                             subsequent_indent=" " * 34, break_on_hyphens=False)
     call = textwrap.fill(", ".join(f"{p.name}={p.name}" for p in inputs) + ")", width=114,

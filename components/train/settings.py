@@ -38,9 +38,8 @@ import json
 import tempfile
 from pathlib import Path
 from types import SimpleNamespace
-from typing import NamedTuple
 
-from components.train.parameters import CHECKED, PARAMETERS, PIPELINE_SETTINGS, resolve
+from components.train.parameters import CHECKED, PARAMETERS, PIPELINE_SETTINGS, TrainSettings, resolve
 from trainer import layout
 from trainer.s3url import is_s3_url
 
@@ -51,20 +50,6 @@ BASELINE_INIT_FROM = "init_from"
 DECIDED_SETTINGS = {"data.data": "dataset_name and dataset_version", "run.out": "the run's id (runs/<run id>)",
                     "checkpoint.mirror_endpoint_url": "s3_endpoint_url"}
 """Trainer settings the pipeline decides from other parameters."""
-
-
-class TrainSettings(NamedTuple):
-    """What the check-settings step hands on (its outputs, by these names)."""
-
-    trainer_config: dict        # the trainer's settings besides their defaults (TrainConfig.document())
-    job_options: dict
-    run_dir: str
-    init_from_source: str       # s3:// prefix the stage-model step copies to init_from_dir; "" = nothing to copy
-    init_from_dir: str          # the trainer's --init-from ("" = a fresh start)
-    model_name: str             # the model's name in the registry
-    baseline_dir: str           # the Hugging Face directory evaluate scores as the baseline ("" = none)
-    evaluate_accelerator: str   # the evaluate pod's GPU resource ...
-    evaluate_gpus: int          # ... and how many (0: CPU)
 
 
 def resolve_init_from(init_from: str, *, fsx_root: str, registry: str, model_name: str, endpoint_url: str = "",
@@ -90,7 +75,8 @@ def resolve_init_from(init_from: str, *, fsx_root: str, registry: str, model_nam
                              f"production model's Hugging Face directory (s3:// or on FSx) as init_from")
         if not reachable:
             return "", ""
-        from components.evaluate.register import HF_FORMAT, PRODUCTION_FILE, Registry
+        from components.evaluate.register import PRODUCTION_FILE, Registry
+        from components.evaluate.registry_format import HF_FORMAT
 
         reg = Registry(registry, endpoint_url or None)
         record = reg.read_json(f"{model_name}/{PRODUCTION_FILE}")
