@@ -332,3 +332,67 @@ def test_only_the_compat_modules_use_private_apis_of_torch_nvrx_and_kfp():
                 found.add(f"{_where(path, node)} {dotted}")
     assert not found, f"reach private APIs through trainer/compat.py (torch, NVRx) or pipelines/kfp_compat.py: " \
                       f"{sorted(found)}"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _imports(path: Path, modules: set[str]) -> set[str]:
+    """The project's modules that ``path`` imports, at its top or inside a function (a lazy import closes a
+    circle as well: it only moves the failure to the first call)."""
+    here = _module_name(path).split(".")
+    package = here if path.name == "__init__.py" else here[:-1]
+    found = set()
+    for n in ast.walk(_parse(path)):
+        if isinstance(n, ast.Import):
+            names = [a.name for a in n.names]
+        elif isinstance(n, ast.ImportFrom):
+            base = ".".join([*package[:len(package) - n.level + 1], *([n.module] if n.module else [])]) \
+                if n.level else n.module
+            names = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in n.names]
+        else:
+            continue
+        for name in names:
+            while name and name not in modules:
+                name = name.rpartition(".")[0]
+            # A package's modules are not tied to the package by importing its other modules.
+            if name and not ".".join(here).startswith(name + ".") and name != ".".join(here):
+                found.add(name)
+    return found
+
+
+def _circle(graph: dict[str, set[str]]) -> list[str] | None:
+    """A list of modules each importing the next and the last the first, if the graph has one."""
+    state: dict[str, str] = {}
+
+    def visit(m: str, trail: list[str]) -> list[str] | None:
+        state[m] = "open"
+        for n in sorted(graph[m]):
+            if state.get(n) == "open":     # on the path that led here
+                return trail[trail.index(n):] + [m]
+            if n not in state and (found := visit(n, trail + [m])):
+                return found
+        state[m] = "done"
+        return None
+
+    for m in sorted(graph):
+        if m not in state and (found := visit(m, [])):
+            return found
+    return None
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    """Data walks one way (S3 -> stage -> train -> trainer -> evaluate -> register), and so do the imports: a
+    module never reaches, through any chain of imports, one that imports it."""
+    modules = {_module_name(p): p for p in SOURCES}
+    graph = {m: _imports(p, set(modules)) for m, p in modules.items()}
+    circle = _circle(graph)
+    assert circle is None, f"these modules import each other in a circle: {' -> '.join(circle + circle[:1])}"
+
+
+def test_the_circle_finder_finds_a_circle_and_only_one():
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c"]
+    assert _circle({"a": {"b"}, "b": {"c"}, "c": {"b"}}) == ["b", "c"]
+    assert _circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
