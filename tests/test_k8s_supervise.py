@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -590,22 +591,28 @@ def test_pod_logs_that_fail_or_never_answer_do_not_stop_the_job_or_the_launcher(
     assert 1 <= len(logs) <= 8, f"{len(logs)} log requests in ~5 s"
 
 
+def _revoke(ns, op, group: str, resource: str, verb: str) -> None:
+    """The launcher's Role without its rule for ``resource`` (a platform's own RBAC), once the server refuses
+    ``verb`` on it to the launcher."""
+    from kubernetes import client as k8s
+
+    docs = list(yaml.safe_load_all((REPO / op.ctl.rbac_file).read_text()))
+    (role,) = [d for d in docs if d["kind"] == "Role"]
+    role["rules"] = [r for r in role["rules"] if r["resources"] != [resource]]
+    ns.server.kubectl("apply", "-n", ns.name, "-f", "-", input=yaml.safe_dump(role))
+    review = k8s.AuthorizationV1Api(ns.server.admin)
+    body = k8s.V1SubjectAccessReview(spec=k8s.V1SubjectAccessReviewSpec(
+        user=f"system:serviceaccount:{ns.name}:{ns.sa}", groups=["system:serviceaccounts"],
+        resource_attributes=k8s.V1ResourceAttributes(namespace=ns.name, group=group, verb=verb, resource=resource)))
+    wait_until(lambda: not review.create_subject_access_review(body).status.allowed, what="the Role's change")
+
+
 @pytest.mark.parametrize("fails", [False, True], ids=["succeeds", "fails"])
 def test_pods_the_launcher_may_not_read_are_said_once_and_the_job_is_followed_to_its_end(cluster, fails):
     """A Role without ``list`` on pods (a platform's own RBAC): the launcher says once what its report lacks for
     each use of the pods, follows the job to its end, and a failure's diagnosis says that the pods were unread."""
     ns, op = cluster
-    from kubernetes import client as k8s
-
-    docs = list(yaml.safe_load_all((REPO / op.ctl.rbac_file).read_text()))
-    (role,) = [d for d in docs if d["kind"] == "Role"]
-    role["rules"] = [r for r in role["rules"] if r["resources"] != ["pods"]]
-    ns.server.kubectl("apply", "-n", ns.name, "-f", "-", input=yaml.safe_dump(role))
-    review = k8s.AuthorizationV1Api(ns.server.admin)
-    body = k8s.V1SubjectAccessReview(spec=k8s.V1SubjectAccessReviewSpec(
-        user=f"system:serviceaccount:{ns.name}:{ns.sa}", groups=["system:serviceaccounts"],
-        resource_attributes=k8s.V1ResourceAttributes(namespace=ns.name, verb="list", resource="pods")))
-    wait_until(lambda: not review.create_subject_access_review(body).status.allowed, what="the Role's change")
+    _revoke(ns, op, "", "pods", "list")
 
     def scenario(op, name):
         master, workers = start(op, name)
@@ -628,6 +635,32 @@ def test_pods_the_launcher_may_not_read_are_said_once_and_the_job_is_followed_to
     assert sorted(said) == [f"cannot read its pods of PyTorchJob {ns.name}/gp-train-1 (403 Forbidden): this report "
                             f"may lack {lacking}; the job itself is followed as before"
                             for lacking in ("its restarts and pod states", "the master's log")], launcher.lines
+
+
+def test_node_jobs_the_launcher_may_not_read_are_named_in_a_trainjobs_failure(tj_cluster):
+    """A Role without ``list`` on the JobSet's node Jobs: the failure's diagnosis keeps the JobSet's part and says
+    that the node Jobs, which name the pod failure policy rule, were unread."""
+    ns, op = tj_cluster
+    _revoke(ns, op, "batch", "jobs", "list")
+
+    def scenario(op, name):
+        master, _ = start(op, name)
+        op.terminate(master, exit_code=2, reason="Error", message="trainer: error: unrecognized arguments: --nope")
+        op.ctl.node_job_failed(op, name, "PodFailurePolicy", f"Container node for pod {ns.name}/{master} failed "
+                               "with exit code 2 matching FailJob rule at index 1")
+        op.set_phase(name, "Failed", reason="FailJobSetAction",
+                     message=f"applying FailJobSet failure policy action (first failed job: {name}-node-0)",
+                     replicas={"Node": {"failed": 1, "active": 1}})
+
+    op.play(scenario)
+    with pytest.raises(JobFailed) as err:
+        Launcher(ns, manifest(kind=op.ctl.kind)).result()
+    op.join()
+    msg = str(err.value)
+    assert "JobSet condition Failed: FailJobSetAction" in msg
+    assert re.search(r"\n  its node Jobs cannot be read \(403 Forbidden\): which pod failure policy rule failed them "
+                     r"is unknown(\n|$)", msg), msg
+    assert "pod failure policy:" not in msg
 
 
 def test_a_healthy_quiet_job_costs_a_few_requests_a_minute(kube):

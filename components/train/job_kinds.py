@@ -19,15 +19,22 @@ This module imports neither torch nor kfp, and the kubernetes client only where 
 
 from __future__ import annotations
 
-import contextlib
 import re
 from dataclasses import dataclass
 from typing import Callable
 
-__all__ = ["JobKind", "PYTORCHJOB", "TRAINJOB", "KINDS", "BACKENDS", "backend_name", "kind_of"]
+__all__ = ["JobKind", "PYTORCHJOB", "TRAINJOB", "KINDS", "BACKENDS", "backend_name", "kind_of", "unreadable"]
 
 # ``call(api_method, *args, **kw)`` -> the decoded JSON body (the supervisor's request wrapper).
 Call = Callable[..., dict]
+
+
+def unreadable(e: BaseException) -> str:
+    """Why a read failed, for a report that says what it lacks: an API error's status and reason, any other
+    error's type and message."""
+    from kubernetes.client.rest import ApiException
+
+    return f"{e.status} {e.reason}" if isinstance(e, ApiException) else f"{type(e).__name__}: {e}"
 
 
 def _true(job: dict) -> list[dict]:
@@ -209,10 +216,13 @@ class _TrainJob(JobKind):
             lines.append(f"  JobSet restarts: {status['restarts']} ({status.get('restartsCountTowardsMax', 0)} "
                          "counted against backoff_limit)")
         # The node Job names the pod failure policy rule that failed it; FAILURE_RULES say what that means.
-        jobs: list[dict] = []
-        with contextlib.suppress(Exception):
+        try:
             jobs = call(k8s.BatchV1Api(client).list_namespaced_job, ns,
                         label_selector=f"{JOBSET_NAME_LABEL}={name}").get("items") or []
+        except Exception as e:  # noqa: BLE001 - the diagnosis says what it lacks, and keeps the JobSet's part
+            jobs = []
+            lines.append(f"  its node Jobs cannot be read ({unreadable(e)}): which pod failure policy rule failed "
+                         "them is unknown")
         for job in jobs:
             for c in _true(job):
                 if c.get("type") != "Failed":

@@ -55,7 +55,7 @@ from kubernetes import client as k8s
 from kubernetes.client.rest import ApiException
 
 from components.train import peer_secret
-from components.train.job_kinds import PYTORCHJOB, JobKind, kind_of
+from components.train.job_kinds import PYTORCHJOB, JobKind, kind_of, unreadable
 from components.train.kueue import NO_WORKLOAD, NO_WORKLOAD_HINT_S, queue_of, workload_state
 from components.train.progress import ProgressLog
 from trainer.signals import handlers
@@ -225,11 +225,6 @@ def delete_job(name: str, namespace: str, client: k8s.ApiClient, *, kind: JobKin
 
 
 # The supervisor ---------------------------------------------------------------------------------
-
-def _why(e: BaseException) -> str:
-    """An API error as its status and reason, any other as its type and message."""
-    return f"{e.status} {e.reason}" if isinstance(e, ApiException) else f"{type(e).__name__}: {e}"
-
 
 def _transient(e: BaseException) -> bool:
     """Worth retrying: connection trouble, timeouts, 429 and 5xx."""
@@ -571,7 +566,7 @@ class _Supervisor:
         try:
             return read()
         except Exception as e:  # noqa: BLE001 - said, not raised: the job is followed without it
-            why = _why(e)
+            why = unreadable(e)
             if _transient(e) or (what, lacking, why) in self._unread:
                 return None
             self._unread.add((what, lacking, why))
@@ -683,18 +678,18 @@ class _Supervisor:
             pods = self._list_pods()
         except Exception as e:  # noqa: BLE001 - said in the diagnosis
             pods = []
-            lines.append(f"  its pods cannot be read ({_why(e)})")
+            lines.append(f"  its pods cannot be read ({unreadable(e)})")
         for pod in pods:
             for why in _pod_problems(pod):
                 lines.append(f"  pod {pod['metadata']['name']}: {why}")
         try:
             self.related = self.kind.related(self._call, self.client, self.ns, self.name) or self.related
         except Exception as e:  # noqa: BLE001 - said in the diagnosis
-            lines.append(f"  what its controller made of it cannot be read ({_why(e)})")
+            lines.append(f"  what its controller made of it cannot be read ({unreadable(e)})")
         try:
             lines += self.kind.explain(self._call, self.client, self.ns, self.name, self.related)
         except Exception as e:  # noqa: BLE001 - said in the diagnosis
-            lines.append(f"  why its controller failed it cannot be read ({_why(e)})")
+            lines.append(f"  why its controller failed it cannot be read ({unreadable(e)})")
         # Events of the job, the master and the pods in trouble (not of every pod of a large job).
         names = [p["metadata"]["name"] for p in pods if _pod_problems(p) or self.kind.is_master(p)]
         events, unread = self._events([self.name] + names[:20])
@@ -716,7 +711,7 @@ class _Supervisor:
                 data = self._call(self.core.list_namespaced_event, self.ns,
                                   field_selector=f"involvedObject.name={name}")
             except Exception as e:  # noqa: BLE001 - the diagnosis is best effort, and says what it lacks
-                unread = unread or _why(e)
+                unread = unread or unreadable(e)
                 continue
             found += data.get("items") or []
 
