@@ -123,7 +123,7 @@ def named_outputs_in_conditions() -> Iterator[bool]:
         ref = channel_ref.replace("pipelinechannel--", "")
         cut = len(ref)
         while (cut := ref.rfind("-", 0, cut)) > 0:
-            with contextlib.suppress(Exception):     # not this split: the io store has no such output
+            with contextlib.suppress(ValueError):    # not this split: the io store has no such output
                 return io_store.get_task_output(ref[:cut], ref[cut + 1:])
         return original.__func__(channel_ref, io_store)
 
