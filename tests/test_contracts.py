@@ -392,7 +392,7 @@ def test_no_modules_import_each_other_in_a_circle():
     assert circle is None, f"these modules import each other in a circle: {' -> '.join(circle + circle[:1])}"
 
 
-def test_the_circle_finder_finds_a_circle_and_only_one():
+def test_the_circle_finder_names_a_circle_and_finds_none_without_one():
     assert _circle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == ["a", "b", "c"]
     assert _circle({"a": {"b"}, "b": {"c"}, "c": {"b"}}) == ["b", "c"]
     assert _circle({"a": {"b", "c"}, "b": {"c"}, "c": set()}) is None
