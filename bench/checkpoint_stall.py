@@ -14,7 +14,8 @@ save, and owed checkpoints written from memory just before it) excluded. A check
 runs is owed: copied to node memory at its step (an ``owed`` ``memory_snapshot``), staged from that copy once no
 write runs; both holds are counted (``holds (owed)``: all the holds, and how many were such copies). The phases
 of each save are in its event (``wait_s`` includes building the state dict and, for an owed checkpoint, the wait
-for its memory copy's mark).
+for its memory copy's mark); ``core_wait_s`` is how much of the hold the loop's thread was ready to run and waited
+for a core (CPU contention, not the save's own work).
 
 Between checkpoints the state is also copied to node memory (``--memory-snapshot-every-s``): ``memory copy`` is
 the p50 hold of those copies (the owed ones excluded, counted above) and how many there were.

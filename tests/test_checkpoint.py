@@ -67,10 +67,37 @@ def test_round_trip_commit_retention_and_torn_cleanup(tmp_path, process_group, s
         assert kinds.count("ckpt_committed") == 3 and "ckpt_torn_deleted" in kinds
         snapshots = [e for e in log if e["event"] == "ckpt_snapshot"]
         assert [e["step"] for e in snapshots] == [1, 2, 3] and all(e["block_s"] >= 0 for e in snapshots)
-        if not sync:   # the blocking time counts the wait for the background copy
+        if not sync:   # the blocking time counts the wait for the background copy, and says what of it went to
+            # waiting for a core
             assert all(e["block_s"] >= e["copy_wait_s"] for e in snapshots)
+            assert all(0 <= e["core_wait_s"] <= e["block_s"] for e in snapshots), snapshots
     finally:
         mgr.close()
+
+
+def test_a_thread_that_shares_its_core_counts_its_wait_for_it():
+    """``core_wait_s``, what the saves' phases report as the loop's wait for a core, grows while a busy process
+    shares the thread's one core (the thread is runnable and not run about half of the time)."""
+    from trainer.checkpoint.staging import core_wait_s
+
+    cpu = min(os.sched_getaffinity(0))
+    busy = subprocess.Popen([sys.executable, "-c", f"import os\nos.sched_setaffinity(0, {{{cpu}}})\nwhile True: pass"])
+    mine = os.sched_getaffinity(0)
+    try:
+        os.sched_setaffinity(0, {cpu})
+        deadline = time.monotonic() + 60
+        while psutil.Process(busy.pid).cpu_times().user < 0.1:      # it runs, on that core
+            assert time.monotonic() < deadline, "the busy process never ran"
+            time.sleep(0.05)
+        before, t0 = core_wait_s(), time.monotonic()
+        while time.monotonic() - t0 < 0.5:
+            pass
+        waited = core_wait_s() - before
+    finally:
+        os.sched_setaffinity(0, mine)
+        busy.kill()
+        busy.wait()
+    assert waited > 0.1, f"waited {waited:.3f} s for a core in 0.5 s beside a busy process on it"
 
 
 def test_the_writer_is_started_at_the_configured_niceness(tmp_path, process_group):

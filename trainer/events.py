@@ -58,8 +58,10 @@ class Event(enum.StrEnum):
     CKPT_INTERVAL = "ckpt_interval", ("steps", "block_s", "interference_s", "mtbf_s", "step_s")
     CKPT_START = "ckpt_start", ("step",)
     CKPT_SNAPSHOT = "ckpt_snapshot", ("step", "block_s", "sync"), (
-        "wait_s", "commit_s", "stage_s", "plan_s", "start_s", "copy_before_plan_s", "copy_wait_s", "copy_s")
-    MEMORY_SNAPSHOT = "memory_snapshot", ("step", "block_s", "copy_s"), ("start_s", "copy_wait_s", "mark_s", "owed")
+        "wait_s", "commit_s", "stage_s", "plan_s", "start_s", "copy_before_plan_s", "copy_wait_s", "copy_s",
+        "core_wait_s")
+    MEMORY_SNAPSHOT = "memory_snapshot", ("step", "block_s", "copy_s"), (
+        "start_s", "copy_wait_s", "mark_s", "owed", "core_wait_s")
     CKPT_HANDED_OVER = "ckpt_handed_over", ("step", "deferred_s", "hand_over_s", "booted"), ("held_for_boot",)
     HELPER_HUNG = "helper_hung", ("reason",)
     WRITES_MISCOUNTED = "writes_miscounted", ("rank", "what", "counted", "in_nvrx")

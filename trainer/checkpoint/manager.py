@@ -51,7 +51,7 @@ from ..peer import wake as wake_peer_daemon
 from .commit import Commits, Pending, delete_checkpoint
 from .integrity import ChecksumMismatch, staged_digests, state_digests, verify_files, verify_planned, verify_state
 from .replica import MemorySnapshots
-from .staging import Copier, Staging
+from .staging import Copier, Staging, core_wait_s
 from .writer import Writer
 
 log = logging.getLogger(__name__)
@@ -438,6 +438,8 @@ class CheckpointManager:
               verified: Future | None) -> None:
         """``save`` (called at ``t0``); ``verified``: the check of an owed copy, which every rank must pass for it
         to be written."""
+        # What the loop's thread waited for a core in the hold: where a slow hold went on shared cores.
+        waited_for_core = core_wait_s()
         state = state() if callable(state) else state
         path = step_dir(self.root, step)
         if self.d.is_main:
@@ -458,7 +460,7 @@ class CheckpointManager:
                 self.commits.commit(Pending(step, t0), results=None)
             self._snapshot_taken(step, time.monotonic() - t0, sync=True, interval=not blocking)
             return
-        self._save_async(step, state, path, t0, writers_idle, verified)
+        self._save_async(step, state, path, t0, writers_idle, verified, waited_for_core)
         if blocking:
             self.finish_snapshot(report=False)
             self.wait()
@@ -499,7 +501,7 @@ class CheckpointManager:
         return flag.item() > 0
 
     def _save_async(self, step: int, state: dict, path: Path, t0: float, writers_idle: bool,
-                    verified: Future | None) -> None:
+                    verified: Future | None, waited_for_core: float) -> None:
         """Start the copy and the planning of the write behind it; ``self.copying`` records where the blocking
         time went (wait, commit, stage, start; plan, where the staging copy's first planning gathers every
         rank's plan)."""
@@ -547,6 +549,7 @@ class CheckpointManager:
 
         now = time.monotonic()
         phases["start_s"] = now - t_stage - phases.get("copy_before_plan_s", 0.0) - phases.get("plan_s", 0.0)
+        phases["core_wait_s"] = core_wait_s() - waited_for_core
         self.copying = _Snapshot(step, snapshot, copy, _Write(writer, plan, finalize, t0, verified), now - t0,
                                  phases, sums=sums)
 
@@ -572,8 +575,9 @@ class CheckpointManager:
         s, self.copying = self.copying, None
         if s is None:
             return 0.0
-        t0 = time.monotonic()
+        t0, waited_for_core = time.monotonic(), core_wait_s()
         copy_s = s.copy.result()
+        s.phases["core_wait_s"] = s.phases.get("core_wait_s", 0.0) + core_wait_s() - waited_for_core
         if s.write is None:   # kept in memory only
             waited = time.monotonic() - t0
             self.marking = self.copier.after_checksums(functools.partial(self._mark, s, copy_s, waited, self.replica))
@@ -603,7 +607,7 @@ class CheckpointManager:
         if self.d.is_main:
             self.events.emit(Event.MEMORY_SNAPSHOT, step=s.step, block_s=round(s.blocked_s + copy_wait_s, 4),
                              copy_s=round(copy_s, 4), start_s=round(s.blocked_s, 4), copy_wait_s=round(copy_wait_s, 4),
-                             mark_s=round(time.monotonic() - t0, 4),
+                             mark_s=round(time.monotonic() - t0, 4), core_wait_s=round(s.phases["core_wait_s"], 4),
                              **({"owed": True} if s.slot in replica.kept else {}))
 
     def wait_for_mark(self) -> None:
@@ -636,14 +640,15 @@ class CheckpointManager:
         since the last one. Returns the copy (``save`` can write it later, as this step's checkpoint).
         ``keep``: it will be (a checkpoint owed to a busy writer): no copy overwrites it until ``release``.
         """
-        t0 = time.monotonic()
+        t0, waited_for_core = time.monotonic(), core_wait_s()
         self.finish_snapshot()
         self.wait_for_mark()   # the copy goes into the slot of the snapshot before the last one
         state = state() if callable(state) else state
         slot, snapshot, pairs = self.replica.stage(state, keep=keep)   # never a slot a restart may read
         copy = self.copier.start(pairs)
         sums = self.copier.checksum(copy, lambda: state_digests(snapshot))
-        self.copying = _Snapshot(step, snapshot, copy, None, time.monotonic() - t0, {}, slot, sums)
+        self.copying = _Snapshot(step, snapshot, copy, None, time.monotonic() - t0,
+                                 {"core_wait_s": core_wait_s() - waited_for_core}, slot, sums)
         return snapshot   # whole once finish_snapshot returned; kept until the next copy but one, or released
 
     def release(self, copy: dict) -> None:

@@ -181,8 +181,9 @@ def _nice_thread(nice: int) -> None:
         log.warning("checkpoint thread %s keeps the rank's CPU priority: %s", threading.current_thread().name, e)
 
 
-def _run_queue_s() -> float:
-    """Seconds the calling thread has waited for a core since it started (Linux schedstat; 0 elsewhere)."""
+def core_wait_s() -> float:
+    """Seconds the calling thread has waited for a core since it started: runnable, and not run (Linux schedstat;
+    0 elsewhere)."""
     try:
         with open(f"/proc/self/task/{threading.get_native_id()}/schedstat") as f:
             return int(f.read().split()[1]) / 1e9
@@ -226,7 +227,7 @@ class Copier:
         One batched copy: per-tensor copies cost ~10% more for the few hundred tensors of a model. It
         releases the GIL, so the loop's forward and backward passes run meanwhile.
         """
-        t0, queued = time.monotonic(), _run_queue_s()
+        t0, queued = time.monotonic(), core_wait_s()
         staging, live = [s for _, s in pairs], [t for t, _ in pairs]
         if self.stream is None:
             compat.foreach_copy(staging, live)
@@ -237,7 +238,7 @@ class Copier:
                 self.stream.wait_event(ready)
                 compat.foreach_copy(staging, live, non_blocking=True)
             self.stream.synchronize()
-        return time.monotonic() - t0 - (_run_queue_s() - queued)
+        return time.monotonic() - t0 - (core_wait_s() - queued)
 
     def checksum(self, copy: Future, of: Callable[[], Any]) -> Future:
         """``of()`` (the copy's checksums) once ``copy`` (or what ran on the copy thread after it) is done, on the
