@@ -577,7 +577,7 @@ class CheckpointManager:
             return 0.0
         t0, waited_for_core = time.monotonic(), core_wait_s()
         copy_s = s.copy.result()
-        s.phases["core_wait_s"] = s.phases.get("core_wait_s", 0.0) + core_wait_s() - waited_for_core
+        s.phases["core_wait_s"] += core_wait_s() - waited_for_core
         if s.write is None:   # kept in memory only
             waited = time.monotonic() - t0
             self.marking = self.copier.after_checksums(functools.partial(self._mark, s, copy_s, waited, self.replica))
