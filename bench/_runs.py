@@ -5,16 +5,52 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from trainer import layout
 from trainer.data import ensure_default_dataset
 from trainer.events import read_events
 from trainer.launch import LaunchConfig, local_launcher_command
+
+
+def import_from_repo() -> None:
+    """Let a bench, run as a script (``python bench/X.py``), import what the package does not install: the
+    repository's test stand-ins (``tests.s3_stand_in``)."""
+    root = str(Path(__file__).resolve().parent.parent)
+    if root not in sys.path:
+        sys.path.insert(0, root)
+
+
+WORKDIR_HELP = "where the runs go, kept (default: a temporary directory, removed unless the bench fails)"
+
+
+@contextlib.contextmanager
+def workdir(given: Path | None, prefix: str) -> Iterator[Path]:
+    """Where a bench's runs go: ``given``, kept; else a new temporary directory, removed once the bench ends well
+    (its runs' checkpoints are gigabytes) and kept, with a line saying where, when it fails: its logs say why."""
+    if given is not None:
+        yield given
+        return
+    root = Path(tempfile.mkdtemp(prefix=prefix))
+    failed = True
+    try:
+        yield root
+        failed = False
+    except SystemExit as e:
+        failed = e.code not in (None, 0)
+        raise
+    finally:
+        if failed:
+            print(f"the runs are kept in {root}", file=sys.stderr)
+        else:
+            shutil.rmtree(root, ignore_errors=True)
 
 
 def dataset(root: Path) -> Path:

@@ -43,13 +43,12 @@ import argparse
 import contextlib
 import os
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from _runs import dataset, events, summary, table, train
+from _runs import WORKDIR_HELP, dataset, events, summary, table, train, workdir
 
 from trainer.checkpoint.integrity import BENCH_NO_CHECKSUMS_ENV, digest
 from trainer.config import CheckpointConfig
@@ -112,9 +111,15 @@ def main() -> None:
     p.add_argument("--ckpt-every", type=int, default=6)
     p.add_argument("--copy-nice", type=int, default=CheckpointConfig.copy_nice,
                    help="--ckpt-copy-nice of every run (0: the copy and checksum threads at the ranks' niceness)")
-    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--workdir", type=Path, default=None, help=WORKDIR_HELP)
     a = p.parse_args()
-    root = a.workdir or Path(tempfile.mkdtemp(prefix="bench-stall-"))
+    with workdir(a.workdir, "bench-stall-") as root:
+        results = _run(a, root)
+    _report(a, results)
+
+
+def _run(a: argparse.Namespace, root: Path) -> dict:
+    """Each of ``RUNS`` in ``root``, measured."""
     data = dataset(root)
     common = ["--data", str(data), "--n-layer", str(a.n_layer), "--n-embd", str(a.n_embd), "--n-head", "8",
               "--seq-len", "64", "--batch-size", "1", "--max-steps", str(a.steps), "--ckpt-every",
@@ -131,6 +136,10 @@ def main() -> None:
         r = results[name, checksums] = {**_measure(out, a.steps), "wall": wall}
         # Right after the run, so that the copy meets the load the run met (the machine may be shared).
         r["copy_s"], r["checksum_s"] = shard_copy_and_checksum_s(r["rank0_bytes"])
+    return results
+
+
+def _report(a: argparse.Namespace, results: dict) -> None:
     rank0_bytes = results["nvrx-async", "on"]["rank0_bytes"]
     sync_p50 = statistics.median(results["sync-dcp", "on"]["blocks"])
     sync_sha = results["sync-dcp", "on"]["sha"]

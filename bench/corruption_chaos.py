@@ -23,13 +23,11 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from _runs import dataset, events, summary, table, train
+from _runs import WORKDIR_HELP, dataset, events, import_from_repo, summary, table, train, workdir
 
-from tests.s3_stand_in import CREDENTIALS, MotoS3
 from trainer.fault_spec import CORRUPT_KINDS, corruption_fault
 from trainer.faults import corruption_outcome
 from trainer.launch import LaunchConfig, LocalCluster
@@ -67,9 +65,16 @@ def main() -> None:
     parser.add_argument("--seeds", type=int, default=20, help="seeds 0..N-1")
     parser.add_argument("--kinds", nargs="+", choices=CORRUPT_KINDS, default=list(CORRUPT_KINDS),
                         help="the corrupt-* kinds the seeds take in turn")
-    parser.add_argument("--workdir", type=Path, default=None, help="where the runs go (default: a temp dir)")
+    parser.add_argument("--workdir", type=Path, default=None, help=WORKDIR_HELP)
     args = parser.parse_args()
-    work = args.workdir or Path(tempfile.mkdtemp(prefix="corruption-chaos-"))
+    with workdir(args.workdir, "corruption-chaos-") as work:
+        _bench(args, work)
+
+
+def _bench(args: argparse.Namespace, work: Path) -> None:
+    import_from_repo()
+    from tests.s3_stand_in import CREDENTIALS, MotoS3
+
     data = dataset(work)
     # The trainers inherit the credentials of the local S3 (and reach no real one).
     # One thread per rank in every run, as ft_launcher sets for 2 ranks on one node (a LocalCluster would give each
@@ -106,7 +111,7 @@ def main() -> None:
     print()
     print(table(rows, ["seed", "fault", "target", "detected", "restored from", "final sha equal", "wall s"]))
     print(f"\n{passed}/{len(rows)} seeds: the corrupted copy refused, restored from the next source, and the final "
-          f"params_sha256 the fault-free run's ({clean[:16]}); runs in {work}")
+          f"params_sha256 the fault-free run's ({clean[:16]})")
     sys.exit(0 if passed == len(rows) else 1)
 
 

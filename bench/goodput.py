@@ -38,10 +38,9 @@ import argparse
 import json
 import math
 import statistics
-import tempfile
 from pathlib import Path
 
-from _runs import dataset, events, summary, table, train
+from _runs import WORKDIR_HELP, dataset, events, summary, table, train, workdir
 
 from trainer.events import Event
 from trainer.goodput import LLAMA3_FAILURES_PER_GPU_HOUR, LLAMA3_NODE_LOSS_SHARE, project
@@ -113,9 +112,13 @@ def main() -> None:
                    help="projection: share of failures that lose a node (default: Llama 3's hardware share)")
     p.add_argument("--node-recovery-s", type=float, default=20.0,
                    help="projection: node loss to first resumed step (bench/node_loss.py: 17.6 s here, peer copy)")
-    p.add_argument("--workdir", type=Path, default=None, help="a new directory (an old one would resume runs)")
+    p.add_argument("--workdir", type=Path, default=None, help=WORKDIR_HELP + "; a new one (an old one resumes runs)")
     a = p.parse_args()
-    root = a.workdir or Path(tempfile.mkdtemp(prefix="bench-goodput-"))
+    with workdir(a.workdir, "bench-goodput-") as root:
+        _bench(a, root)
+
+
+def _bench(a: argparse.Namespace, root: Path) -> None:
     data = dataset(root)
     model = [*TINY, "--parallel", a.parallel, "--memory-snapshot-every-s", a.memory_snapshot_every_s]
 

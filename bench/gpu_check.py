@@ -38,7 +38,7 @@ import time
 from pathlib import Path
 
 import torch
-from _runs import dataset, events, summary, table, train
+from _runs import WORKDIR_HELP, dataset, events, summary, table, train, workdir
 
 from trainer.events import Event
 from trainer.launch import LaunchConfig
@@ -57,16 +57,20 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=240, help="seconds per run")
     p.add_argument("--runs", default="clean,sync,faults,straggler", help="which of the runs, comma-separated")
     p.add_argument("--straggler-report-s", type=float, default=5.0, help="the straggler run's report interval")
-    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--workdir", type=Path, default=None, help=WORKDIR_HELP)
     a = p.parse_args()
-    nproc = max(1, torch.cuda.device_count())
     if torch.cuda.is_available():
         # In a process of its own: NVRx's launcher (0.6+) waits before every restart, up to 50 s, until the
         # GPU's used memory is below 512 MB, and this process's CUDA memory would count.
         copier = multiprocessing.get_context("spawn").Process(target=copy_rates)
         copier.start()
         copier.join()
-    root = a.workdir or Path(tempfile.mkdtemp(prefix="bench-gpu-"))
+    with workdir(a.workdir, "bench-gpu-") as root:
+        _bench(a, root)
+
+
+def _bench(a: argparse.Namespace, root: Path) -> None:
+    nproc = max(1, torch.cuda.device_count())
     common = ["--data", str(dataset(root)), "--n-layer", str(a.n_layer), "--n-embd", str(a.n_embd),
               "--n-head", str(a.n_head), "--seq-len", str(a.seq_len), "--batch-size", str(a.batch_size),
               "--max-steps", str(a.steps), "--ckpt-every", str(a.ckpt_every), "--ckpt-keep", "2",

@@ -44,11 +44,10 @@ import json
 import re
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 
-from _runs import dataset, events, table
+from _runs import WORKDIR_HELP, dataset, events, table, workdir
 
 from trainer.events import Event
 from trainer.launch import LOCAL_KEEP_ALIVE, LOCAL_RDZV_POLL_S, LaunchConfig, LocalCluster
@@ -192,7 +191,7 @@ def _modes(value: str) -> list[str]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--workdir", type=Path, default=None, help=WORKDIR_HELP)
     p.add_argument("--timeout-s", type=float, default=240.0, help="per run")
     p.add_argument("--overhead-pairs", type=int, default=3,
                    help="fault-free runs with peer copies off and on, alternated, for the overhead (default 3)")
@@ -204,9 +203,13 @@ def main() -> None:
     p.add_argument("--rdzv-poll-s", type=float, default=LOCAL_RDZV_POLL_S,
                    help="how often a waiting node reads the rendezvous state (default %(default)s; NVRx's is 1)")
     a = p.parse_args()
+    with workdir(a.workdir, "bench-node-loss-") as root:
+        _bench(a, root)
+
+
+def _bench(a: argparse.Namespace, root: Path) -> None:
     launch = dataclasses.replace(LAUNCH, keep_alive_interval_s=a.keep_alive[0], keep_alive_max_attempts=a.keep_alive[1],
                                  rdzv_poll_interval_s=a.rdzv_poll_s)
-    root = a.workdir or Path(tempfile.mkdtemp(prefix="bench-node-loss-"))
     data = dataset(root)
     # Fault-free runs, peer copies off and on, alternated: the first "off" run is the weights' reference.
     clean, p50 = None, {"fsx": [], "peer": []}

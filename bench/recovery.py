@@ -15,10 +15,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import tempfile
 from pathlib import Path
 
-from _runs import dataset, summary, table, torchrun, train
+from _runs import WORKDIR_HELP, dataset, summary, table, torchrun, train, workdir
 
 from trainer.launch import LaunchConfig
 
@@ -45,11 +44,15 @@ FAULTS = {"exception": ("exception@12:1", ["in-process", "in-job", "torchrun"]),
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workdir", type=Path, default=None)
+    p.add_argument("--workdir", type=Path, default=None, help=WORKDIR_HELP)
     p.add_argument("--collective-timeout-s", type=float, default=30.0,
                    help="the trainer's process-group timeout (the only hang detector torchrun has)")
     a = p.parse_args()
-    root = a.workdir or Path(tempfile.mkdtemp(prefix="bench-recovery-"))
+    with workdir(a.workdir, "bench-recovery-") as root:
+        _bench(a, root)
+
+
+def _bench(a: argparse.Namespace, root: Path) -> None:
     data = dataset(root)
     measured: dict[tuple[str, str], dict] = {}
     for kind, (spec, layers) in FAULTS.items():
