@@ -1,6 +1,7 @@
 """SIGKILL of ``goodput train``'s process group (a job runner's kill, a closed terminal's last resort): nothing of
 the run outlives it by more than 2 s, not even what lives in a process group or session of its own (the launch
-wrapper, the zygote, ft_launcher's workers and the ranks forked for them, the ranks' checkpoint writers)."""
+wrapper, the zygote, ft_launcher's workers and the ranks forked for them, the ranks' checkpoint writers), and
+nothing it kept outside its run directory is left (its memory snapshots, the wrapper's socket)."""
 
 from __future__ import annotations
 
@@ -8,11 +9,13 @@ import contextlib
 import os
 import signal
 import time
+from pathlib import Path
 
 import psutil
 import pytest
 
 from trainer.signals import alive
+from trainer.warmstart import ENV as WARMSTART_SOCKET_ENV
 
 from .conftest import until
 
@@ -27,6 +30,12 @@ def _describe(procs: list[psutil.Process]) -> list[str]:
         except (psutil.Error, OSError):
             out.append(f"{p.pid} (gone meanwhile)")
     return out
+
+
+def _env(p: psutil.Process, name: str) -> str | None:
+    with contextlib.suppress(psutil.Error):
+        return p.environ().get(name)
+    return None
 
 
 @pytest.mark.timeout(300)
@@ -50,6 +59,10 @@ def test_nothing_of_the_run_is_alive_2_s_after_a_group_sigkill(train):
 
     assert until(record, 60), seen
     assert any("trainer.zygote" in c for c, _ in seen.values()), seen
+    sockets = {_env(p, WARMSTART_SOCKET_ENV) for p in tree} - {None}     # what the launcher's children were given
+    assert len(sockets) == 1, sockets
+    socket_dir = Path(sockets.pop()).parent
+    assert socket_dir.is_dir() and run.replica().is_dir()
     # Most of the run is outside the group the kill reaches: only their ties to their parents end them.
     assert sum(pgid != run.proc.pid for _, pgid in seen.values()) > 1, seen
 
@@ -62,3 +75,6 @@ def test_nothing_of_the_run_is_alive_2_s_after_a_group_sigkill(train):
         left = alive(left)
     assert not left, f"{len(left)} of {len(tree)} processes alive {GONE_WITHIN_S:g} s after the kill: " \
                      f"{_describe(left)}"
+    # The zygote removes them once the wrapper is gone (the pipe it holds from it closes).
+    assert until(lambda: not socket_dir.exists() and not run.replica().exists(), 10), \
+        f"left behind: {[d for d in (socket_dir, run.replica()) if d.exists()]}"

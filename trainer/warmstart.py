@@ -165,7 +165,7 @@ def run_with_zygote(command: list[str], warm: bool = True, node: NodePlace = Nod
     # The zygote exits when this pipe closes, i.e. when this process is gone, however it ended.
     alive_r, alive_w = os.pipe()
     zygote = subprocess.Popen(
-        zygote_command(listener.fileno(), alive_r, warm, replicas),
+        zygote_command(listener.fileno(), alive_r, warm, [*replicas, workdir]),
         pass_fds=(listener.fileno(), alive_r), start_new_session=True,
         env={**os.environ, "PYTORCH_NVML_BASED_CUDA_CHECK": "1"})
     listener.close()
@@ -202,11 +202,12 @@ def run_with_zygote(command: list[str], warm: bool = True, node: NodePlace = Nod
     return code
 
 
-def zygote_command(listen_fd: int, alive_fd: int, warm: bool, replicas: list[str]) -> list[str]:
+def zygote_command(listen_fd: int, alive_fd: int, warm: bool, remove_at_end: list[str]) -> list[str]:
     """The command of the zygote (``python -m trainer.zygote``, whose ``main`` parses it): it serves forks on
-    ``listen_fd`` while ``alive_fd`` is open, imports nothing unless ``warm``, and removes ``replicas`` at the end."""
+    ``listen_fd`` while ``alive_fd`` is open, imports nothing unless ``warm``, and removes the directories
+    ``remove_at_end`` at the end."""
     return [sys.executable, "-m", "trainer.zygote", "--listen-fd", str(listen_fd), "--alive-fd", str(alive_fd),
-            *([] if warm else ["--cold"]), *(a for r in replicas for a in ("--replica-dir", r))]
+            *([] if warm else ["--cold"]), *(a for d in remove_at_end for a in ("--remove-at-end", d))]
 
 
 def wait_unless_stopped(proc: subprocess.Popen, what: str, poll=None) -> int:
@@ -296,7 +297,7 @@ def _fork_unsafe() -> str | None:
     return None
 
 
-def serve(listen_fd: int, alive_fd: int, child: ChildRun | None, replicas: tuple[str, ...] = ()) -> None:
+def serve(listen_fd: int, alive_fd: int, child: ChildRun | None, remove_at_end: tuple[str, ...] = ()) -> None:
     """The zygote's loop: fork a child per request to run ``child``, report each child's exit status to its proxy.
 
     ``child=None``: a janitor only (see ``run_with_zygote``); requests are refused, the ranks start cold.
@@ -327,9 +328,10 @@ def serve(listen_fd: int, alive_fd: int, child: ChildRun | None, replicas: tuple
             elif not os.read(alive_fd, 1):
                 # The wrapper is gone: end what is left of the run (its ranks with their process groups, and
                 # every process that inherited the launcher's environment: the rank monitors, cold ranks and
-                # their helpers), all at once, then its memory snapshots, whether the wrapper exited or was killed.
+                # their helpers), all at once, then what it keeps outside its run directory (memory snapshots, the
+                # wrapper's socket), whether the wrapper exited or was killed.
                 _kill_leftovers(children, everything=True)
-                _remove(list(replicas))
+                _remove(list(remove_at_end))
                 return
         while children:
             pid, status = os.waitpid(-1, os.WNOHANG)

@@ -2,7 +2,7 @@
 
 Started by ``trainer.warmstart.run_with_zygote``, never by hand:
 
-    python -m trainer.zygote --listen-fd FD --alive-fd FD [--cold] [--replica-dir DIR ...]
+    python -m trainer.zygote --listen-fd FD --alive-fd FD [--cold] [--remove-at-end DIR ...]
 
 ``--cold``: a janitor only, which imports nothing and forks nothing. The mechanism (fork safety, stdio and
 signal hand-over, clean-up) is ``trainer.warmstart``; this module is what it runs: ``python -m trainer``.
@@ -59,12 +59,14 @@ def main(argv: list[str]) -> None:
     p.add_argument("--listen-fd", type=int, required=True, help="the listening socket ranks' proxies connect to")
     p.add_argument("--alive-fd", type=int, required=True, help="a pipe whose end means the launch wrapper is gone")
     p.add_argument("--cold", action="store_true", help="a janitor only: import nothing, fork nothing")
-    p.add_argument("--replica-dir", action="append", default=[], help="memory snapshots to remove at the end")
+    p.add_argument("--remove-at-end", action="append", default=[], metavar="DIR",
+                   help="what the run keeps outside its run directory (its memory snapshots, the wrapper's socket), "
+                        "removed at its end")
     a = p.parse_args(argv)
     if not a.cold:
         preload()
     warmstart.serve(a.listen_fd, a.alive_fd, None if a.cold else warmstart.ChildRun(before_threads, run_rank),
-                    tuple(a.replica_dir))
+                    tuple(a.remove_at_end))
     # The run is over and cleaned up: skip the interpreter's teardown of torch and NVRx (most of a second),
     # which would keep the run's last process alive that much longer.
     sys.stdout.flush()
